@@ -1,0 +1,139 @@
+"""Compile a model into a bundle: export -> passes -> MLIR import -> iree-compile -> files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import iree.compiler as ireec
+import iree.runtime as rt
+
+from ..frontend.export import export_model
+from ..frontend.sources import LoadedModel, load_model
+from ..passes.manager import CompileUnit, run_pipeline
+from ..runtime.bundle import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file
+from .importer import import_programs, params_to_numpy
+from .targets import Target, make_target
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class BuildOptions:
+    targets: list[Target] = field(default_factory=lambda: [make_target("cpu")])
+    passes: list[str] | None = None  # None: the default pipeline
+    chunk: int = 16
+    batch: int = 1
+    max_context: int | None = None
+    dump_after: dict[str, Path] = field(default_factory=dict)
+    keep_mlir: bool = False
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for pkg in ("foldline", "torch", "torch-mlir", "iree-base-compiler", "iree-base-runtime"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "unknown"
+    return out
+
+
+def compile_model(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, progress: Progress = print) -> Path:
+    """Write a bundle for an already-loaded model; returns the bundle directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = loaded.config
+    t0 = time.time()
+
+    progress(f"[1/4] exporting {cfg.name}: prefill chunk {options.chunk}, decode, batch {options.batch}")
+    entries = export_model(loaded.module, options.batch, options.chunk)
+    unit = CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs)
+
+    progress("[2/4] running passes")
+    report = run_pipeline(unit, options.passes, dump_after=options.dump_after, progress=progress)
+
+    progress("[3/4] importing to MLIR (torch dialect), weights to params.irpa")
+    mlir, params = import_programs(unit.programs.items())
+    if options.keep_mlir:
+        (out / "model.mlir").write_text(mlir)
+    index = rt.ParameterIndex()
+    for name, tensor in params.tensors.items():
+        index.add_buffer(name, params_to_numpy(tensor))
+    params_file = out / "params.irpa"
+    index.create_archive_file(str(params_file))
+    params_sha = sha256_file(params_file)
+
+    modules = {}
+    for target in options.targets:
+        progress(f"[4/4] iree-compile for {target.description}")
+        t1 = time.time()
+        vmfb = ireec.compile_str(mlir, input_type="torch", extra_args=target.flags)
+        name = f"model.{target.device}.vmfb"
+        (out / name).write_bytes(vmfb)
+        modules[target.device] = {
+            "file": name,
+            "sha256": sha256_file(out / name),
+            "size": len(vmfb),
+            "params_sha256": params_sha,
+            "flags": target.flags,
+            "description": target.description,
+            "arch": target.arch,
+            "cpu_flags": target.cpu_flags,
+        }
+        progress(f"      {name}: {len(vmfb) / 1e6:.1f} MB in {time.time() - t1:.0f} s")
+
+    tokenizer_name = None
+    if loaded.tokenizer_json is not None:
+        tokenizer_name = "tokenizer.json"
+        (out / tokenizer_name).write_text(loaded.tokenizer_json)
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "source": loaded.source,
+        "model": cfg.to_dict(),
+        "batch": options.batch,
+        "prefill_chunk": options.chunk,
+        "entry_points": {
+            "prefill": "prefill(tokens[B,C] i64, start_pos[B] i64, n_valid[B] i64, state...) -> logits[B,V] f32",
+            "decode": "decode(tokens[B,1] i64, pos[B] i64, state...) -> logits[B,V] f32",
+        },
+        "state": [
+            {
+                "name": s.name,
+                "shape": list(s.shape),
+                "dtype": s.dtype,
+                "nbytes": s.nbytes,
+                "layers": [s.layer],
+                "kind": s.kind,
+            }
+            for s in unit.state_specs
+        ],
+        "state_bytes": sum(s.nbytes for s in unit.state_specs),
+        "params": {"file": params_file.name, "sha256": params_sha, "size": params_file.stat().st_size,
+                   "scope": "model", "count": len(params.tensors)},
+        "modules": modules,
+        "tokenizer": tokenizer_name,
+        "chat_template": loaded.chat_template,
+        "passes": report,
+        "versions": _versions(),
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    progress(f"bundle written to {out} in {time.time() - t0:.0f} s")
+    return out
+
+
+def compile_spec(spec: str, out_dir: str | Path, options: BuildOptions, progress: Progress = print) -> Path:
+    progress(f"loading {spec}")
+    loaded = load_model(spec, max_context=options.max_context)
+    return compile_model(loaded, out_dir, options, progress)
+
+
+def clean_bundle_dir(out_dir: Path) -> None:
+    if out_dir.exists():
+        shutil.rmtree(out_dir)

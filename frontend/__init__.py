@@ -1,0 +1,1 @@
+"""Model configs, reference modules, checkpoint loaders and the export of entry points."""

@@ -1,0 +1,87 @@
+"""torch.export of the two entry points of a bundle: `prefill` and `decode`.
+
+Both call the same chunk forward; they differ only in the static chunk length
+(C for prefill, 1 for decode). State buffers are arguments that the program
+mutates in place: after functionalisation torch.export records them as
+USER_INPUT_MUTATION outputs, which the MLIR importer turns into in-place
+writes into the caller's buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.export import ExportedProgram
+
+from .model import CausalLM, StateSpec, new_state
+
+ENTRY_POINTS = ("prefill", "decode")
+
+
+@dataclass
+class EntryPoint:
+    """One exported entry point and the static shapes it was traced with."""
+
+    name: str
+    program: ExportedProgram
+    batch: int
+    chunk: int
+    state_specs: list[StateSpec]
+
+
+class _ChunkEntry(nn.Module):
+    """Wraps the model so state buffers are plain positional arguments."""
+
+    def __init__(self, model: CausalLM, n_state: int):
+        super().__init__()
+        self.model = model
+        self.n_state = n_state
+
+    def forward(self, tokens, start_pos, n_valid, *state):
+        return self.model(tokens, start_pos, n_valid, *state)
+
+
+class _DecodeEntry(_ChunkEntry):
+    """decode(tokens[B,1], pos[B], state...): one token, always valid."""
+
+    def forward(self, tokens, pos, *state):
+        return self.model(tokens, pos, torch.ones_like(pos), *state)
+
+
+def example_inputs(model: CausalLM, name: str, batch: int, chunk: int) -> tuple:
+    specs = model.state_specs(batch)
+    state = new_state(model.cfg, batch, specs)
+    tokens = torch.zeros((batch, chunk if name == "prefill" else 1), dtype=torch.int64)
+    pos = torch.zeros((batch,), dtype=torch.int64)
+    if name == "prefill":
+        return (tokens, pos, torch.full((batch,), chunk, dtype=torch.int64), *state)
+    return (tokens, pos, *state)
+
+
+def export_entry_point(model: CausalLM, name: str, batch: int = 1, chunk: int = 16) -> EntryPoint:
+    """Trace one entry point and functionalise it (custom foldline ops are kept)."""
+    if name not in ENTRY_POINTS:
+        raise ValueError(f"unknown entry point {name!r}; expected one of {ENTRY_POINTS}")
+    specs = model.state_specs(batch)
+    wrapper_cls = _ChunkEntry if name == "prefill" else _DecodeEntry
+    wrapper = wrapper_cls(model, len(specs)).eval()
+    args = example_inputs(model, name, batch, chunk)
+    with torch.no_grad():
+        program = torch.export.export(wrapper, args, strict=False)
+    # An empty table only functionalises: in-place state writes become
+    # USER_INPUT_MUTATION outputs, and our custom ops survive for the passes.
+    program = program.run_decompositions(decomp_table={})
+    return EntryPoint(name, program, batch, chunk if name == "prefill" else 1, specs)
+
+
+def export_model(model: CausalLM, batch: int = 1, chunk: int = 16) -> dict[str, EntryPoint]:
+    return {name: export_entry_point(model, name, batch, chunk) for name in ENTRY_POINTS}
+
+
+def state_input_names(program: ExportedProgram) -> list[str]:
+    """User inputs after the leading token/position arguments, in order."""
+    from torch.export.graph_signature import InputKind
+
+    return [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
