@@ -76,8 +76,8 @@ class Model:
             ids = [bos, *ids]
         return ids
 
-    def decode_text(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+    def decode_text(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 class Session:
@@ -169,23 +169,34 @@ class Session:
     ) -> Iterator[str]:
         """Stream text pieces; the pieces concatenate to the decoded continuation."""
         ids = self.model.encode(prompt, add_bos=add_bos)
+        yield from self.stream_text(ids, max_new_tokens, sampler, stop_strings)
+
+    def stream_text(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampler: Sampler | None = None,
+        stop_strings: Sequence[str] = (),
+        on_logits=None,
+    ) -> Iterator[str]:
+        """Generate from token ids and yield decoded text as it becomes complete."""
         produced: list[int] = []
         emitted = ""
-        for token in self.generate_ids(ids, max_new_tokens, sampler):
+        for token in self.generate_ids(prompt_ids, max_new_tokens, sampler, on_logits=on_logits):
             if token in self.model.eos_token_ids:
                 break
             produced.append(token)
-            text = self.model.tokenizer.decode(produced, skip_special_tokens=True)
+            text = self.model.decode_text(produced)
             if text.endswith("\ufffd"):
                 continue  # an incomplete multi-byte character: wait for the next token
-            piece, emitted = text[len(emitted) :], text
-            hit = next((s for s in stop_strings if s in emitted), None)
+            piece = text[len(emitted) :]
+            hit = next((s for s in stop_strings if s in text), None)
             if hit is not None:
-                cut = emitted.index(hit)
-                tail = emitted[len(emitted) - len(piece) : cut]
-                if tail:
-                    yield tail
+                kept = text[: text.index(hit)]
+                if len(kept) > len(emitted):
+                    yield kept[len(emitted) :]
                 return
+            emitted = text
             if piece:
                 yield piece
 

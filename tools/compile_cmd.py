@@ -1,0 +1,48 @@
+"""foldline compile MODEL --target cpu -o BUNDLE"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("compile", help="compile a model (preset, .gguf, HF dir, shipped name) into a bundle")
+    p.add_argument("model", help="preset name, shipped model name, .gguf file or config.json+safetensors dir")
+    p.add_argument("-o", "--output", required=True, type=Path, help="bundle directory to write")
+    p.add_argument("--target", action="append", choices=["cpu", "vulkan", "cuda"],
+                   help="compile target (repeat for several; default cpu)")
+    p.add_argument("--cpu", default="host", help="CPU for llvm-cpu: host, generic or an LLVM CPU name")
+    p.add_argument("--triple", default=None, help="cross-compile triple, e.g. aarch64-unknown-linux-gnu")
+    p.add_argument("--vulkan-target", default="generic", help="IREE Vulkan target (default: generic)")
+    p.add_argument("--cuda-arch", default="sm_80", help="CUDA SM architecture, e.g. sm_80, sm_90")
+    p.add_argument("--chunk", type=int, default=16, help="static prefill chunk length (default 16)")
+    p.add_argument("--max-context", type=int, default=None, help="context length the bundle supports")
+    p.add_argument("--passes", default=None, help="comma-separated pass pipeline (default: the target's)")
+    p.add_argument("--no-pass", action="append", default=[], metavar="NAME", help="drop a pass")
+    p.add_argument("--dump-after", nargs=2, action="append", default=[], metavar=("PASS", "DIR"),
+                   help="write the graph after PASS to DIR")
+    p.add_argument("--keep-mlir", action="store_true", help="also write model.mlir into the bundle")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..backends.build import BuildOptions, compile_spec
+    from ..backends.targets import make_target
+    from ..passes.manager import resolve_pipeline
+
+    targets = [
+        make_target(t, cpu=args.cpu, triple=args.triple, vulkan=args.vulkan_target, cuda_arch=args.cuda_arch)
+        for t in (args.target or ["cpu"])
+    ]
+    names = [n for n in args.passes.split(",") if n] if args.passes is not None else None
+    pipeline = resolve_pipeline(names, args.no_pass)
+    options = BuildOptions(
+        targets=targets,
+        passes=pipeline,
+        chunk=args.chunk,
+        max_context=args.max_context,
+        dump_after={name: Path(d) for name, d in args.dump_after},
+        keep_mlir=args.keep_mlir,
+    )
+    compile_spec(args.model, args.output, options)
+    return 0

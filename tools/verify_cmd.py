@@ -1,0 +1,51 @@
+"""foldline verify MODEL: compile, then run compiled and eager side by side."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("verify", help="compile MODEL and check the compiled module against torch eager")
+    p.add_argument("model", help="preset name, shipped model name, .gguf file or HF directory")
+    p.add_argument("--target", default="cpu", choices=["cpu", "vulkan", "cuda"])
+    p.add_argument("--steps", type=int, default=48, help="greedy decode steps after the prompt")
+    p.add_argument("--prompt-len", type=int, default=40, help="random prompt length (token ids)")
+    p.add_argument("--chunk", type=int, default=16)
+    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--passes", default=None, help="comma-separated pass pipeline (default pipeline)")
+    p.add_argument("--tol", type=float, default=None, help="scaled-error tolerance (default 1e-4 for fp32)")
+    p.add_argument("--bundle", type=Path, default=None, help="keep the bundle here (default: temp dir)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..backends.build import BuildOptions, compile_model
+    from ..backends.targets import make_target
+    from ..frontend.sources import load_model
+    from ..passes.manager import resolve_pipeline
+    from ..runtime import Model
+    from .parity import SCALED_TOL_FP32, run_parity
+
+    loaded = load_model(args.model, max_context=args.max_context)
+    names = [n for n in args.passes.split(",") if n] if args.passes is not None else None
+    options = BuildOptions(targets=[make_target(args.target)], passes=resolve_pipeline(names), chunk=args.chunk)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.bundle or Path(tmp) / "bundle"
+        compile_model(loaded, out, options)
+        bundle = Model.load(out, device=args.target)
+        rng = np.random.default_rng(args.seed)
+        prompt = rng.integers(0, loaded.config.vocab_size, size=args.prompt_len).tolist()
+        steps = min(args.steps, loaded.config.max_context - args.prompt_len - 1)
+        report = run_parity(loaded.module, bundle, prompt, steps)
+    tol = args.tol if args.tol is not None else SCALED_TOL_FP32
+    print(f"verify {args.model} on {args.target}: {report.summary()} (tolerance {tol:.0e})")
+    if not report.ok(tol):
+        print("MISMATCH")
+        return 1
+    print("OK")
+    return 0
