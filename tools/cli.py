@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Ahead-of-time compiler and embedded runtime for hybrid language models.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module in COMMANDS.items():
+    for module in COMMANDS.values():
         try:
             mod = importlib.import_module(f"{__package__}.{module}")
         except ModuleNotFoundError as e:
