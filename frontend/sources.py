@@ -40,11 +40,11 @@ def load_model(spec: str, max_context: int | None = None, seed: int = 0) -> Load
     """Build the reference module for MODEL with its weights."""
     path = Path(spec)
     if _is_shipped(spec) or path.suffix == ".gguf":
-        from .gguf_loader import load_gguf
-
         gguf_path = _shipped_path(spec) if _is_shipped(spec) else path
         if not gguf_path.is_file():
             raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
+        from .gguf_loader import load_gguf
+
         return load_gguf(gguf_path, max_context=max_context)
     if path.is_dir():
         from .hf_loader import load_hf_dir
