@@ -1,0 +1,43 @@
+"""foldline inspect BUNDLE: what a bundle holds, from its manifest."""
+
+from __future__ import annotations
+
+import json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("inspect", help="describe a compiled bundle (model, state buffers, modules, passes)")
+    p.add_argument("bundle", help="bundle directory")
+    p.add_argument("--json", action="store_true", help="print the raw manifest")
+    p.set_defaults(func=run)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def run(args) -> int:
+    from ..runtime.bundle import Manifest
+
+    m = Manifest.load(args.bundle)
+    if args.json:
+        print(json.dumps(m.data, indent=2))
+        return 0
+    cfg = m.config
+    kinds = {k: cfg["layer_types"].count(k) for k in ("local", "global", "gdn") if k in cfg["layer_types"]}
+    print(f"bundle   {m.root}")
+    print(f"model    {cfg['name']} ({cfg['family']}), {len(cfg['layer_types'])} layers {kinds}, "
+          f"vocab {cfg['vocab_size']}, hidden {cfg['hidden_size']}, dtype {cfg['dtype']}")
+    print(f"shapes   batch {m.batch}, prefill chunk {m.prefill_chunk}, max context {m.max_context}")
+    params = m.data.get("params")
+    if params:
+        print(f"params   {params['file']}: {params['count']} tensors, {_mib(params['size'])}")
+    for device, mod in m.modules.items():
+        print(f"module   {device}: {mod['file']} ({_mib(mod['size'])}) {mod['description']}")
+    print(f"tokenizer {m.data.get('tokenizer') or 'none (token ids only)'}")
+    print(f"passes   {', '.join(p['name'] + ('*' if p['changed'] else '') for p in m.data.get('passes', [])) or 'none'}"
+          "   (* changed the program)")
+    print(f"state    {len(m.state)} buffers, {_mib(sum(s.nbytes for s in m.state))}")
+    for s in m.state:
+        print(f"  {s.name:<16} {s.kind:<14} {str(list(s.shape)):<22} {s.dtype:<8} {_mib(s.nbytes)}")
+    return 0
