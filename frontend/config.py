@@ -337,3 +337,47 @@ def get_preset(name: str) -> ModelConfig:
 
 def is_planning_only(cfg: ModelConfig) -> bool:
     return bool(cfg.extra.get("planning_only"))
+
+
+def qwen35_tiny() -> ModelConfig:
+    """Qwen3.5 / qwen35's block at small size: 2 x (3 GDN + 1 full attention).
+
+    Conventions as HF transformers' Qwen3_5ForCausalLM: partial RoPE (a quarter of
+    the head), q/k norm before RoPE, q_proj emitting [q, gate] per head, (1+w)
+    norms, GDN value heads reading key heads blocked (h // rep) with a plain
+    gated-norm epsilon. RoPE base 1e4 rather than 1e7 so short test prompts
+    still rotate measurably.
+    """
+    return ModelConfig(
+        name="qwen35-tiny",
+        family="qwen35",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        layer_types=_schedule(["gdn"] * 3 + ["global"], 2),
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        kv_mapping="blocked",
+        rope_theta_global=10000.0,
+        rotary_dim_global=8,
+        qk_norm=True,
+        attn_output_gate="fused_q",
+        gate_fp32=False,
+        norm_placement="pre",
+        norm_weight_offset=1.0,
+        rms_eps=1e-6,
+        mlp_activation="silu",
+        tie_word_embeddings=False,
+        gdn_num_k_heads=2,
+        gdn_num_v_heads=4,
+        gdn_head_k_dim=16,
+        gdn_head_v_dim=16,
+        gdn_conv_kernel=4,
+        gdn_kv_mapping="blocked",
+        gdn_norm_eps="plain",
+        max_context=128,
+    )
+
+
+register_preset("qwen35-tiny", qwen35_tiny)
