@@ -25,6 +25,8 @@ class CompileUnit:
     config: ModelConfig
     programs: dict[str, ExportedProgram]
     state_specs: list[StateSpec]
+    # Per-compile pass options, e.g. {"hadamard": "fold" | "online"}.
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,7 +59,8 @@ class PassError(ValueError):
 
 
 PASSES: dict[str, Pass] = {}
-DEFAULT_PIPELINE: list[str] = ["fold-embedding-scale", "fuse-hadamard", "ring-buffer-swa"]
+# fuse-hadamard first: folding restores the plain embedding lookups fold-embedding-scale anchors on.
+DEFAULT_PIPELINE: list[str] = ["fuse-hadamard", "fold-embedding-scale", "ring-buffer-swa"]
 
 
 def register_pass(name: str, description: str):

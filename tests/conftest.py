@@ -30,3 +30,156 @@ def bundle_factory(tmp_path_factory) -> Callable[..., Path]:
         return cache[key]
 
     return compile_bundle
+
+
+# ---- backends: compiled through the command line, shared by the backend and integrity tests ----
+
+def vulkan_device_names() -> list[str]:
+    """The Vulkan devices IREE's driver sees here (lavapipe counts), [] when there is none."""
+    from foldline.runtime.device import available_devices
+
+    return available_devices("vulkan")
+
+
+@pytest.fixture(scope="session")
+def vulkan_device() -> str:
+    """The name of the Vulkan device the tests run on; skips the test when there is none."""
+    names = vulkan_device_names()
+    if not names:
+        pytest.skip("no Vulkan device: the IREE vulkan driver finds none (apt-get install mesa-vulkan-drivers "
+                    "libvulkan1 gives the lavapipe CPU device)")
+    return names[0]
+
+
+@pytest.fixture(scope="session")
+def cli_bundle(tmp_path_factory) -> Callable[..., Path]:
+    """cli_bundle(*compile_args) -> bundle dir from `foldline compile ARGS -o DIR`, once per session."""
+    from foldline.tools.cli import main
+
+    cache: dict[tuple[str, ...], Path] = {}
+
+    def compile_bundle(*args: str) -> Path:
+        if args not in cache:
+            out = tmp_path_factory.mktemp("cli_bundle") / "bundle"
+            rc = main(["compile", *args, "-o", str(out)])
+            assert rc == 0, f"foldline compile {' '.join(args)} exited with {rc}"
+            cache[args] = out
+        return cache[args]
+
+    return compile_bundle
+
+
+@pytest.fixture(scope="session")
+def other_weights_bundle(tmp_path_factory) -> Path:
+    """llama-tiny with different weights (seed 1), for cpu and cuda sm_80: the source of
+    foreign files in the integrity tests and the CUDA bundle of the backend tests."""
+    from foldline.backends.build import BuildOptions, compile_model
+    from foldline.backends.targets import make_target
+    from foldline.frontend.sources import load_model
+
+    out = tmp_path_factory.mktemp("other_weights") / "bundle"
+    options = BuildOptions(targets=[make_target("cpu"), make_target("cuda", cuda_arch="sm_80")])
+    compile_model(load_model("llama-tiny", seed=1), out, options, progress=lambda _msg: None)
+    return out
+
+
+# ---- real GGUF models (tests/gguf_reference.py): each loaded, compiled and referenced once -----
+
+
+@pytest.fixture(scope="session")
+def gguf_models() -> Callable[[str], object]:
+    """name -> LoadedModel for a shipped GGUF model, loaded once per session."""
+    from foldline.frontend.sources import load_model
+
+    cache: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = load_model(name)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def gguf_bundles(gguf_models) -> Callable[[str], Path]:
+    """name -> bundle dir (default pipeline, IREE CPU), compiled once per source state (disk cache)."""
+    from gguf_reference import compiled_bundle
+
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = compiled_bundle(name, gguf_models(name))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizers() -> Callable[[str], object]:
+    """name -> HF transformers tokenizer built from the same GGUF, once per session."""
+    from gguf_reference import hf_tokenizer
+
+    cache: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = hf_tokenizer(name)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_references(hf_tokenizers) -> Callable[[str], dict]:
+    """name -> HF transformers eager ids and logits on the fixed prompts (disk cache)."""
+    from gguf_reference import hf_reference
+
+    cache: dict[str, dict] = {}
+
+    def get(name: str) -> dict:
+        if name not in cache:
+            cache[name] = hf_reference(name, hf_tokenizers)
+        return cache[name]
+
+    return get
+
+
+# ---- passes: reference exports, each traced once per session ------------------------------------
+
+
+@pytest.fixture(scope="session")
+def exported_unit() -> Callable[..., object]:
+    """exported_unit(config, batch=1, chunk=8) -> the reference CompileUnit, exported once per session.
+
+    Shared between tests: run passes on `foldline.passes.golden.copy_unit(unit)`, never on it.
+    """
+    import torch
+    from foldline.frontend.export import export_model
+    from foldline.frontend.model import build_model
+    from foldline.passes.manager import CompileUnit
+
+    cache: dict[tuple, object] = {}
+
+    def get(config, batch: int = 1, chunk: int = 8, seed: int = 0):
+        key = (config, batch, chunk, seed)
+        if key not in cache:
+            with torch.no_grad():
+                entries = export_model(build_model(config, seed=seed), batch, chunk)
+            cache[key] = CompileUnit(config, {n: e.program for n, e in entries.items()},
+                                     entries["prefill"].state_specs)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture
+def torch_one_thread():
+    """Eager runs of tiny graphs are dominated by thread hand-offs on a shared machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

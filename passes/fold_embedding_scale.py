@@ -1,0 +1,274 @@
+"""fold-embedding-scale: `embedding(W, ids) * c` with a constant c becomes `embedding(c*W, ids)`.
+
+The multiplier is applied once: every reader of the scaled embedding (the
+residual stream and Ripple's value-residual seed alike) now reads the lookup
+into the folded table, and the runtime multiply is gone. The folded table is
+computed with the same aten multiply in the same dtype as the graph's, so for
+each element it is the product the graph would have computed: the rewrite is
+exact, not merely close.
+
+A table with other readers (a head tied to the embedding, as in Gemma and
+Llama) keeps the unscaled table for them and gets a new table for the lookup;
+when that copy would exceed TIED_COPY_LIMIT_BYTES the site is declined (the
+multiply costs d flops per token, a second table costs its full size).
+A multiplier that is not a compile-time constant is left alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
+from torch.fx import GraphModule, Node
+
+from .graph_edit import ASSERT_OPS, copy_graph_module, fake_of, rebuild, remove_dead_code
+from .manager import CompileUnit, PassResult, register_pass
+
+NAME = "fold-embedding-scale"
+
+# A second copy of a tied table is worth it only while it is small.
+TIED_COPY_LIMIT_BYTES = 32 * 1024 * 1024
+
+EMBEDDING = torch.ops.aten.embedding.default
+MULS = (torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar)
+# Pure ops a constant multiplier may pass through (casts, copies, views, arithmetic).
+CONST_OPS = {
+    torch.ops.aten.clone.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten.detach.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.lift_fresh_copy.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.squeeze.default,
+    torch.ops.aten.squeeze.dim,
+    torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.mul.Tensor,
+    torch.ops.aten.mul.Scalar,
+    torch.ops.aten.div.Tensor,
+    torch.ops.aten.div.Scalar,
+    torch.ops.aten.sqrt.default,
+    torch.ops.aten.rsqrt.default,
+    torch.ops.aten.reciprocal.default,
+}
+TABLE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+
+
+class _NotConstant(Exception):
+    pass
+
+
+class _Program:
+    """Lookup of a program's lifted inputs by placeholder name, over working copies."""
+
+    def __init__(self, specs: list[InputSpec], state_dict: dict, constants: dict):
+        self.specs, self.state_dict, self.constants = specs, state_dict, constants
+
+    @property
+    def spec_of(self) -> dict[str, InputSpec]:
+        return {s.arg.name: s for s in self.specs if hasattr(s.arg, "name")}
+
+    def value_of(self, spec: InputSpec) -> torch.Tensor:
+        if spec.kind == InputKind.CONSTANT_TENSOR or (spec.kind == InputKind.BUFFER and not spec.persistent):
+            return self.constants[spec.target]
+        return self.state_dict[spec.target]
+
+    def constant(self, arg: object) -> object:
+        """The compile-time value of `arg` (a python number or tensor), or raise _NotConstant."""
+        if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+            return arg
+        if not isinstance(arg, Node):
+            raise _NotConstant
+        if arg.op == "placeholder":
+            spec = self.spec_of.get(arg.name)
+            if spec is None or spec.kind != InputKind.CONSTANT_TENSOR:
+                raise _NotConstant  # weights and user inputs are not compile-time constants here
+            return self.value_of(spec)
+        if arg.op != "call_function" or arg.target not in CONST_OPS:
+            raise _NotConstant
+        args = [self.constant(a) if isinstance(a, Node) else a for a in arg.args]
+        kwargs = {k: self.constant(v) if isinstance(v, Node) else v for k, v in arg.kwargs.items()}
+        return arg.target(*args, **kwargs)
+
+
+def _fold_table(table: torch.Tensor, c: object) -> torch.Tensor:
+    """c * table with the graph's own multiply (same promotion, same rounding)."""
+    with torch.no_grad():
+        out = torch.ops.aten.mul.Tensor(table, c)  # a python number stays a wrapped scalar
+        return out.reshape(table.shape).contiguous()
+
+
+def _fmt_c(c: object) -> str:
+    return f"{float(c.reshape(()) if isinstance(c, torch.Tensor) else c):.8g}"
+
+
+class _Folder:
+    """Folds the sites of all entry points, sharing each folded table between them."""
+
+    def __init__(self) -> None:
+        self.tables: dict[tuple, tuple[str, torch.Tensor]] = {}
+        self.notes: list[str] = []
+        self.sites = 0
+        self.extra_bytes = 0
+
+    def _table_for(self, target: str, table: torch.Tensor, c: object) -> tuple[str, torch.Tensor, bool]:
+        """The folded table, shared by all entry points (one parameter after import); fresh if new."""
+        if isinstance(c, torch.Tensor):
+            c_key: tuple = (tuple(c.detach().reshape(-1).tolist()), str(c.dtype), tuple(c.shape))
+        else:
+            c_key = (type(c).__name__, c)
+        key = (target, id(table), c_key)
+        fresh = key not in self.tables
+        if fresh:
+            names = {n for n, _ in self.tables.values()}
+            name = f"{target}_scaled"
+            while name in names:
+                name += "_"
+            scaled = _fold_table(table, c)
+            if isinstance(table, torch.nn.Parameter):  # one object for every entry point's state_dict
+                scaled = torch.nn.Parameter(scaled, requires_grad=False)
+            self.tables[key] = (name, scaled)
+        return (*self.tables[key], fresh)
+
+    def fold(self, entry: str, program: ExportedProgram) -> ExportedProgram:
+        gm = copy_graph_module(program)
+        view = _Program(list(program.graph_signature.input_specs), dict(program.state_dict),
+                        dict(program.constants))
+        touched: set[str] = set()
+        folded = 0
+        # Until nothing changes: a lookup scaled twice (x * a * b) folds both factors in one run.
+        while self._fold_one(entry, gm, view, touched):
+            folded += 1
+        if not folded:
+            return program
+        self.sites += folded
+        remove_dead_code(gm)
+        self._drop_unused(gm, touched, view.specs, view.state_dict, view.constants)
+        return rebuild(program, gm, input_specs=view.specs, state_dict=view.state_dict, constants=view.constants)
+
+    def _fold_one(self, entry: str, gm: GraphModule, view: _Program, touched: set[str]) -> bool:
+        """Fold the first foldable site; False when none is left."""
+        spec_of = view.spec_of
+        for emb in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == EMBEDDING]:
+            weight = emb.args[0]
+            spec = spec_of.get(getattr(weight, "name", ""))
+            if spec is None or spec.kind not in TABLE_KINDS:
+                continue
+            for mul in [u for u in emb.users if u.target in MULS]:
+                other = mul.args[1] if mul.args[0] is emb else mul.args[0]
+                try:
+                    c = view.constant(other)
+                except _NotConstant:
+                    continue  # a runtime value (e.g. a norm's rsqrt): nothing to fold
+                if isinstance(c, torch.Tensor) and c.numel() != 1:
+                    self._note(f"{entry}: {mul.name} multiplier has {c.numel()} elements; left alone")
+                    continue
+                table = view.value_of(spec)
+                new_val, emb_val = mul.meta.get("val"), emb.meta.get("val")
+                if new_val is None or emb_val is None or tuple(new_val.shape) != tuple(emb_val.shape):
+                    self._note(f"{entry}: {mul.name} broadcasts beyond the lookup; left alone")
+                    continue
+                other_readers = [u for u in weight.users if u is not emb] + [
+                    u for u in emb.users if u is not mul and u.target not in ASSERT_OPS
+                ]
+                nbytes = table.numel() * table.element_size()
+                if other_readers and nbytes > TIED_COPY_LIMIT_BYTES:
+                    self._note(
+                        f"{entry}: declined: {spec.target} is also read by "
+                        f"{', '.join(u.name for u in other_readers)} (a tied head); a scaled copy would add "
+                        f"{nbytes:,} bytes, over the {TIED_COPY_LIMIT_BYTES:,}-byte limit, so the multiply "
+                        "stays at runtime"
+                    )
+                    continue
+                name, scaled, fresh = self._table_for(spec.target, table, c)
+                if scaled.dtype != new_val.dtype:
+                    self._note(f"{entry}: {mul.name} changes dtype in a way the table cannot; left alone")
+                    continue
+                new_ph = self._add_table(gm, weight, spec, view, name, scaled)
+                with gm.graph.inserting_before(mul):
+                    lookup = gm.graph.call_function(EMBEDDING, (new_ph, *emb.args[1:]), dict(emb.kwargs))
+                lookup.meta = dict(mul.meta)
+                mul.replace_all_uses_with(lookup)
+                gm.graph.erase_node(mul)
+                if other_readers:
+                    self._note(
+                        f"{entry}: {spec.target} is also read by {', '.join(u.name for u in other_readers)}: "
+                        f"they keep the unscaled table; the lookup reads {name}"
+                    )
+                    if fresh:
+                        self.extra_bytes += nbytes
+                self._note(f"{entry}: folded x{_fmt_c(c)} into {name}")
+                touched.add(weight.name)
+                if isinstance(other, Node):
+                    touched |= _placeholders_under(other)
+                return True
+        return False
+
+    def _note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    @staticmethod
+    def _add_table(gm: GraphModule, weight: Node, spec: InputSpec, view: _Program, name: str,
+                   table: torch.Tensor) -> Node:
+        """A placeholder (and input spec, and value) for the folded table, next to the original."""
+        existing = {s.target: s for s in view.specs}
+        if name in existing:  # a second site on the same table in this program
+            return next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == existing[name].arg.name)
+        ph_name = weight.name + "_scaled"
+        taken = {n.name for n in gm.graph.nodes}
+        while ph_name in taken:
+            ph_name += "_"
+        with gm.graph.inserting_after(weight):
+            node = gm.graph.placeholder(ph_name)
+        node.name = ph_name
+        node.meta = dict(weight.meta)
+        node.meta["val"] = fake_of(gm, table)
+        new_spec = InputSpec(kind=spec.kind, arg=TensorArgument(name=node.name), target=name,
+                             persistent=spec.persistent)
+        view.specs.insert(view.specs.index(spec) + 1, new_spec)
+        if spec.kind == InputKind.PARAMETER:
+            view.state_dict[name] = (
+                table if isinstance(table, torch.nn.Parameter) else torch.nn.Parameter(table, requires_grad=False)
+            )
+        elif spec.kind == InputKind.BUFFER and spec.persistent:
+            view.state_dict[name] = table
+        else:
+            view.constants[name] = table
+        return node
+
+    @staticmethod
+    def _drop_unused(gm: GraphModule, names: set[str], specs: list[InputSpec], state_dict: dict,
+                     constants: dict) -> None:
+        """Remove lifted inputs that only the folded multiply read."""
+        for node in [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in names and not n.users]:
+            spec = next(s for s in specs if getattr(s.arg, "name", None) == node.name)
+            if spec.kind == InputKind.USER_INPUT:
+                continue
+            specs.remove(spec)
+            state_dict.pop(spec.target, None)
+            constants.pop(spec.target, None)
+            gm.graph.erase_node(node)
+
+
+def _placeholders_under(node: Node) -> set[str]:
+    seen, stack, out = set(), [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            out.add(n.name)
+        stack.extend(a for a in n.all_input_nodes)
+    return out
+
+
+@register_pass(NAME, "fold a constant embedding multiplier into the lookup table (applied once)")
+def fold_embedding_scale(unit: CompileUnit) -> PassResult:
+    folder = _Folder()
+    for name, program in list(unit.programs.items()):
+        unit.programs[name] = folder.fold(name, program)
+    details = {"tables": sorted({n for n, _ in folder.tables.values()}), "extra_weight_bytes": folder.extra_bytes}
+    return PassResult(changed=folder.sites > 0, sites=folder.sites, notes=folder.notes, details=details)

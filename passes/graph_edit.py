@@ -1,0 +1,125 @@
+"""Helpers that let a pass edit an ExportedProgram without touching the original.
+
+A pass works on a copy of the graph, edits it, then rebuilds an ExportedProgram
+with a consistent signature, state_dict and constants. The original program is
+left intact, so golden tests can run before and after side by side.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.export import ExportedProgram
+from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+# Nodes that return nothing but must not be dead-code eliminated by fx.
+ASSERT_OPS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+def copy_graph_module(program: ExportedProgram) -> GraphModule:
+    """A new GraphModule whose nodes (and meta dicts) are copies of the program's."""
+    graph = Graph()
+    value_map: dict[Node, Node] = {}
+    result, old_out = graph.graph_copy(program.graph, value_map, return_output_node=True)
+    out = graph.output(result)
+    out.meta = copy.copy(old_out.meta)
+    return GraphModule(program.graph_module, graph)
+
+
+def placeholders(gm: GraphModule) -> dict[str, Node]:
+    return {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+
+
+def state_placeholder_names(program: ExportedProgram, n_state: int) -> list[str]:
+    """The last n_state user inputs are the state buffers, in state_specs order."""
+    users = [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    if n_state > len(users):
+        raise ValueError(f"program has {len(users)} user inputs, fewer than {n_state} state buffers")
+    return users[len(users) - n_state :]
+
+
+def remove_dead_code(gm: GraphModule) -> None:
+    """Remove unused nodes, including metadata asserts on values nothing else reads."""
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(list(gm.graph.nodes)):
+            if node.op != "call_function" or node.target not in ASSERT_OPS:
+                continue
+            subject = node.args[0]
+            if isinstance(subject, Node) and all(u.target in ASSERT_OPS for u in subject.users):
+                gm.graph.erase_node(node)
+                changed = True
+        gm.graph.eliminate_dead_code()
+
+
+def refresh_fake_meta(gm: GraphModule, overrides: dict[str, torch.Tensor] | None = None) -> None:
+    """Re-run fake tensor propagation so every node's meta['val'] matches its inputs.
+
+    `overrides` maps placeholder names to tensors (real or fake) giving their
+    new shape and dtype; other placeholders keep their current meta['val'].
+    """
+    overrides = overrides or {}
+    mode = _fake_mode(gm) or FakeTensorMode()
+    args = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = overrides.get(node.name, node.meta.get("val"))
+        if isinstance(val, torch.Tensor) and not (isinstance(val, FakeTensor) and val.fake_mode is mode):
+            with mode:  # an empty tensor of the same geometry, owned by this fake mode
+                val = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+        node.meta["val"] = val
+        args.append(val)
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
+    for node in gm.graph.nodes:
+        if "tensor_meta" in node.meta and isinstance(node.meta.get("val"), torch.Tensor):
+            node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
+
+
+def _fake_mode(gm: GraphModule) -> FakeTensorMode | None:
+    vals = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder" and "val" in n.meta]
+    return torch._guards.detect_fake_mode(vals)
+
+
+def fake_of(program_gm: GraphModule, tensor: torch.Tensor) -> torch.Tensor:
+    """A fake tensor for `tensor` in the fake mode of the graph's placeholders."""
+    mode = _fake_mode(program_gm)
+    if mode is None:
+        return tensor
+    return mode.from_tensor(tensor, static_shapes=True)
+
+
+def rebuild(
+    program: ExportedProgram,
+    gm: GraphModule,
+    input_specs: Iterable[InputSpec] | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    constants: dict[str, torch.Tensor] | None = None,
+    example_inputs: tuple | None = None,
+) -> ExportedProgram:
+    """A new ExportedProgram from an edited graph; the constructor re-verifies it."""
+    gm.graph.lint()
+    gm.recompile()
+    sig = program.graph_signature
+    new_sig = ExportGraphSignature(
+        input_specs=list(input_specs) if input_specs is not None else copy.copy(sig.input_specs),
+        output_specs=copy.copy(sig.output_specs),
+    )
+    return ExportedProgram(
+        root=gm,
+        graph=gm.graph,
+        graph_signature=new_sig,
+        state_dict=dict(state_dict if state_dict is not None else program.state_dict),
+        range_constraints=copy.deepcopy(program.range_constraints),
+        module_call_graph=copy.deepcopy(program.module_call_graph),
+        example_inputs=example_inputs if example_inputs is not None else program.example_inputs,
+        constants=dict(constants if constants is not None else program.constants),
+        verifiers=program.verifiers,
+    )
