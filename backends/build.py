@@ -16,7 +16,7 @@ import iree.runtime as rt
 from ..frontend.export import export_model
 from ..frontend.sources import LoadedModel, load_model
 from ..passes.manager import CompileUnit, run_pipeline
-from ..runtime.bundle import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file
+from ..runtime.bundle import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file, vmfb_info
 from .importer import import_programs, params_to_numpy
 from .targets import Target, make_target
 
@@ -32,6 +32,7 @@ class BuildOptions:
     max_context: int | None = None
     dump_after: dict[str, Path] = field(default_factory=dict)
     keep_mlir: bool = False
+    hadamard: str = "fold"  # fuse-hadamard mode: "fold" rotations into float weights, or keep them "online"
 
 
 def _versions() -> dict[str, str]:
@@ -53,7 +54,8 @@ def compile_model(loaded: LoadedModel, out_dir: str | Path, options: BuildOption
 
     progress(f"[1/4] exporting {cfg.name}: prefill chunk {options.chunk}, decode, batch {options.batch}")
     entries = export_model(loaded.module, options.batch, options.chunk)
-    unit = CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs)
+    unit = CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs,
+                       options={"hadamard": options.hadamard})
 
     progress("[2/4] running passes")
     report = run_pipeline(unit, options.passes, dump_after=options.dump_after, progress=progress)
@@ -85,6 +87,7 @@ def compile_model(loaded: LoadedModel, out_dir: str | Path, options: BuildOption
             "description": target.description,
             "arch": target.arch,
             "cpu_flags": target.cpu_flags,
+            "executable_formats": vmfb_info(out / name).formats,
         }
         progress(f"      {name}: {len(vmfb) / 1e6:.1f} MB in {time.time() - t1:.0f} s")
 

@@ -13,8 +13,10 @@ def add_parser(sub) -> None:
                    help="compile target (repeat for several; default cpu)")
     p.add_argument("--cpu", default="host", help="CPU for llvm-cpu: host, generic or an LLVM CPU name")
     p.add_argument("--triple", default=None, help="cross-compile triple, e.g. aarch64-unknown-linux-gnu")
-    p.add_argument("--vulkan-target", default="generic", help="IREE Vulkan target (default: generic)")
-    p.add_argument("--cuda-arch", default="sm_80", help="CUDA SM architecture, e.g. sm_80, sm_90")
+    p.add_argument("--vulkan-target", default="host",
+                   help="IREE Vulkan target: host (the Vulkan device here; lavapipe -> llvmpipe), "
+                        "or a device family such as llvmpipe, ampere, rdna3")
+    p.add_argument("--cuda-arch", default="sm_80", help="CUDA SM architecture, e.g. sm_80 (default; runs on Ampere and newer), sm_86, sm_89")
     p.add_argument("--chunk", type=int, default=16, help="static prefill chunk length (default 16)")
     p.add_argument("--max-context", type=int, default=None, help="context length the bundle supports")
     p.add_argument("--passes", default=None, help="comma-separated pass pipeline (default: the target's)")
@@ -22,6 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dump-after", nargs=2, action="append", default=[], metavar=("PASS", "DIR"),
                    help="write the graph after PASS to DIR")
     p.add_argument("--keep-mlir", action="store_true", help="also write model.mlir into the bundle")
+    p.add_argument("--hadamard", choices=["fold", "online"], default="fold",
+                   help="Hadamard-folded weights: fold the rotation into float weights (default) or keep it online")
     p.set_defaults(func=run)
 
 
@@ -43,6 +47,7 @@ def run(args) -> int:
         max_context=args.max_context,
         dump_after={name: Path(d) for name, d in args.dump_after},
         keep_mlir=args.keep_mlir,
+        hadamard=args.hadamard,
     )
     compile_spec(args.model, args.output, options)
     return 0
