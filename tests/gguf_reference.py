@@ -1,0 +1,186 @@
+"""Real GGUF models: prompts, cached bundles and HF transformers reference outputs.
+
+Compiling a real model and loading it into HF transformers take minutes on a
+small CPU, so both are cached on disk under $FOLDLINE_CACHE (default
+~/.cache/foldline):
+
+- bundles/<model>-<hash>: keyed by the model file and every foldline source
+  file that shapes the bundle, so any change to the compiler rebuilds it;
+- reference/<model>-<hash>.npz: HF's tokens and logits, keyed by the model
+  file, the transformers version and the prompts. FOLDLINE_REFRESH_REFERENCE=1
+  recomputes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+N_NEW = 16
+
+LONG_TEXT = (
+    "The old lighthouse keeper kept a ledger of every ship that passed the point. In spring the fishing boats "
+    "came first, low in the water and loud with gulls, and after them the grain barges from the river towns. "
+    "He wrote down the name of each vessel, the hour, the wind and the colour of the sea, because his father "
+    "had done the same and because nobody had ever told him to stop. By the time he was sixty the ledgers "
+    "filled two shelves of the tower room, and the damp had begun to curl their covers.\n\n"
+    "One winter a young surveyor arrived with instructions to measure the cliff. The county planned a new road "
+    "along the coast, and the engineers wanted to know how quickly the chalk was falling into the sea. The "
+    "surveyor set up a brass instrument on three legs, squinted through it for a week, and grew more worried "
+    "each day. His numbers did not agree with the maps. Either the cliff was retreating far faster than anyone "
+    "believed, or the maps had been wrong from the beginning.\n\n"
+    "The keeper listened to him complain over supper and then climbed the stairs without a word. He came back "
+    "with an armful of ledgers and opened the oldest one on the table. Next to the ships, in a smaller hand, "
+    "his grandfather had noted the distance from the tower to the edge of the cliff, paced out every New "
+    "Year's morning for forty years. His father had continued the habit, and so had he. Nobody had asked them "
+    "to; it was simply part of the job, like trimming the wick and polishing the lens.\n\n"
+    "The surveyor copied the figures by lamplight until his fingers ached. When he drew them on squared paper "
+    "the points made an almost straight line, bending only in the years of the great storms. The cliff had lost "
+    "a little more than a metre a year for a century and a quarter. The maps were wrong because their makers "
+    "had trusted an earlier map instead of walking to the edge themselves.\n\n"
+    "In the spring the engineers moved the road three hundred metres inland. The surveyor sent the keeper a "
+    "letter of thanks and a parcel containing a new ledger bound in oilcloth, which would not curl in the damp. "
+    "The keeper wrote the first entry that same evening: a fishing boat called Margaret, the wind from the "
+    "south-west, the sea grey-green, and forty-one paces from the door of the tower to the edge. Then, because "
+    "it seemed right, he added a line his grandfather had never written: measured for the road, and for whoever "
+    "comes after. Years later, when the lighthouse was automated and the keeper had moved to a cottage in the "
+    "village, the ledgers were taken to the county archive, where students still read them to learn how the "
+    "coast has changed, and how patient records can outlast the people who keep them."
+)
+
+# Prompts per model: text, and whether to wrap it in the model's chat template.
+PROMPTS: dict[str, list[str]] = {
+    "smollm2-135m": [
+        "The capital of France is",
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+        LONG_TEXT[:700],
+    ],
+    "gemma3-270m": [
+        "The capital of France is",
+        LONG_TEXT + "\n\nQuestion: how far was the tower from the edge in the new ledger? Answer:",
+    ],
+}
+
+TOKENIZER_TEXTS = [
+    "The capital of France is",
+    "Hello, world! How are you?",
+    "  leading, trailing and   repeated spaces  ",
+    "naïve café, 東京 and Zürich 🙂 with émoji",
+    "numbers 12345 and 3.14159, year 2024; 1,000,000",
+    "line one\nline two\n\n\ttabbed\r\nwindows",
+    "<start_of_turn>user\nhi<end_of_turn>\n<|im_start|>assistant\nyo<|im_end|>",
+    "def f(x):\n    return x**2  # squared",
+    "Ünïcödé ß ﬁ \u00a0non-breaking \u2581 lower-one-eighth block",
+]
+
+
+def _digest(*parts: Any) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(repr(part).encode())
+    return h.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    from foldline.frontend.shipped import cache_dir
+
+    return cache_dir()
+
+
+def model_file_key(path: Path) -> tuple[str, int, int]:
+    st = path.stat()
+    return (path.name, st.st_size, int(st.st_mtime))
+
+
+def source_hash() -> str:
+    """Every foldline source file that can change a bundle (compiler side and the bundle format), plus versions."""
+    h = hashlib.sha256()
+    files = [f for folder in ("frontend", "passes", "backends") for f in sorted((REPO / folder).rglob("*.py"))]
+    for f in [*files, REPO / "runtime" / "bundle.py"]:
+        h.update(str(f.relative_to(REPO)).encode())
+        h.update(f.read_bytes())
+    for pkg in ("torch", "iree-base-compiler"):
+        h.update(metadata.version(pkg).encode())
+    return h.hexdigest()[:16]
+
+
+def compiled_bundle(name: str, loaded: Any) -> Path:
+    """The bundle for a shipped model, compiled once per source state and reused from the cache."""
+    from foldline.backends.build import BuildOptions, compile_model
+    from foldline.frontend.shipped import locate_shipped
+
+    key = _digest(model_file_key(locate_shipped(name)), source_hash(), loaded.config.max_context)
+    out = cache_root() / "bundles" / f"{name}-{key}"
+    if (out / "manifest.json").is_file():
+        return out
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    compile_model(loaded, tmp, BuildOptions(), progress=lambda _msg: None)
+    tmp.rename(out)
+    return out
+
+
+def _hf_dir_and_file(name: str) -> tuple[str, str]:
+    from foldline.frontend.shipped import locate_shipped
+
+    path = locate_shipped(name)
+    return str(path.parent), path.name
+
+
+def hf_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    directory, fname = _hf_dir_and_file(name)
+    return AutoTokenizer.from_pretrained(directory, gguf_file=fname)
+
+
+def hf_reference(name: str, get_tokenizer: Callable[[str], Any]) -> dict[str, Any]:
+    """HF transformers eager (fp32) on each prompt: prompt ids, greedy ids, logits at every greedy step."""
+    from foldline.frontend.shipped import locate_shipped
+
+    prompts = PROMPTS[name]
+    key = _digest(model_file_key(locate_shipped(name)), metadata.version("transformers"), prompts, N_NEW)
+    path = cache_root() / "reference" / f"{name}-{key}.npz"
+    if path.is_file() and not os.environ.get("FOLDLINE_REFRESH_REFERENCE"):
+        with np.load(path) as z:
+            meta = json.loads(str(z["meta"]))
+            return {"prompts": meta, "logits": [z[f"logits{i}"] for i in range(len(meta))]}
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = get_tokenizer(name)
+    directory, fname = _hf_dir_and_file(name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=fname, dtype=torch.float32).eval()
+    meta, logits = [], []
+    with torch.no_grad():
+        for text in prompts:
+            ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+            out = model(torch.tensor([ids]), use_cache=True)
+            steps = [out.logits[0, -1].float().numpy()]
+            greedy: list[int] = []
+            for _ in range(N_NEW):
+                token = int(np.argmax(steps[-1]))
+                greedy.append(token)
+                out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+                steps.append(out.logits[0, -1].float().numpy())
+            meta.append({"text": text, "ids": ids, "greedy": greedy})
+            logits.append(np.stack(steps[:N_NEW]))  # logits that chose each greedy token
+    del model
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, meta=json.dumps(meta), **{f"logits{i}": arr for i, arr in enumerate(logits)})
+    return {"prompts": meta, "logits": logits}
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    return float(a64 @ b64 / (np.linalg.norm(a64) * np.linalg.norm(b64)))
