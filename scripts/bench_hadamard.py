@@ -36,6 +36,7 @@ def compile_both(model: str, work: Path, chunk: int, max_context: int | None) ->
 def time_decode(bundle: Path, steps: int, prompt: list[int], repeats: int) -> tuple[list[float], list[int]]:
     """Per-step wall times (s) over `repeats` runs of `steps` greedy decode steps, and the tokens."""
     import numpy as np
+
     from foldline.runtime import Model
 
     model = Model.load(bundle)

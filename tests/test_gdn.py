@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+
 from foldline.frontend import ops
 from foldline.frontend.config import get_preset
 from foldline.frontend.gdn import GatedDeltaNet, gdn_sequential_reference, gdn_state_specs

@@ -9,11 +9,12 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
+
 from foldline.frontend import hadamard as H
 from foldline.frontend.config import get_preset
 from foldline.frontend.model import build_model, new_state
 from foldline.tools.make_rotated_gguf import rotate_gguf, rotated_model, write_llama_gguf
-from torch import Tensor, nn
 
 CHUNK = 16
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from foldline.frontend.config import get_preset
 from foldline.frontend.model import build_model
 from foldline.frontend.sources import LoadedModel

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+
 from foldline.frontend.config import get_preset
 from foldline.passes.golden import copy_unit
 from foldline.passes.manager import available_passes, default_pipeline, run_pipeline

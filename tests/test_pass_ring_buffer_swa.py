@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from foldline.frontend import ops
 from foldline.frontend.config import get_preset
 from foldline.passes.golden import (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+
 from foldline.frontend.config import PRESETS, get_preset, is_planning_only
 from foldline.frontend.model import state_specs
 from foldline.passes.golden import copy_unit
