@@ -1,8 +1,23 @@
-"""IREE target presets: the iree-compile flags for each foldline target."""
+"""IREE target presets: the iree-compile flags for each foldline target.
+
+Facts about IREE 3.13 that shape these presets (checked with iree-compile):
+
+- Vulkan: there is no target called "generic". The default profile,
+  `vp_android_baseline_2022`, has no 64-bit integer compute, and our modules
+  index with i64 (token ids, positions, ring slots); with
+  `--iree-input-demote-i64-to-i32` codegen then fails on indirect bindings.
+  SPIR-V is specialized to the device's subgroup size, so a module for one GPU
+  family can run wrong on another (an `ampere` module on lavapipe returns wrong
+  logits). We therefore compile for a named device: `host` asks the local Vulkan
+  driver which device is here (lavapipe -> `llvmpipe`).
+- CUDA: sm_80/86/89/120 and product names compile without a GPU; sm_90 and
+  sm_100 fail ("missing GPU target"). PTX built for sm_80 is JIT-compiled by
+  the driver on newer GPUs, Hopper included.
+"""
 
 from __future__ import annotations
 
-import platform
+import re
 from dataclasses import dataclass, field
 
 # x86 ISA extensions that LLVM may use when compiling for a named/host CPU;
@@ -12,6 +27,17 @@ X86_ISA_FLAGS = (
     "avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
     "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16",
 )
+
+DEFAULT_VULKAN_TARGET = "host"
+DEFAULT_CUDA_ARCH = "sm_80"
+# CUDA archs iree-compile 3.13 rejects, with what to use instead.
+UNSUPPORTED_CUDA_ARCHS = {
+    "sm_90": "sm_80 (its PTX is JIT-compiled by the driver on Hopper)",
+    "sm_90a": "sm_80 (its PTX is JIT-compiled by the driver on Hopper)",
+    "sm_100": "sm_80 or sm_120",
+    "sm_100a": "sm_80 or sm_120",
+}
+VULKAN_SUGGESTIONS = "llvmpipe (Mesa lavapipe), ampere / ada / rtx4090 (NVIDIA), rdna3 / rx7900xtx (AMD)"
 
 
 class TargetError(ValueError):
@@ -30,11 +56,20 @@ class Target:
 
 
 def host_arch() -> str:
-    m = platform.machine().lower()
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+    from ..runtime.device import host_arch as runtime_host_arch
+
+    return runtime_host_arch()
+
+
+def normalize_triple_arch(triple: str) -> str:
+    """The arch field of an LLVM triple in the runtime's spelling (arm64-apple-... -> aarch64)."""
+    from ..runtime.device import normalize_arch
+
+    return normalize_arch(triple.split("-")[0])
 
 
 def _host_isa_flags() -> list[str]:
+    """The X86_ISA_FLAGS this CPU has: what a --cpu host module may rely on."""
     from ..runtime.device import host_cpu_features
 
     have = host_cpu_features() or set()
@@ -42,15 +77,22 @@ def _host_isa_flags() -> list[str]:
 
 
 def cpu_target(cpu: str = "host", triple: str | None = None) -> Target:
+    """llvm-cpu for this machine (host), any CPU of the arch (generic), or a named LLVM CPU.
+
+    The arch comes from the triple so the runtime can refuse a cross-compiled
+    module; x86 ISA flags are recorded only for `host`, the one case where LLVM
+    may use whatever this CPU has.
+    """
     flags = ["--iree-hal-target-backends=llvm-cpu"]
     arch = host_arch()
     if triple:
         flags.append(f"--iree-llvmcpu-target-triple={triple}")
-        arch = triple.split("-")[0]
+        arch = normalize_triple_arch(triple)
     cpu_flags: list[str] = []
     if cpu == "host":
         if triple and arch != host_arch():
-            raise TargetError("--cpu host cannot be combined with a cross-compile --triple; name the CPU")
+            raise TargetError("--cpu host cannot be combined with a cross-compile --triple; name the CPU "
+                              "(e.g. --cpu generic or --cpu cortex-a76)")
         flags.append("--iree-llvmcpu-target-cpu=host")
         cpu_flags = _host_isa_flags() if arch == "x86_64" else []
     elif cpu != "generic":
@@ -58,18 +100,66 @@ def cpu_target(cpu: str = "host", triple: str | None = None) -> Target:
     return Target("cpu", flags, f"llvm-cpu ({cpu}{', ' + triple if triple else ''})", arch, cpu_flags)
 
 
-def vulkan_target(vulkan_target: str = "generic") -> Target:
-    flags = ["--iree-hal-target-backends=vulkan-spirv", f"--iree-vulkan-target={vulkan_target}"]
-    return Target("vulkan", flags, f"vulkan-spirv ({vulkan_target})")
+def vulkan_target_for_device(name: str) -> str | None:
+    """The IREE Vulkan target for a device name as the Vulkan driver reports it, if we know one."""
+    low = name.lower()
+    if "llvmpipe" in low or "lavapipe" in low:
+        return "llvmpipe"
+    # IREE accepts product names such as rtx4090, rx7900xtx: the marketing name without spaces.
+    m = re.search(r"\b(rtx|rx)\s*(\d{4})\s*(ti|xtx|xt)?\b", low)
+    if m:
+        return "".join(p for p in m.groups() if p)
+    if "a100" in low:
+        return "a100"
+    return None
 
 
-def cuda_target(arch: str = "sm_80") -> Target:
+def detect_vulkan_target() -> str:
+    """The Vulkan target for the first device of this machine's Vulkan driver."""
+    from ..runtime.device import available_devices
+
+    devices = available_devices("vulkan")
+    if not devices:
+        raise TargetError(
+            "--vulkan-target host: this machine has no Vulkan device to compile for; "
+            f"name the target with --vulkan-target, e.g. {VULKAN_SUGGESTIONS}"
+        )
+    target = vulkan_target_for_device(devices[0])
+    if target is None:
+        raise TargetError(
+            f"--vulkan-target host: no known IREE target for Vulkan device {devices[0]!r}; "
+            f"name it with --vulkan-target, e.g. {VULKAN_SUGGESTIONS}"
+        )
+    return target
+
+
+def vulkan_target(name: str = DEFAULT_VULKAN_TARGET) -> Target:
+    """SPIR-V for one named Vulkan device family (`host`: the device on this machine)."""
+    if name == "generic":
+        raise TargetError(
+            "iree-compile 3.13 has no portable Vulkan target that compiles these models "
+            "(its baseline profile lacks 64-bit integers); "
+            f"name the device family with --vulkan-target: host, {VULKAN_SUGGESTIONS}"
+        )
+    resolved = detect_vulkan_target() if name == "host" else name
+    flags = ["--iree-hal-target-backends=vulkan-spirv", f"--iree-vulkan-target={resolved}"]
+    return Target("vulkan", flags, f"vulkan-spirv ({resolved})", arch=resolved)
+
+
+def cuda_target(arch: str = DEFAULT_CUDA_ARCH) -> Target:
+    """PTX for one SM architecture; compiles without a GPU or a CUDA toolkit."""
+    if arch in UNSUPPORTED_CUDA_ARCHS:
+        raise TargetError(
+            f"iree-compile 3.13 cannot compile for {arch} (missing GPU target); "
+            f"use --cuda-arch {UNSUPPORTED_CUDA_ARCHS[arch]}"
+        )
     flags = ["--iree-hal-target-backends=cuda", f"--iree-cuda-target={arch}"]
     return Target("cuda", flags, f"cuda ({arch})", arch=arch)
 
 
 def make_target(name: str, cpu: str = "host", triple: str | None = None,
-                vulkan: str = "generic", cuda_arch: str = "sm_80") -> Target:
+                vulkan: str = DEFAULT_VULKAN_TARGET, cuda_arch: str = DEFAULT_CUDA_ARCH) -> Target:
+    """The Target for a --target name and the per-backend options."""
     if name == "cpu":
         return cpu_target(cpu, triple)
     if name == "vulkan":

@@ -1,8 +1,11 @@
 """One IREE device with a bundle's module loaded: calls, uploads and downloads.
 
-All data crosses to the device through device-allocated copies
-(`allocate_buffer_copy`), never by importing host pointers: Vulkan drivers such
-as Mesa lavapipe reject host pointers that are not 4096-byte aligned.
+Data never crosses by importing host pointers. Uploads go through
+device-allocated copies (`allocate_buffer_copy`); results come back by mapping
+the buffer when the device exposes it to the host, else through a host-visible
+staging buffer filled by a queue copy. Vulkan drivers such as Mesa lavapipe
+reject imported host pointers that are not 4096-byte aligned, which is what
+numpy arrays passed directly (and `DeviceArray.to_host`'s import path) produce.
 """
 
 from __future__ import annotations
@@ -11,21 +14,33 @@ import platform
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import iree.runtime as rt
 import numpy as np
 
-from .bundle import BundleError, Manifest
+from .bundle import BundleError, Manifest, vmfb_info
 
 # foldline device name -> IREE HAL driver
 DRIVERS = {"cpu": "local-task", "vulkan": "vulkan", "cuda": "cuda"}
 PARAM_SCOPE = "model"
+_ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
+
+
+def normalize_arch(name: str) -> str:
+    """One spelling per architecture: platform.machine() and LLVM triples differ."""
+    name = name.lower()
+    return _ARCH_ALIASES.get(name, name)
+
+
+def host_arch() -> str:
+    return normalize_arch(platform.machine())
 
 
 def host_cpu_features() -> set[str] | None:
     """The CPU flags of this machine (Linux x86), or None where we cannot tell."""
     cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists() or platform.machine() not in ("x86_64", "AMD64"):
+    if not cpuinfo.exists() or host_arch() != "x86_64":
         return None
     for line in cpuinfo.read_text().splitlines():
         if line.startswith("flags"):
@@ -33,23 +48,89 @@ def host_cpu_features() -> set[str] | None:
     return None
 
 
-def check_host_compatible(module: dict, target: str) -> None:
-    """Refuse a CPU module built for another architecture or for features this CPU lacks."""
-    if target != "cpu":
+def check_host_compatible(module: dict[str, Any], device: str) -> None:
+    """Refuse a CPU module built for another architecture or for features this CPU lacks.
+
+    Running such a module would fail at load with an opaque IREE error or,
+    worse, die with SIGILL in the middle of a call.
+    """
+    if device != "cpu":
         return
     arch = module.get("arch")
-    machine = platform.machine().lower()
-    if arch and arch not in (machine, {"amd64": "x86_64", "arm64": "aarch64"}.get(machine)):
-        raise BundleError(f"the cpu module was compiled for {arch}; this machine is {machine}")
-    required = set(module.get("cpu_flags", []))
+    here = host_arch()
+    if arch and normalize_arch(arch) != here:
+        raise BundleError(
+            f"the cpu module {module.get('file', '')} was compiled for {arch}; this machine is {here}: "
+            f"run it on an {arch} machine or recompile with --target cpu (no --triple)"
+        )
+    required = set(module.get("cpu_flags") or [])
     have = host_cpu_features()
     if required and have is not None:
         missing = sorted(required - have)
         if missing:
             raise BundleError(
                 f"the cpu module needs CPU features this machine lacks: {', '.join(missing)}; "
-                "recompile with --cpu generic or --cpu host on this machine"
+                "recompile with --cpu generic, or with --cpu host on this machine"
             )
+
+
+def check_vmfb_arch(vmfb: Path) -> None:
+    """Refuse a CPU module whose embedded executables are for another arch, whatever the manifest says."""
+    arches = vmfb_info(vmfb).arches
+    here = host_arch()
+    if arches and here not in arches:
+        raise BundleError(
+            f"{vmfb} holds executables for {', '.join(sorted(arches))}; this machine is {here}: "
+            "the module was cross-compiled or copied from another bundle"
+        )
+
+
+def available_devices(device: str) -> list[str]:
+    """Names of the hardware devices the IREE driver for `device` sees; [] if none or no driver."""
+    driver = DRIVERS.get(device)
+    if driver is None:
+        return []
+    try:
+        found = rt.get_driver(driver).query_available_devices()
+    except Exception:  # the driver library (libvulkan, libcuda) is absent
+        return []
+    return [str(d.get("name", d.get("path", "?"))) for d in found]
+
+
+def copy_to_host(device: rt.HalDevice, view: rt.HalBufferView, allow_map: bool = True) -> np.ndarray:
+    """An owned numpy copy of a device buffer view, without importing host memory.
+
+    Maps the buffer where the device lets the host see it; otherwise, or when
+    mapping fails, copies it into a host-visible staging buffer on the device
+    queue and reads that. `allow_map=False` forces the staging path (tests).
+    """
+    dtype = np.dtype(rt.HalElementType.map_to_dtype(view.element_type))
+    shape = tuple(view.shape)
+    buffer = view.get_buffer()
+    mappable = (buffer.memory_type() & int(rt.MemoryType.HOST_VISIBLE)) and (
+        buffer.allowed_usage() & int(rt.BufferUsage.MAPPING_SCOPED)
+    )
+    if mappable and allow_map:
+        try:
+            return np.array(view.map().asarray(shape, dtype), copy=True)
+        except Exception:  # some drivers refuse to map device-local memory: stage instead
+            pass
+    staging = device.allocator.allocate_buffer(
+        memory_type=int(rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE),
+        allowed_usage=int(rt.BufferUsage.TRANSFER_TARGET | rt.BufferUsage.MAPPING_SCOPED),
+        allocation_size=buffer.byte_length(),
+    )
+    sem = device.create_semaphore(0)
+    device.queue_copy(
+        buffer,
+        staging,
+        wait_semaphores=rt.HalFence.create_at(sem, 0),
+        signal_semaphores=rt.HalFence.create_at(sem, 1),
+    )
+    rt.HalFence.create_at(sem, 1).wait()
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.array(staging.map().asarray((buffer.byte_length(),), np.dtype(np.uint8)), copy=True)
+    return raw[:nbytes].view(dtype).reshape(shape)
 
 
 @dataclass
@@ -57,24 +138,44 @@ class DeviceContext:
     name: str
     config: rt.Config
     device: rt.HalDevice
-    module: object  # the bound VM module (functions as attributes)
+    module: Any  # the bound VM module (functions as attributes)
 
     def upload(self, array: np.ndarray) -> rt.DeviceArray:
+        """A device-local copy of `array` (never an import of the host pointer)."""
         return rt.asdevicearray(self.device, np.ascontiguousarray(array))
 
-    def zeros(self, shape: Sequence[int], dtype) -> rt.DeviceArray:
+    def zeros(self, shape: Sequence[int], dtype: Any) -> rt.DeviceArray:
         return self.upload(np.zeros(tuple(shape), dtype=dtype))
 
     def to_host(self, array: rt.DeviceArray) -> np.ndarray:
-        return np.array(array.to_host(), copy=True)
+        """An owned host copy; safe on drivers that cannot import or map host memory."""
+        # DeviceArray.to_host would import a numpy allocation into the device
+        # (rejected by lavapipe); the buffer view is the only handle to the data.
+        return copy_to_host(self.device, array._buffer_view)
 
     def call(self, fn: str, inputs: list[np.ndarray], state: list[rt.DeviceArray]) -> np.ndarray:
         """Run an entry point; the state buffers are updated in place, the logits come back."""
         args = [self.upload(a) for a in inputs] + list(state)
-        result = getattr(self.module, fn)(*args)
+        try:
+            result = getattr(self.module, fn)(*args)
+        except AttributeError as e:
+            raise BundleError(f"the {self.name} module has no entry point {fn!r}") from e
         if isinstance(result, (tuple, list)):
             raise BundleError(f"entry point {fn} returned {len(result)} values; expected logits only")
         return self.to_host(result)
+
+
+def _create_config(device: str) -> rt.Config:
+    """The IREE device for `device`, or a BundleError that says what is absent."""
+    if device != "cpu" and not available_devices(device):
+        raise BundleError(
+            f"device {device!r} is not available here: the IREE {DRIVERS[device]!r} driver finds no device "
+            f"({'install a Vulkan driver such as mesa-vulkan-drivers' if device == 'vulkan' else 'no NVIDIA GPU or libcuda'})"
+        )
+    try:
+        return rt.Config(DRIVERS[device])
+    except Exception as e:
+        raise BundleError(f"device {device!r} is not available here: {e}") from e
 
 
 def open_device(manifest: Manifest, device: str, verify: bool = True) -> DeviceContext:
@@ -89,24 +190,27 @@ def open_device(manifest: Manifest, device: str, verify: bool = True) -> DeviceC
         )
     entry = manifest.modules[device]
     check_host_compatible(entry, device)
+    manifest.check_sizes(device)
+    if device == "cpu":
+        check_vmfb_arch(manifest.root / entry["file"])
     if verify:
         manifest.verify_module(device)
         manifest.verify_params()
-    try:
-        config = rt.Config(DRIVERS[device])
-    except Exception as e:  # the driver or the hardware is absent
-        raise BundleError(f"device {device!r} is not available here: {e}") from e
+    config = _create_config(device)
     instance = config.vm_instance
     modules = []
     params_path = manifest.params_path
     if params_path is not None:
         index = rt.ParameterIndex()
-        index.load(str(params_path))  # mmapped
+        try:
+            index.load(str(params_path))  # mmapped
+        except Exception as e:
+            raise BundleError(f"could not read parameters {params_path}: {e}") from e
         modules.append(rt.create_io_parameters_module(instance, index.create_provider(scope=PARAM_SCOPE)))
     modules.append(rt.create_hal_module(instance, config.device))
     vmfb = manifest.root / entry["file"]
-    modules.append(rt.VmModule.mmap(instance, str(vmfb)))
     try:
+        modules.append(rt.VmModule.mmap(instance, str(vmfb)))
         loaded = rt.load_vm_modules(*modules, config=config)
     except Exception as e:
         raise BundleError(f"could not load {vmfb} on {device}: {e}") from e

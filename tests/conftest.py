@@ -156,6 +156,7 @@ def exported_unit() -> Callable[..., object]:
     Shared between tests: run passes on `foldline.passes.golden.copy_unit(unit)`, never on it.
     """
     import torch
+
     from foldline.frontend.export import export_model
     from foldline.frontend.model import build_model
     from foldline.passes.manager import CompileUnit

@@ -12,6 +12,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("verify", help="compile MODEL and check the compiled module against torch eager")
     p.add_argument("model", help="preset name, shipped model name, .gguf file or HF directory")
     p.add_argument("--target", default="cpu", choices=["cpu", "vulkan", "cuda"])
+    p.add_argument("--cpu", default="host", help="CPU for llvm-cpu: host, generic or an LLVM CPU name")
+    p.add_argument("--vulkan-target", default="host", help="IREE Vulkan target (default: the device here)")
+    p.add_argument("--cuda-arch", default="sm_80", help="CUDA SM architecture (default sm_80)")
     p.add_argument("--steps", type=int, default=48, help="greedy decode steps after the prompt")
     p.add_argument("--prompt-len", type=int, default=40, help="random prompt length (token ids)")
     p.add_argument("--chunk", type=int, default=16)
@@ -28,12 +31,16 @@ def run(args) -> int:
     from ..backends.targets import make_target
     from ..frontend.sources import load_model
     from ..passes.manager import resolve_pipeline
-    from ..runtime import Model
+    from ..runtime import BundleError, Model
+    from ..runtime.device import available_devices
     from .parity import SCALED_TOL_FP32, run_parity
 
+    if args.target != "cpu" and not available_devices(args.target):
+        raise BundleError(f"device {args.target!r} is not available here; nothing to verify on")
     loaded = load_model(args.model, max_context=args.max_context)
     names = [n for n in args.passes.split(",") if n] if args.passes is not None else None
-    options = BuildOptions(targets=[make_target(args.target)], passes=resolve_pipeline(names), chunk=args.chunk)
+    target = make_target(args.target, cpu=args.cpu, vulkan=args.vulkan_target, cuda_arch=args.cuda_arch)
+    options = BuildOptions(targets=[target], passes=resolve_pipeline(names), chunk=args.chunk)
     with tempfile.TemporaryDirectory() as tmp:
         out = args.bundle or Path(tmp) / "bundle"
         compile_model(loaded, out, options)

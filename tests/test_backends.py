@@ -1,0 +1,157 @@
+"""Target presets: flags, recorded arch, and the clear refusals (no model compile here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from foldline.backends.targets import (
+    TargetError,
+    cpu_target,
+    cuda_target,
+    make_target,
+    vulkan_target,
+    vulkan_target_for_device,
+)
+from foldline.runtime.bundle import BundleError
+from foldline.runtime.device import (
+    check_host_compatible,
+    host_arch,
+    host_cpu_features,
+    normalize_arch,
+)
+
+TINY_MLIR = """
+func.func @add(%a: tensor<4xf32>, %b: tensor<4xf32>) -> tensor<4xf32> {
+  %0 = arith.addf %a, %b : tensor<4xf32>
+  return %0 : tensor<4xf32>
+}
+"""
+
+
+def test_cpu_host_records_arch_and_isa_flags():
+    t = cpu_target("host")
+    assert t.device == "cpu"
+    assert "--iree-llvmcpu-target-cpu=host" in t.flags
+    assert t.arch == host_arch()
+    have = host_cpu_features()
+    if have is not None:
+        assert set(t.cpu_flags) <= have
+        assert "sse4_2" in t.cpu_flags  # every x86-64 CPU that runs IREE has it
+
+
+def test_cpu_cross_target_records_triple_arch_and_no_x86_flags():
+    t = cpu_target("cortex-a76", "aarch64-unknown-linux-gnu")
+    assert t.arch == "aarch64"
+    assert t.cpu_flags == []
+    assert "--iree-llvmcpu-target-triple=aarch64-unknown-linux-gnu" in t.flags
+    assert "--iree-llvmcpu-target-cpu=cortex-a76" in t.flags
+    generic = cpu_target("generic", "arm64-apple-darwin")
+    assert generic.arch == "aarch64"
+    assert not any(f.startswith("--iree-llvmcpu-target-cpu") for f in generic.flags)
+
+
+def test_cpu_host_with_foreign_triple_is_refused():
+    with pytest.raises(TargetError, match="name the CPU"):
+        cpu_target("host", "aarch64-unknown-linux-gnu")
+
+
+def test_vulkan_generic_is_refused_with_alternatives():
+    with pytest.raises(TargetError, match="llvmpipe"):
+        vulkan_target("generic")
+
+
+def test_vulkan_named_target_passes_through():
+    t = vulkan_target("rdna3")
+    assert t.flags == ["--iree-hal-target-backends=vulkan-spirv", "--iree-vulkan-target=rdna3"]
+    assert t.arch == "rdna3"
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("llvmpipe (LLVM 15.0.6, 256 bits) (llvmpipe Mesa 22.3.6 (LLVM 15.0.6))", "llvmpipe"),
+    ("NVIDIA GeForce RTX 4090", "rtx4090"),
+    ("NVIDIA GeForce RTX 3080 Ti", "rtx3080ti"),
+    ("AMD Radeon RX 7900 XTX (RADV NAVI31)", "rx7900xtx"),
+    ("Some Unknown GPU", None),
+])
+def test_vulkan_target_for_device_names(name, expected):
+    assert vulkan_target_for_device(name) == expected
+
+
+def test_vulkan_host_detects_the_local_device_or_says_why():
+    from foldline.runtime.device import available_devices
+
+    if available_devices("vulkan"):
+        t = make_target("vulkan")
+        assert t.arch and t.arch != "host"
+    else:
+        with pytest.raises(TargetError, match="no Vulkan device"):
+            make_target("vulkan")
+
+
+def test_cuda_targets():
+    assert cuda_target().flags == ["--iree-hal-target-backends=cuda", "--iree-cuda-target=sm_80"]
+    assert make_target("cuda", cuda_arch="sm_86").arch == "sm_86"
+    with pytest.raises(TargetError, match="sm_80"):
+        cuda_target("sm_90")
+
+
+def test_unknown_target():
+    with pytest.raises(TargetError, match="expected cpu, vulkan or cuda"):
+        make_target("tpu")
+
+
+@pytest.mark.parametrize("arch, ok", [("sm_80", True), ("sm_89", True), ("sm_90", False)])
+def test_iree_cuda_arch_support_matches_our_refusals(tmp_path: Path, arch: str, ok: bool):
+    """iree-compile 3.13 compiles sm_80/sm_89 but not sm_90; when that changes, lift the refusal."""
+    import iree.compiler as ireec
+
+    args = ["--iree-hal-target-backends=cuda", f"--iree-cuda-target={arch}"]
+    if ok:
+        assert len(ireec.compile_str(TINY_MLIR, extra_args=args)) > 1000
+    else:
+        with pytest.raises(ireec.CompilerToolError, match="missing GPU target"):
+            ireec.compile_str(TINY_MLIR, extra_args=args)
+
+
+def test_iree_vulkan_has_no_generic_target():
+    import iree.compiler as ireec
+
+    with pytest.raises(ireec.CompilerToolError, match="Unknown Vulkan target 'generic'"):
+        ireec.compile_str(TINY_MLIR, extra_args=["--iree-hal-target-backends=vulkan-spirv",
+                                                 "--iree-vulkan-target=generic"])
+
+
+def test_arch_spellings():
+    assert normalize_arch("AMD64") == "x86_64"
+    assert normalize_arch("arm64") == "aarch64"
+
+
+def test_host_compatibility_checks():
+    other = "aarch64" if host_arch() != "aarch64" else "x86_64"
+    with pytest.raises(BundleError, match=f"compiled for {other}"):
+        check_host_compatible({"file": "m.vmfb", "arch": other}, "cpu")
+    check_host_compatible({"arch": host_arch(), "cpu_flags": []}, "cpu")
+    check_host_compatible({"arch": "sm_80"}, "cuda")  # only CPU modules are checked against the host
+
+
+@pytest.mark.parametrize("device", ["cpu", "vulkan"])
+@pytest.mark.parametrize("allow_map", [True, False])
+def test_copy_to_host_map_and_staging_paths(device, allow_map):
+    """Both read-back paths return an owned, exact copy (the staging one is lavapipe's)."""
+    import iree.runtime as rt
+    import numpy as np
+
+    from foldline.runtime.device import DRIVERS, available_devices, copy_to_host
+
+    if device != "cpu" and not available_devices(device):
+        pytest.skip(f"no {device} device here")
+    dev = rt.get_driver(DRIVERS[device]).create_default_device()
+    for src in (np.arange(12, dtype=np.float32).reshape(3, 4) / 7, np.array([[-3, 5, 1 << 40]], np.int64)):
+        arr = rt.asdevicearray(dev, src)
+        out = copy_to_host(dev, arr._buffer_view, allow_map=allow_map)
+        np.testing.assert_array_equal(out, src)
+        assert out.dtype == src.dtype and out.flags.writeable
+        out[...] = 0  # an owned copy: the device buffer is untouched
+        np.testing.assert_array_equal(copy_to_host(dev, arr._buffer_view), src)
