@@ -26,15 +26,15 @@ def multi_bundle(cli_bundle, vulkan_device) -> Path:
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_vulkan_parity_with_eager(preset, bundle_factory, vulkan_device):
-    """`foldline verify PRESET --target vulkan --passes ''`: greedy tokens and scaled logit error.
+    """`foldline verify PRESET --target vulkan`: greedy tokens and scaled logit error.
 
-    Without graph passes, so that a failure here is the backend's; the default
-    pipeline on Vulkan is checked against the CPU module below.
+    With the default pass pipeline (ring buffers included), against the eager
+    reference without passes; the same bundle is compared with the CPU module below.
     """
     from foldline.frontend.sources import load_model
     from foldline.tools.parity import SCALED_TOL_FP32, run_parity
 
-    bundle = bundle_factory(preset, "vulkan", passes=())
+    bundle = bundle_factory(preset, "vulkan")
     model = Model.load(bundle, device="vulkan")
     assert model.ctx.name == "vulkan"
     rng = np.random.default_rng(0)
