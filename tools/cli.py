@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
+
+# torch.export's own deprecation noise; it says nothing about the user's model.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
 
 # subcommand -> module under foldline.tools that defines add_parser(subparsers)
 COMMANDS = {
