@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,7 +13,8 @@ import iree.compiler as ireec
 import iree.runtime as rt
 
 from ..frontend.export import export_model
-from ..frontend.sources import LoadedModel, load_model
+from ..frontend.sources import load_model
+from ..frontend.types import LoadedModel
 from ..passes.manager import CompileUnit, run_pipeline
 from ..runtime.bundle import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file, vmfb_info
 from .importer import import_programs, params_to_numpy
@@ -37,7 +37,7 @@ class BuildOptions:
 
 def _versions() -> dict[str, str]:
     out = {}
-    for pkg in ("foldline", "torch", "torch-mlir", "iree-base-compiler", "iree-base-runtime"):
+    for pkg in ("foldline", "torch", "iree-base-compiler", "iree-base-runtime"):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -135,8 +135,3 @@ def compile_spec(spec: str, out_dir: str | Path, options: BuildOptions, progress
     progress(f"loading {spec}")
     loaded = load_model(spec, max_context=options.max_context)
     return compile_model(loaded, out_dir, options, progress)
-
-
-def clean_bundle_dir(out_dir: Path) -> None:
-    if out_dir.exists():
-        shutil.rmtree(out_dir)

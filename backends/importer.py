@@ -10,7 +10,6 @@ place (`torch.overwrite.tensor.contents`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -19,7 +18,6 @@ import torch
 from iree.compiler import ir
 from iree.compiler.extras.fx_importer import FxImporter, FxImporterHooks
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
 
 from ..frontend.ops import DECOMPOSITIONS
 
@@ -123,11 +121,3 @@ def import_programs(
 def params_to_numpy(t: torch.Tensor) -> np.ndarray:
     """Raw bytes of a tensor as a flat uint8 array (bf16 has no numpy dtype)."""
     return t.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
-
-
-def param_nbytes(t: torch.Tensor) -> int:
-    return math.prod(t.shape) * t.element_size()
-
-
-def user_state_inputs(program: ExportedProgram) -> list[str]:
-    return [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]

@@ -1,19 +1,19 @@
 """ModelConfig: every architectural choice of a hybrid model as a field.
 
 The reference modules read only this object; nothing about a family is assumed
-in code. Presets cover the tiny test models and the published configs used for
-planning.
+in code. Each architecture's presets and checkpoint mappings live in
+`frontend/arch/<family>.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 LAYER_KINDS = ("global", "local", "gdn")
+GDN_L2NORMS = ("hf", "ggml")
 
 
 class ConfigError(ValueError):
@@ -93,12 +93,17 @@ class ModelConfig:
     gdn_kv_mapping: str = "blocked"
     # Gated RMSNorm epsilon: "plain" (rms_eps, HF) or "scaled" (rms_eps * head_v_dim).
     gdn_norm_eps: str = "plain"
+    # q/k L2 norm: "hf" (x * rsqrt(sum x^2 + 1e-6), HF / FLA) or "ggml" (x / max(|x|, rms_eps)).
+    gdn_l2norm: str = "hf"
 
     # Compile-time limits (not architecture, but they fix the static shapes).
     max_context: int = 256
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # A published config kept for `foldline plan` only: never built or compiled.
+    planning_only: bool = False
+    # Provenance only (source file, trained context): nothing here changes the numbers.
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -108,14 +113,6 @@ class ModelConfig:
     @property
     def num_layers(self) -> int:
         return len(self.layer_types)
-
-    @property
-    def q_width(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_width(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     @property
     def softmax_scale(self) -> float:
@@ -175,6 +172,7 @@ class ModelConfig:
                  "gdn_num_v_heads must be a positive multiple of gdn_num_k_heads")
             need(self.gdn_kv_mapping in ("blocked", "interleaved"), f"bad gdn_kv_mapping {self.gdn_kv_mapping!r}")
             need(self.gdn_norm_eps in ("plain", "scaled"), f"bad gdn_norm_eps {self.gdn_norm_eps!r}")
+            need(self.gdn_l2norm in GDN_L2NORMS, f"bad gdn_l2norm {self.gdn_l2norm!r} (expected one of {GDN_L2NORMS})")
         need(self.max_context > 0, "max_context must be positive")
 
     # ---- (de)serialisation -----------------------------------------------
@@ -200,184 +198,3 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
-
-
-def _schedule(pattern: list[str], repeats: int) -> tuple[str, ...]:
-    return tuple(pattern * repeats)
-
-
-def ripple_tiny() -> ModelConfig:
-    """Ripple's exact block at small size: 2 x (4 local + 1 global)."""
-    hidden = 64
-    return ModelConfig(
-        name="ripple-tiny",
-        family="ripple",
-        vocab_size=512,
-        hidden_size=hidden,
-        intermediate_size=192,
-        layer_types=_schedule(["local"] * 4 + ["global"], 2),
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=16,  # Q width 128 = 2 x residual width, as in Ripple
-        kv_mapping="blocked",
-        sliding_window=16,
-        rope_theta_local=10000.0,
-        rope_theta_global=None,  # NoPE, still causal
-        qk_norm=True,
-        attn_output_gate="separate",
-        gate_fp32=True,
-        value_residual=True,
-        norm_placement="peri",
-        rms_eps=1e-6,
-        mlp_activation="silu",
-        mlp_gate_clip_max=20.0,
-        mlp_up_clip=20.0,
-        embed_scale=math.sqrt(hidden),
-        tie_word_embeddings=False,
-        max_context=128,
-    )
-
-
-def ripple_65b() -> ModelConfig:
-    """The published Ripple-65B config: for planning only, never instantiated."""
-    hidden = 5120
-    return ModelConfig(
-        name="ripple-65b",
-        family="ripple",
-        vocab_size=100352,
-        hidden_size=hidden,
-        intermediate_size=40960,
-        layer_types=_schedule(["local"] * 4 + ["global"], 16),
-        num_heads=80,
-        num_kv_heads=8,
-        head_dim=128,
-        sliding_window=1024,
-        rope_theta_local=10000.0,
-        rope_theta_global=None,
-        qk_norm=True,
-        attn_output_gate="separate",
-        value_residual=True,
-        norm_placement="peri",
-        mlp_gate_clip_max=20.0,
-        mlp_up_clip=20.0,
-        embed_scale=math.sqrt(hidden),
-        max_context=1048576,
-        dtype="bfloat16",
-        extra={"planning_only": True},
-    )
-
-
-def gemma3_tiny() -> ModelConfig:
-    """Gemma 3's block at small size: 5 local : 1 global, sandwich norms, tied head."""
-    hidden = 64
-    return ModelConfig(
-        name="gemma3-tiny",
-        family="gemma3",
-        vocab_size=512,
-        hidden_size=hidden,
-        intermediate_size=128,
-        layer_types=_schedule(["local"] * 5 + ["global"], 1) + ("local", "local"),
-        num_heads=4,
-        num_kv_heads=1,
-        head_dim=32,
-        sliding_window=16,
-        attn_scale=32**-0.5,  # query_pre_attn_scalar = head_dim
-        rope_theta_local=10000.0,
-        rope_theta_global=1_000_000.0,
-        qk_norm=True,
-        norm_placement="peri",
-        norm_weight_offset=1.0,
-        mlp_activation="gelu_tanh",
-        embed_scale=math.sqrt(hidden),
-        embed_scale_dtype="float32",
-        tie_word_embeddings=True,
-        max_context=128,
-    )
-
-
-def llama_tiny() -> ModelConfig:
-    """A Llama / SmolLM2 block at small size: global attention only, pre-norm."""
-    return ModelConfig(
-        name="llama-tiny",
-        family="llama",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=160,
-        layer_types=("global",) * 3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rope_theta_local=100000.0,
-        rope_theta_global=100000.0,
-        norm_placement="pre",
-        rms_eps=1e-5,
-        mlp_activation="silu",
-        tie_word_embeddings=True,
-        max_context=128,
-    )
-
-
-PRESETS = {
-    "ripple-tiny": ripple_tiny,
-    "ripple-65b": ripple_65b,
-    "gemma3-tiny": gemma3_tiny,
-    "llama-tiny": llama_tiny,
-}
-
-
-def register_preset(name: str, factory: Any) -> None:
-    PRESETS[name] = factory
-
-
-def get_preset(name: str) -> ModelConfig:
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
-    return PRESETS[name]()
-
-
-def is_planning_only(cfg: ModelConfig) -> bool:
-    return bool(cfg.extra.get("planning_only"))
-
-
-def qwen35_tiny() -> ModelConfig:
-    """Qwen3.5 / qwen35's block at small size: 2 x (3 GDN + 1 full attention).
-
-    Conventions as HF transformers' Qwen3_5ForCausalLM: partial RoPE (a quarter of
-    the head), q/k norm before RoPE, q_proj emitting [q, gate] per head, (1+w)
-    norms, GDN value heads reading key heads blocked (h // rep) with a plain
-    gated-norm epsilon. RoPE base 1e4 rather than 1e7 so short test prompts
-    still rotate measurably.
-    """
-    return ModelConfig(
-        name="qwen35-tiny",
-        family="qwen35",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=160,
-        layer_types=_schedule(["gdn"] * 3 + ["global"], 2),
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        kv_mapping="blocked",
-        rope_theta_global=10000.0,
-        rotary_dim_global=8,
-        qk_norm=True,
-        attn_output_gate="fused_q",
-        gate_fp32=False,
-        norm_placement="pre",
-        norm_weight_offset=1.0,
-        rms_eps=1e-6,
-        mlp_activation="silu",
-        tie_word_embeddings=False,
-        gdn_num_k_heads=2,
-        gdn_num_v_heads=4,
-        gdn_head_k_dim=16,
-        gdn_head_v_dim=16,
-        gdn_conv_kernel=4,
-        gdn_kv_mapping="blocked",
-        gdn_norm_eps="plain",
-        max_context=128,
-    )
-
-
-register_preset("qwen35-tiny", qwen35_tiny)

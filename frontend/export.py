@@ -78,10 +78,3 @@ def export_entry_point(model: CausalLM, name: str, batch: int = 1, chunk: int = 
 
 def export_model(model: CausalLM, batch: int = 1, chunk: int = 16) -> dict[str, EntryPoint]:
     return {name: export_entry_point(model, name, batch, chunk) for name in ENTRY_POINTS}
-
-
-def state_input_names(program: ExportedProgram) -> list[str]:
-    """User inputs after the leading token/position arguments, in order."""
-    from torch.export.graph_signature import InputKind
-
-    return [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]

@@ -24,11 +24,10 @@ from torch import Tensor, nn
 
 from . import ops  # noqa: F401  (registers torch.ops.foldline.gdn_*)
 from .config import ModelConfig
-from .model import ChunkContext, StateSpec
+from .types import ChunkContext, StateSpec
 
-# cfg.extra["gdn_l2norm"]: "hf" -> x * rsqrt(sum x^2 + 1e-6) (HF / FLA),
+# ModelConfig.gdn_l2norm: "hf" -> x * rsqrt(sum x^2 + 1e-6) (HF / FLA),
 # "ggml" -> x / max(|x|, rms_eps) (llama.cpp ggml_l2_norm).
-L2NORM_CONVENTIONS = ("hf", "ggml")
 HF_L2NORM_EPS = 1e-6
 
 
@@ -121,9 +120,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(n_v))
         self.norm = GatedRMSNorm(cfg.gdn_head_v_dim, gdn_norm_epsilon(cfg))
         self.out_proj = nn.Linear(cfg.gdn_value_width, d, bias=False)
-        self.l2norm = cfg.extra.get("gdn_l2norm", "hf")
-        if self.l2norm not in L2NORM_CONVENTIONS:
-            raise ValueError(f"gdn_l2norm must be one of {L2NORM_CONVENTIONS}, got {self.l2norm!r}")
+        self.l2norm = cfg.gdn_l2norm
         self.scale = cfg.gdn_head_k_dim**-0.5
 
     def init_random(self, seed: int) -> None:

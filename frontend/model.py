@@ -12,7 +12,6 @@ updated in place and logits are returned for the last valid position only.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,65 +19,9 @@ from torch import Tensor, nn
 
 from . import ops  # noqa: F401  (registers torch.ops.foldline.*)
 from .config import ModelConfig
-
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class StateSpec:
-    """One runtime-owned state buffer."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    layer: int
-    kind: str  # "global_kv", "local_kv", "gdn_recurrent", "gdn_conv"
-
-    @property
-    def nbytes(self) -> int:
-        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
-        return math.prod(self.shape) * itemsize
-
-
-@dataclass
-class ChunkContext:
-    """What every layer needs to know about the chunk being processed."""
-
-    start_pos: Tensor  # [B] int64
-    n_valid: Tensor  # [B] int64
-    positions: Tensor  # [B, C] int64
-    embed: Tensor  # [B, C, d] scaled embedding (Ripple's value-residual seed)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32; weight form x * (offset + w)."""
-
-    def __init__(self, dim: int, eps: float, offset: float = 0.0):
-        super().__init__()
-        self.eps = eps
-        self.offset = offset
-        self.weight = nn.Parameter(torch.ones(dim) - offset)
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (self.offset + self.weight.float())).to(x.dtype)
-
-
-def rotary(x: Tensor, positions: Tensor, base: float, rot_dim: int, pos_scale: float, interleaved: bool) -> Tensor:
-    """RoPE on the first rot_dim features of each head. x: [B, H, C, D], positions: [B, C]."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32, device=x.device) / rot_dim))
-    angles = (positions.to(torch.float32) / pos_scale)[:, None, :, None] * inv_freq  # [B,1,C,rot/2]
-    cos, sin = torch.cos(angles), torch.sin(angles)
-    xr, xpass = x[..., :rot_dim].float(), x[..., rot_dim:]
-    if interleaved:
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]
-        out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
-    else:
-        half = rot_dim // 2
-        x1, x2 = xr[..., :half], xr[..., half:]
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return torch.cat([out.to(x.dtype), xpass], dim=-1)
+from .gdn import GatedDeltaNet, gdn_state_specs
+from .layers import RMSNorm, rotary
+from .types import TORCH_DTYPES, ChunkContext, StateSpec
 
 
 class Attention(nn.Module):
@@ -166,8 +109,6 @@ class MLP(nn.Module):
 def make_mixer(cfg: ModelConfig, layer_idx: int) -> nn.Module:
     kind = cfg.layer_types[layer_idx]
     if kind == "gdn":
-        from .gdn import GatedDeltaNet
-
         return GatedDeltaNet(cfg, layer_idx)
     return Attention(cfg, layer_idx)
 
@@ -248,8 +189,6 @@ def state_specs(cfg: ModelConfig, batch: int) -> list[StateSpec]:
     specs: list[StateSpec] = []
     for i, kind in enumerate(cfg.layer_types):
         if kind == "gdn":
-            from .gdn import gdn_state_specs
-
             specs.extend(gdn_state_specs(cfg, i, batch))
             continue
         shape = (batch, cfg.num_kv_heads, cfg.max_context, cfg.head_dim)
@@ -298,3 +237,9 @@ def build_model(cfg: ModelConfig, seed: int | None = 0) -> CausalLM:
 def new_state(cfg: ModelConfig, batch: int, specs: list[StateSpec] | None = None) -> list[Tensor]:
     specs = specs if specs is not None else state_specs(cfg, batch)
     return [torch.zeros(s.shape, dtype=TORCH_DTYPES[s.dtype]) for s in specs]
+
+
+def parameter_names(cfg: ModelConfig) -> list[str]:
+    """Every parameter name of the config's module, without allocating weights."""
+    with torch.device("meta"):
+        return [name for name, _ in CausalLM(cfg).named_parameters()]

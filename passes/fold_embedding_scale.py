@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
+from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
-from .graph_edit import ASSERT_OPS, copy_graph_module, fake_of, rebuild, remove_dead_code
-from .manager import CompileUnit, PassResult, register_pass
+from .graph_edit import ASSERT_OPS, LiftedInputs, copy_graph_module, remove_dead_code
+from .registry import CompileUnit, PassResult, register_pass
 
 NAME = "fold-embedding-scale"
 
@@ -59,20 +59,8 @@ class _NotConstant(Exception):
     pass
 
 
-class _Program:
-    """Lookup of a program's lifted inputs by placeholder name, over working copies."""
-
-    def __init__(self, specs: list[InputSpec], state_dict: dict, constants: dict):
-        self.specs, self.state_dict, self.constants = specs, state_dict, constants
-
-    @property
-    def spec_of(self) -> dict[str, InputSpec]:
-        return {s.arg.name: s for s in self.specs if hasattr(s.arg, "name")}
-
-    def value_of(self, spec: InputSpec) -> torch.Tensor:
-        if spec.kind == InputKind.CONSTANT_TENSOR or (spec.kind == InputKind.BUFFER and not spec.persistent):
-            return self.constants[spec.target]
-        return self.state_dict[spec.target]
+class _Program(LiftedInputs):
+    """A program's lifted inputs, plus the compile-time value of a multiplier."""
 
     def constant(self, arg: object) -> object:
         """The compile-time value of `arg` (a python number or tensor), or raise _NotConstant."""
@@ -81,7 +69,7 @@ class _Program:
         if not isinstance(arg, Node):
             raise _NotConstant
         if arg.op == "placeholder":
-            spec = self.spec_of.get(arg.name)
+            spec = self.spec_of(arg)
             if spec is None or spec.kind != InputKind.CONSTANT_TENSOR:
                 raise _NotConstant  # weights and user inputs are not compile-time constants here
             return self.value_of(spec)
@@ -133,8 +121,7 @@ class _Folder:
 
     def fold(self, entry: str, program: ExportedProgram) -> ExportedProgram:
         gm = copy_graph_module(program)
-        view = _Program(list(program.graph_signature.input_specs), dict(program.state_dict),
-                        dict(program.constants))
+        view = _Program(program)
         touched: set[str] = set()
         folded = 0
         # Until nothing changes: a lookup scaled twice (x * a * b) folds both factors in one run.
@@ -144,15 +131,14 @@ class _Folder:
             return program
         self.sites += folded
         remove_dead_code(gm)
-        self._drop_unused(gm, touched, view.specs, view.state_dict, view.constants)
-        return rebuild(program, gm, input_specs=view.specs, state_dict=view.state_dict, constants=view.constants)
+        view.drop_unused(gm, only=touched)  # the multiplier's constants, and the table if nothing else reads it
+        return view.rebuild_with(gm)
 
     def _fold_one(self, entry: str, gm: GraphModule, view: _Program, touched: set[str]) -> bool:
         """Fold the first foldable site; False when none is left."""
-        spec_of = view.spec_of
         for emb in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == EMBEDDING]:
             weight = emb.args[0]
-            spec = spec_of.get(getattr(weight, "name", ""))
+            spec = view.spec_of(weight) if isinstance(weight, Node) else None
             if spec is None or spec.kind not in TABLE_KINDS:
                 continue
             for mul in [u for u in emb.users if u.target in MULS]:
@@ -185,7 +171,7 @@ class _Folder:
                 if scaled.dtype != new_val.dtype:
                     self._note(f"{entry}: {mul.name} changes dtype in a way the table cannot; left alone")
                     continue
-                new_ph = self._add_table(gm, weight, spec, view, name, scaled)
+                new_ph = view.add_beside(gm, weight, name, scaled, suffix="_scaled")
                 with gm.graph.inserting_before(mul):
                     lookup = gm.graph.call_function(EMBEDDING, (new_ph, *emb.args[1:]), dict(emb.kwargs))
                 lookup.meta = dict(mul.meta)
@@ -208,48 +194,6 @@ class _Folder:
     def _note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
-
-    @staticmethod
-    def _add_table(gm: GraphModule, weight: Node, spec: InputSpec, view: _Program, name: str,
-                   table: torch.Tensor) -> Node:
-        """A placeholder (and input spec, and value) for the folded table, next to the original."""
-        existing = {s.target: s for s in view.specs}
-        if name in existing:  # a second site on the same table in this program
-            return next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == existing[name].arg.name)
-        ph_name = weight.name + "_scaled"
-        taken = {n.name for n in gm.graph.nodes}
-        while ph_name in taken:
-            ph_name += "_"
-        with gm.graph.inserting_after(weight):
-            node = gm.graph.placeholder(ph_name)
-        node.name = ph_name
-        node.meta = dict(weight.meta)
-        node.meta["val"] = fake_of(gm, table)
-        new_spec = InputSpec(kind=spec.kind, arg=TensorArgument(name=node.name), target=name,
-                             persistent=spec.persistent)
-        view.specs.insert(view.specs.index(spec) + 1, new_spec)
-        if spec.kind == InputKind.PARAMETER:
-            view.state_dict[name] = (
-                table if isinstance(table, torch.nn.Parameter) else torch.nn.Parameter(table, requires_grad=False)
-            )
-        elif spec.kind == InputKind.BUFFER and spec.persistent:
-            view.state_dict[name] = table
-        else:
-            view.constants[name] = table
-        return node
-
-    @staticmethod
-    def _drop_unused(gm: GraphModule, names: set[str], specs: list[InputSpec], state_dict: dict,
-                     constants: dict) -> None:
-        """Remove lifted inputs that only the folded multiply read."""
-        for node in [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in names and not n.users]:
-            spec = next(s for s in specs if getattr(s.arg, "name", None) == node.name)
-            if spec.kind == InputKind.USER_INPUT:
-                continue
-            specs.remove(spec)
-            state_dict.pop(spec.target, None)
-            constants.pop(spec.target, None)
-            gm.graph.erase_node(node)
 
 
 def _placeholders_under(node: Node) -> set[str]:

@@ -29,12 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 from torch.fx import GraphModule, Node
 
 from ..frontend import hadamard  # registers torch.ops.foldline.hadamard_*
-from .graph_edit import ASSERT_OPS, copy_graph_module, fake_of, rebuild, remove_dead_code
-from .manager import CompileUnit, PassResult, register_pass
+from .graph_edit import ASSERT_OPS, LiftedInputs, copy_graph_module, remove_dead_code
+from .registry import CompileUnit, PassResult, register_pass
 
 NAME = "fuse-hadamard"
 MODES = ("fold", "online")
@@ -44,7 +43,6 @@ ROTATE = torch.ops.foldline.hadamard_rotate.default
 UNROTATE = torch.ops.foldline.hadamard_unrotate.default
 LINEAR = torch.ops.aten.linear.default
 EMBEDDING = torch.ops.aten.embedding.default
-WEIGHT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 FOLDABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -69,24 +67,6 @@ class _Counts:
     notes: list[str] = field(default_factory=list)
 
 
-class _Lifted:
-    """Values of a program's lifted inputs, by placeholder name."""
-
-    def __init__(self, program: ExportedProgram):
-        self.program = program
-        self.spec_of = {s.arg.name: s for s in program.graph_signature.input_specs if hasattr(s.arg, "name")}
-
-    def value(self, node: object) -> torch.Tensor | None:
-        if not isinstance(node, Node) or node.op != "placeholder":
-            return None
-        spec = self.spec_of.get(node.name)
-        if spec is None or spec.kind not in WEIGHT_KINDS:
-            return None
-        if spec.kind == InputKind.CONSTANT_TENSOR or (spec.kind == InputKind.BUFFER and not spec.persistent):
-            return self.program.constants[spec.target]
-        return self.program.state_dict[spec.target]
-
-
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha1(t.detach().to(torch.float32).contiguous().numpy().tobytes()).hexdigest()[:16]
 
@@ -100,8 +80,8 @@ class _Fuser:
         self.folded: dict[tuple, tuple[str, torch.Tensor]] = {}  # (weight target, rotation) -> new weight
 
     # -- helpers --------------------------------------------------------------
-    def _rotation_key(self, lifted: _Lifted, node: Node) -> tuple | None:
-        signs = lifted.value(node.args[1])
+    def _rotation_key(self, lifted: LiftedInputs, node: Node) -> tuple | None:
+        signs = lifted.weight_value(node.args[1])
         if signs is None:
             return None
         return (_digest(signs), *[int(a) for a in node.args[2:]])
@@ -119,48 +99,22 @@ class _Fuser:
             self.folded[key] = (name, torch.nn.Parameter(folded, requires_grad=False))
         return self.folded[key]
 
-    @staticmethod
-    def _weight_node(gm: GraphModule, weight: Node, spec: InputSpec, specs: list[InputSpec], state_dict: dict,
-                     constants: dict, name: str, value: torch.Tensor) -> Node:
-        existing = next((s for s in specs if s.target == name), None)
-        if existing is not None:
-            return next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == existing.arg.name)
-        taken = {n.name for n in gm.graph.nodes}
-        ph_name = weight.name + "_unrotated"
-        while ph_name in taken:
-            ph_name += "_"
-        with gm.graph.inserting_after(weight):
-            node = gm.graph.placeholder(ph_name)
-        node.name = ph_name
-        node.meta = dict(weight.meta)
-        node.meta["val"] = fake_of(gm, value)
-        kind = InputKind.PARAMETER if spec.kind == InputKind.PARAMETER else InputKind.CONSTANT_TENSOR
-        specs.insert(specs.index(spec) + 1, InputSpec(kind=kind, arg=TensorArgument(name=ph_name), target=name,
-                                                      persistent=None))
-        if kind == InputKind.PARAMETER:
-            state_dict[name] = value  # one Parameter object for all entry points: imported once
-        else:
-            constants[name] = value.detach()
-        return node
-
     # -- the rewrite ----------------------------------------------------------
     def run(self, entry: str, program: ExportedProgram) -> ExportedProgram:
         gm = copy_graph_module(program)
-        lifted = _Lifted(program)
-        specs = list(program.graph_signature.input_specs)
-        state_dict, constants = dict(program.state_dict), dict(program.constants)
+        lifted = LiftedInputs(program)
         changed = self._share(gm, lifted)
         if self.mode == "fold":
-            changed |= self._fold(entry, gm, lifted, specs, state_dict, constants)
+            changed |= self._fold(entry, gm, lifted)
         self.counts.online += sum(1 for n in gm.graph.nodes if n.op == "call_function"
                                   and n.target in (ROTATE, UNROTATE) and n.users)
         if not changed:
             return program
         remove_dead_code(gm)
-        self._drop_unused(gm, specs, state_dict, constants)
-        return rebuild(program, gm, input_specs=specs, state_dict=state_dict, constants=constants)
+        lifted.drop_unused(gm)  # weights and sign vectors nothing reads any more
+        return lifted.rebuild_with(gm)
 
-    def _share(self, gm: GraphModule, lifted: _Lifted) -> bool:
+    def _share(self, gm: GraphModule, lifted: LiftedInputs) -> bool:
         """One rotation per (activation, signs, block, permutation)."""
         first: dict[tuple, Node] = {}
         merged = 0
@@ -180,32 +134,31 @@ class _Fuser:
         self.counts.shared += merged
         return merged > 0
 
-    def _fold(self, entry: str, gm: GraphModule, lifted: _Lifted, specs: list[InputSpec], state_dict: dict,
-              constants: dict) -> bool:
+    def _fold(self, entry: str, gm: GraphModule, lifted: LiftedInputs) -> bool:
         folded = 0
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target not in (ROTATE, UNROTATE):
                 continue
-            signs = lifted.value(node.args[1])
+            signs = lifted.weight_value(node.args[1])
             rot = self._rotation_key(lifted, node)
             if signs is None or rot is None:
                 self.counts.notes.append(f"{entry}: {node.name} has signs that are not a compile-time constant; "
                                          "left online")
                 continue
             if node.target == ROTATE:
-                folded += self._fold_rotate(gm, lifted, node, signs, rot, specs, state_dict, constants)
+                folded += self._fold_rotate(gm, lifted, node, signs, rot)
             else:
-                folded += self._fold_unrotate(gm, lifted, node, signs, rot, specs, state_dict, constants)
+                folded += self._fold_unrotate(gm, lifted, node, signs, rot)
         self.counts.folded += folded
         return folded > 0
 
-    def _foldable_weight(self, lifted: _Lifted, weight: object) -> torch.Tensor | None:
-        value = lifted.value(weight)
+    def _foldable_weight(self, lifted: LiftedInputs, weight: object) -> torch.Tensor | None:
+        value = lifted.weight_value(weight)
         if value is None or value.dtype not in FOLDABLE_DTYPES:
             return None
         return value
 
-    def _fold_rotate(self, gm, lifted, node, signs, rot, specs, state_dict, constants) -> int:
+    def _fold_rotate(self, gm: GraphModule, lifted: LiftedInputs, node: Node, signs: torch.Tensor, rot: tuple) -> int:
         """linear(rotate(x), W_s, b) -> linear(x, W_s H D P, b) for each foldable reader."""
         count = 0
         for user in list(node.users):
@@ -217,9 +170,8 @@ class _Fuser:
             weight = self._foldable_weight(lifted, weight_node)
             if weight is None:
                 continue
-            spec = lifted.spec_of[weight_node.name]
-            name, value = self._folded_weight(spec.target, weight, signs, rot)
-            new_w = self._weight_node(gm, weight_node, spec, specs, state_dict, constants, name, value)
+            name, value = self._folded_weight(lifted.spec_of(weight_node).target, weight, signs, rot)
+            new_w = lifted.add_beside(gm, weight_node, name, value, suffix="_unrotated")
             user.args = (node.args[0], new_w, *user.args[2:])
             count += 1
         if all(u.target in ASSERT_OPS for u in node.users):
@@ -228,7 +180,7 @@ class _Fuser:
             gm.graph.erase_node(node)
         return count
 
-    def _fold_unrotate(self, gm, lifted, node, signs, rot, specs, state_dict, constants) -> int:
+    def _fold_unrotate(self, gm: GraphModule, lifted: LiftedInputs, node: Node, signs: torch.Tensor, rot: tuple) -> int:
         """unrotate(embedding(Z, ids)) -> embedding(Z H D, ids)."""
         lookup = node.args[0]
         if not isinstance(lookup, Node) or lookup.target != EMBEDDING:
@@ -237,29 +189,15 @@ class _Fuser:
         table = self._foldable_weight(lifted, table_node)
         if table is None:
             return 0
-        spec = lifted.spec_of[table_node.name]
         # The same key as a tied head's fold of this table: both readers share one unrotated table.
-        name, value = self._folded_weight(spec.target, table, signs, (*rot, 0, 1))
-        new_table = self._weight_node(gm, table_node, spec, specs, state_dict, constants, name, value)
+        name, value = self._folded_weight(lifted.spec_of(table_node).target, table, signs, (*rot, 0, 1))
+        new_table = lifted.add_beside(gm, table_node, name, value, suffix="_unrotated")
         with gm.graph.inserting_before(node):
             new_lookup = gm.graph.call_function(EMBEDDING, (new_table, *lookup.args[1:]), dict(lookup.kwargs))
         new_lookup.meta = dict(node.meta)
         node.replace_all_uses_with(new_lookup)
         gm.graph.erase_node(node)
         return 1
-
-    @staticmethod
-    def _drop_unused(gm: GraphModule, specs: list[InputSpec], state_dict: dict, constants: dict) -> None:
-        """Remove lifted weights and sign vectors nothing reads any more."""
-        for node in [n for n in gm.graph.nodes if n.op == "placeholder" and not n.users]:
-            spec = next((s for s in specs if getattr(s.arg, "name", None) == node.name), None)
-            if spec is None or spec.kind not in WEIGHT_KINDS:
-                continue
-            specs.remove(spec)
-            if not any(s.target == spec.target for s in specs):
-                state_dict.pop(spec.target, None)
-                constants.pop(spec.target, None)
-            gm.graph.erase_node(node)
 
 
 @register_pass(NAME, "fold Hadamard rotations into float weights (or keep them online, shared, as a butterfly)")

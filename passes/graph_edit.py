@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.export import ExportedProgram
-from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec
+from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, TensorArgument
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
@@ -123,3 +123,91 @@ def rebuild(
         constants=dict(constants if constants is not None else program.constants),
         verifiers=program.verifiers,
     )
+
+
+# Lifted inputs that hold weights or constants (what a pass may read at compile time).
+WEIGHT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+
+
+class LiftedInputs:
+    """Working copies of a program's input specs, state_dict and constants, edited beside its graph.
+
+    Passes read the compile-time value behind a placeholder, add a new lifted
+    weight next to an existing one, and drop the ones nothing reads any more;
+    `rebuild_with` then makes the new ExportedProgram. The original program is
+    never touched.
+    """
+
+    def __init__(self, program: ExportedProgram):
+        self.program = program
+        self.specs: list[InputSpec] = list(program.graph_signature.input_specs)
+        self.state_dict: dict[str, torch.Tensor] = dict(program.state_dict)
+        self.constants: dict[str, torch.Tensor] = dict(program.constants)
+
+    def spec_of(self, node: object) -> InputSpec | None:
+        """The input spec of a placeholder node (or placeholder name)."""
+        name = node.name if isinstance(node, Node) else node
+        return next((s for s in self.specs if getattr(s.arg, "name", None) == name), None)
+
+    def value_of(self, spec: InputSpec) -> torch.Tensor:
+        if spec.kind == InputKind.CONSTANT_TENSOR or (spec.kind == InputKind.BUFFER and not spec.persistent):
+            return self.constants[spec.target]
+        return self.state_dict[spec.target]
+
+    def weight_value(self, node: object) -> torch.Tensor | None:
+        """The tensor behind a lifted weight/buffer/constant placeholder; None for anything else."""
+        if not isinstance(node, Node) or node.op != "placeholder":
+            return None
+        spec = self.spec_of(node)
+        if spec is None or spec.kind not in WEIGHT_KINDS:
+            return None
+        return self.value_of(spec)
+
+    def add_beside(self, gm: GraphModule, original: Node, target: str, value: torch.Tensor, suffix: str) -> Node:
+        """A placeholder for a new lifted tensor `target`, right after `original`, of the same kind.
+
+        Parameters stay parameters (one Parameter object shared by every entry
+        point, so the importer writes it once); anything else becomes a constant.
+        Adding the same target twice returns the first placeholder.
+        """
+        existing = next((s for s in self.specs if s.target == target), None)
+        if existing is not None:
+            return next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == existing.arg.name)
+        spec = self.spec_of(original)
+        taken = {n.name for n in gm.graph.nodes}
+        ph_name = original.name + suffix
+        while ph_name in taken:
+            ph_name += "_"
+        with gm.graph.inserting_after(original):
+            node = gm.graph.placeholder(ph_name)
+        node.name = ph_name
+        node.meta = dict(original.meta)
+        node.meta["val"] = fake_of(gm, value)
+        kind = InputKind.PARAMETER if spec.kind == InputKind.PARAMETER else InputKind.CONSTANT_TENSOR
+        self.specs.insert(self.specs.index(spec) + 1,
+                          InputSpec(kind=kind, arg=TensorArgument(name=ph_name), target=target, persistent=None))
+        if kind == InputKind.PARAMETER:
+            if not isinstance(value, torch.nn.Parameter):
+                value = torch.nn.Parameter(value, requires_grad=False)
+            self.state_dict[target] = value
+        else:
+            self.constants[target] = value.detach()
+        return node
+
+    def drop_unused(self, gm: GraphModule, only: set[str] | None = None) -> None:
+        """Remove lifted weights/constants that no node reads (restricted to placeholder names in `only`)."""
+        for node in [n for n in gm.graph.nodes if n.op == "placeholder" and not n.users]:
+            if only is not None and node.name not in only:
+                continue
+            spec = self.spec_of(node)
+            if spec is None or spec.kind not in WEIGHT_KINDS:
+                continue
+            self.specs.remove(spec)
+            if not any(s.target == spec.target for s in self.specs):
+                self.state_dict.pop(spec.target, None)
+                self.constants.pop(spec.target, None)
+            gm.graph.erase_node(node)
+
+    def rebuild_with(self, gm: GraphModule) -> ExportedProgram:
+        return rebuild(self.program, gm, input_specs=self.specs, state_dict=self.state_dict,
+                       constants=self.constants)

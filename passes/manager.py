@@ -2,95 +2,36 @@
 
 A pass sees a CompileUnit (the config, every entry point's program, and the
 state layout), rewrites it, and returns what it did. Passes are idempotent: run
-twice, the second run changes nothing.
+twice, the second run changes nothing. Every built-in pass module is imported
+here; one that fails to import is an error, never a silently missing pass.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torch.export import ExportedProgram
+from . import fold_embedding_scale, fuse_hadamard, ring_buffer_swa  # noqa: F401  (each registers its pass)
+from .registry import PASSES, CompileUnit, Pass, PassResult, register_pass
 
-from ..frontend.config import ModelConfig
-from ..frontend.model import StateSpec
+__all__ = ["PASSES", "CompileUnit", "Pass", "PassError", "PassResult", "available_passes", "default_pipeline",
+           "register_pass", "resolve_pipeline", "run_pipeline"]
 
-
-@dataclass
-class CompileUnit:
-    """What passes transform: all entry points of one model, and its state layout."""
-
-    config: ModelConfig
-    programs: dict[str, ExportedProgram]
-    state_specs: list[StateSpec]
-    # Per-compile pass options, e.g. {"hadamard": "fold" | "online"}.
-    options: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class PassResult:
-    """What one pass did: the number of rewritten sites and anything worth reporting."""
-
-    changed: bool
-    sites: int = 0
-    bytes_saved: int = 0
-    notes: list[str] = field(default_factory=list)
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def summary(self) -> str:
-        parts = [f"{self.sites} site(s)"]
-        if self.bytes_saved:
-            parts.append(f"{self.bytes_saved:,} state bytes saved")
-        parts.extend(self.notes)
-        return "; ".join(parts)
-
-
-@dataclass
-class Pass:
-    name: str
-    description: str
-    run: Callable[[CompileUnit], PassResult]
+# fuse-hadamard first: folding restores the plain embedding lookups fold-embedding-scale anchors on.
+DEFAULT_PIPELINE: list[str] = ["fuse-hadamard", "fold-embedding-scale", "ring-buffer-swa"]
 
 
 class PassError(ValueError):
     """An unknown pass name or an invalid pipeline."""
 
 
-PASSES: dict[str, Pass] = {}
-# fuse-hadamard first: folding restores the plain embedding lookups fold-embedding-scale anchors on.
-DEFAULT_PIPELINE: list[str] = ["fuse-hadamard", "fold-embedding-scale", "ring-buffer-swa"]
-
-
-def register_pass(name: str, description: str):
-    def wrap(fn: Callable[[CompileUnit], PassResult]):
-        PASSES[name] = Pass(name, description, fn)
-        return fn
-
-    return wrap
-
-
-def _load_builtin_passes() -> None:
-    # Importing registers them; each pass module is independent.
-    import importlib
-
-    for module in ("fold_embedding_scale", "ring_buffer_swa", "fuse_hadamard"):
-        try:
-            importlib.import_module(f"{__package__}.{module}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__package__}.{module}":
-                raise
-
-
 def available_passes() -> dict[str, Pass]:
-    _load_builtin_passes()
     return dict(PASSES)
 
 
 def default_pipeline() -> list[str]:
-    passes = available_passes()
-    return [name for name in DEFAULT_PIPELINE if name in passes]
+    return list(DEFAULT_PIPELINE)
 
 
 def resolve_pipeline(names: list[str] | None, drop: list[str] | None = None) -> list[str]:

@@ -36,7 +36,7 @@ from .graph_edit import (
     refresh_fake_meta,
     state_placeholder_names,
 )
-from .manager import CompileUnit, PassResult, register_pass
+from .registry import CompileUnit, PassResult, register_pass
 from .state_layout import SEQ_DIM, ring_slots, ring_spec
 
 NAME = "ring-buffer-swa"

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..frontend.config import ModelConfig
-from ..frontend.model import StateSpec, state_specs
+from ..frontend.model import state_specs
+from ..frontend.types import StateSpec
 
 SEQ_DIM = 2  # KV caches are [B, Hkv, slots, D]
 

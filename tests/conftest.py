@@ -153,7 +153,7 @@ def hf_references(hf_tokenizers) -> Callable[[str], dict]:
 def exported_unit() -> Callable[..., object]:
     """exported_unit(config, batch=1, chunk=8) -> the reference CompileUnit, exported once per session.
 
-    Shared between tests: run passes on `foldline.passes.golden.copy_unit(unit)`, never on it.
+    Shared between tests: run passes on `foldline.testing.golden.copy_unit(unit)`, never on it.
     """
     import torch
 

@@ -32,7 +32,7 @@ def test_vulkan_parity_with_eager(preset, bundle_factory, vulkan_device):
     reference without passes; the same bundle is compared with the CPU module below.
     """
     from foldline.frontend.sources import load_model
-    from foldline.tools.parity import SCALED_TOL_FP32, run_parity
+    from foldline.testing.parity import SCALED_TOL_FP32, run_parity
 
     bundle = bundle_factory(preset, "vulkan")
     model = Model.load(bundle, device="vulkan")

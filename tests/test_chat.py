@@ -41,7 +41,7 @@ def test_bos_token_variable_comes_from_the_bundle():
 
 
 def test_gemma_fallback_template_format():
-    from foldline.frontend.gguf_loader import GEMMA_TURN_TEMPLATE
+    from foldline.frontend.arch.gemma3 import GEMMA_TURN_TEMPLATE
 
     out = apply_chat_template(fake_model(GEMMA_TURN_TEMPLATE), " Hello ", system="Sys")
     assert out == "<bos><start_of_turn>user\nSys\n\nHello<end_of_turn>\n<start_of_turn>model\n"

@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from foldline.frontend.config import ConfigError, get_preset
+from foldline.frontend.arch import get_preset
+from foldline.frontend.config import ConfigError
 from foldline.frontend.sources import load_model
 from foldline.runtime import BundleError, ContextFullError, Model
 

@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from foldline.frontend import ops
-from foldline.frontend.config import get_preset
+from foldline.frontend.arch import get_preset
 from foldline.frontend.gdn import GatedDeltaNet, gdn_sequential_reference, gdn_state_specs
-from foldline.frontend.model import ChunkContext, build_model, new_state, state_specs
+from foldline.frontend.model import build_model, new_state, state_specs
+from foldline.frontend.types import ChunkContext
 
 
 def _random_inputs(seed: int, b: int = 2, h: int = 3, c: int = 16, dk: int = 8, dv: int = 12,
@@ -209,7 +210,7 @@ def test_export_keeps_gdn_ops_and_lowers_them():
 def test_qwen35_tiny_compiled_matches_eager(bundle_factory):
     from foldline.frontend.sources import load_model
     from foldline.runtime import Model
-    from foldline.tools.parity import SCALED_TOL_FP32, run_parity
+    from foldline.testing.parity import SCALED_TOL_FP32, run_parity
 
     loaded = load_model("qwen35-tiny")
     bundle = Model.load(bundle_factory("qwen35-tiny"))

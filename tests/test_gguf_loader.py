@@ -12,21 +12,20 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from foldline.frontend.config import get_preset
-from foldline.frontend.gguf_loader import (
+from foldline.frontend.arch import get_preset
+from foldline.frontend.arch.llama import unpermute_rope_rows
+from foldline.frontend.gguf_file import (
     SUPPORTED_QUANTS,
     GGUFError,
     GGUFFile,
     MissingTensorError,
     UnsupportedArchitectureError,
     UnsupportedQuantError,
-    load_gguf,
-    read_gguf_config,
-    unpermute_rope_rows,
 )
+from foldline.frontend.gguf_loader import load_gguf, read_gguf_config
 from foldline.frontend.model import build_model
 from foldline.frontend.tokenizer import generate_spm_merges
-from foldline.tools.parity import EagerRunner
+from foldline.testing.parity import EagerRunner
 
 Q = GGMLQuantizationType
 # Types gguf can quantize in numpy: tested against the original floats as well as gguf's dequantizer.

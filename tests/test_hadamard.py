@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from foldline.frontend import hadamard as H
-from foldline.frontend.config import get_preset
+from foldline.frontend.arch import get_preset
+from foldline.frontend.layers import RMSNorm
 from foldline.frontend.model import build_model, new_state
-from foldline.tools.make_rotated_gguf import rotate_gguf, rotated_model, write_llama_gguf
+from foldline.testing.rotated_gguf import rotate_gguf, rotated_model, write_llama_gguf
 
 CHUNK = 16
 
@@ -182,7 +183,7 @@ def test_lm_head_takes_signs_then_wht():
     assert isinstance(rot.norm, H.HeadRotationNorm)
     assert _rel(_logits(rot, tokens), truth) < 1e-5
     plain = copy.deepcopy(rot)
-    plain.norm.forward = lambda x: H.RMSNorm.forward(plain.norm, x)  # the head without its rotation
+    plain.norm.forward = lambda x: RMSNorm.forward(plain.norm, x)  # the head without its rotation
     assert _rel(_logits(plain, tokens), truth) > 0.1
 
 
@@ -333,7 +334,8 @@ def llama_gguf(tmp_path_factory):
 
 @pytest.mark.parametrize("block", [32, 1024])
 def test_rotated_gguf_loads_to_the_unrotated_model(llama_gguf, block):
-    from foldline.frontend.gguf_loader import GGUFFile, load_gguf
+    from foldline.frontend.gguf_file import GGUFFile
+    from foldline.frontend.gguf_loader import load_gguf
 
     ref, plain, d = llama_gguf
     out = d / f"rotated-{block}.gguf"

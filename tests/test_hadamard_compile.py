@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from foldline.frontend.config import get_preset
+from foldline.frontend.arch import get_preset
 from foldline.frontend.model import build_model
-from foldline.frontend.sources import LoadedModel
+from foldline.frontend.types import LoadedModel
 from foldline.runtime import Model
-from foldline.tools.parity import SCALED_TOL_FP32, run_parity
+from foldline.testing.parity import SCALED_TOL_FP32, run_parity
 
 MODES = ["fold", "online"]
 
@@ -39,7 +39,7 @@ def hadamard_bundle(tmp_path_factory) -> Callable[..., Path]:
 
 @pytest.fixture(scope="session")
 def rotated_llama_gguf(tmp_path_factory) -> Path:
-    from foldline.tools.make_rotated_gguf import rotate_gguf, write_llama_gguf
+    from foldline.testing.rotated_gguf import rotate_gguf, write_llama_gguf
 
     d = tmp_path_factory.mktemp("rotated-llama")
     plain = write_llama_gguf(build_model(get_preset("llama-tiny"), seed=0), d / "llama-tiny.gguf")
@@ -77,7 +77,7 @@ def test_rotated_llama_tiny_gguf_matches_unrotated(hadamard_bundle, rotated_llam
 
 
 def _qwen_pair():
-    from foldline.tools.make_rotated_gguf import rotated_model
+    from foldline.testing.rotated_gguf import rotated_model
 
     cfg = get_preset("qwen35-tiny").replace(gdn_num_v_heads=6, gdn_kv_mapping="interleaved")
     reference = build_model(cfg, seed=3)
@@ -100,7 +100,7 @@ def test_rotated_qwen35_tiny_matches_unrotated(hadamard_bundle, mode):
 def smollm2_pair(tmp_path_factory):
     """(unrotated SmolLM2-135M path, rotated copy path): rotated once per session (~2 min)."""
     from foldline.frontend.shipped import ShippedModelError, locate_shipped
-    from foldline.tools.make_rotated_gguf import rotate_gguf
+    from foldline.testing.rotated_gguf import rotate_gguf
 
     try:
         plain = locate_shipped("smollm2-135m")

@@ -9,12 +9,12 @@ import torch
 from torch.export import ExportedProgram
 
 from foldline.frontend import hadamard as H
-from foldline.frontend.config import get_preset
+from foldline.frontend.arch import get_preset
 from foldline.frontend.export import example_inputs, export_model
 from foldline.frontend.model import build_model
 from foldline.passes.fuse_hadamard import ENV_MODE, HadamardModeError, fuse_hadamard, hadamard_mode
 from foldline.passes.manager import CompileUnit
-from foldline.tools.make_rotated_gguf import rotated_model
+from foldline.testing.rotated_gguf import rotated_model
 
 MATMULS = {"aten.mm.default", "aten.bmm.default", "aten.addmm.default", "aten.matmul.default",
            "aten.linear.default", "aten.baddbmm.default"}

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from foldline.frontend import ops  # noqa: E402
 from foldline.frontend.hf_loader import HFLoadError, load_hf_dir, read_hf_config  # noqa: E402
-from foldline.tools.parity import SCALED_TOL_FP32, EagerRunner  # noqa: E402
+from foldline.testing.parity import SCALED_TOL_FP32, EagerRunner  # noqa: E402
 
 CHUNK = 16
 PROMPT_LEN = 40  # > 2 chunks: the last one is padded

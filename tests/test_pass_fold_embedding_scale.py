@@ -7,11 +7,11 @@ import torch
 from torch import nn
 from torch.export.graph_signature import InputKind
 
-from foldline.frontend.config import get_preset
-from foldline.frontend.model import TORCH_DTYPES
+from foldline.frontend.arch import get_preset
+from foldline.frontend.types import TORCH_DTYPES
 from foldline.passes import fold_embedding_scale as fold
-from foldline.passes.golden import compare_units, copy_unit, golden_check, make_steps
 from foldline.passes.manager import CompileUnit, run_pipeline
+from foldline.testing.golden import compare_units, copy_unit, golden_check, make_steps
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

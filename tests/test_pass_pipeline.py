@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from foldline.frontend.config import get_preset
-from foldline.passes.golden import copy_unit
+from foldline.frontend.arch import get_preset
 from foldline.passes.manager import available_passes, default_pipeline, run_pipeline
 from foldline.passes.state_layout import plan_state
+from foldline.testing.golden import copy_unit
 from foldline.tools.cli import main
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -46,7 +46,7 @@ def test_passes_command_lists_passes(capsys):
 def _check_bundle(spec: str, bundle_dir) -> None:
     from foldline.frontend.sources import load_model
     from foldline.runtime import Model
-    from foldline.tools.parity import SCALED_TOL_FP32, run_parity
+    from foldline.testing.parity import SCALED_TOL_FP32, run_parity
 
     cfg = get_preset(spec)
     manifest = json.loads((bundle_dir / "manifest.json").read_text())

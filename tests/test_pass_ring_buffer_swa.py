@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from foldline.frontend import ops
-from foldline.frontend.config import get_preset
-from foldline.passes.golden import (
+from foldline.frontend.arch import get_preset
+from foldline.passes.graph_edit import copy_graph_module, rebuild, state_placeholder_names
+from foldline.passes.manager import run_pipeline
+from foldline.passes.state_layout import planned_state_specs
+from foldline.testing.golden import (
     GOLDEN_TOL,
     compare_units,
     copy_unit,
@@ -15,9 +18,6 @@ from foldline.passes.golden import (
     make_steps,
     ring_from_full,
 )
-from foldline.passes.graph_edit import copy_graph_module, rebuild, state_placeholder_names
-from foldline.passes.manager import run_pipeline
-from foldline.passes.state_layout import planned_state_specs
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -7,7 +7,7 @@ import pytest
 
 from foldline.frontend.sources import load_model
 from foldline.runtime import Model
-from foldline.tools.parity import SCALED_TOL_FP32, run_parity
+from foldline.testing.parity import SCALED_TOL_FP32, run_parity
 
 TINY_PRESETS = ["ripple-tiny", "gemma3-tiny", "llama-tiny"]
 

@@ -6,11 +6,11 @@ import re
 
 import pytest
 
-from foldline.frontend.config import PRESETS, get_preset, is_planning_only
+from foldline.frontend.arch import PRESETS, get_preset
 from foldline.frontend.model import state_specs
-from foldline.passes.golden import copy_unit
 from foldline.passes.manager import run_pipeline
 from foldline.passes.state_layout import plan_state, planned_state_specs
+from foldline.testing.golden import copy_unit
 from foldline.tools.cli import main
 from foldline.tools.plan_cmd import fmt_bytes
 
@@ -60,7 +60,7 @@ def test_plan_flags_change_the_figures(capsys):
 
 
 def test_plan_includes_gdn_state(capsys):
-    names = [n for n, f in PRESETS.items() if "gdn" in f().layer_types and not is_planning_only(f())]
+    names = [n for n, f in PRESETS.items() if "gdn" in f().layer_types and not f().planning_only]
     if not names:
         pytest.skip("no preset with gdn layers")
     cfg = get_preset(names[0])

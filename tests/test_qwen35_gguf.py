@@ -18,15 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from foldline.frontend.gguf_loader import (
-    GGUFError,
-    GGUFFile,
-    MissingTensorError,
-    load_gguf,
-    read_gguf_config,
-)
-from foldline.frontend.gguf_qwen35 import grouped_to_tiled, qwen35_tensor_name_map, tiled_to_grouped
-from foldline.tools.parity import SCALED_TOL_FP32, EagerRunner
+from foldline.frontend.arch.qwen35 import gguf_tensor_names as qwen35_tensor_name_map
+from foldline.frontend.arch.qwen35 import grouped_to_tiled, tiled_to_grouped
+from foldline.frontend.gguf_file import GGUFError, GGUFFile, MissingTensorError
+from foldline.frontend.gguf_loader import load_gguf, read_gguf_config
+from foldline.testing.parity import SCALED_TOL_FP32, EagerRunner
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -282,8 +278,8 @@ def test_a_log_is_recovered_exactly_enough(loaded):
 def test_compiled_gguf_matches_recorded_references(tmp_path):
     """`foldline compile qwen35-tiny.gguf` vs recorded llama.cpp and HF logits, plus verify's parity."""
     from foldline.runtime import Model
+    from foldline.testing.parity import run_parity
     from foldline.tools.cli import main
-    from foldline.tools.parity import run_parity
 
     bundle_dir = tmp_path / "bundle"
     assert main(["compile", str(GGUF), "-o", str(bundle_dir), "--max-context", "96", "--chunk", str(CHUNK)]) == 0

@@ -85,7 +85,7 @@ def bench_eager(spec: str, max_context: int, chunk: int, prompt_len: int, new_to
     import torch
 
     from ..frontend.sources import load_model
-    from .parity import EagerRunner
+    from ..testing.parity import EagerRunner
 
     t0 = time.perf_counter()
     loaded = load_model(spec, max_context=max_context)

@@ -33,7 +33,7 @@ def run(args) -> int:
     from ..passes.manager import resolve_pipeline
     from ..runtime import BundleError, Model
     from ..runtime.device import available_devices
-    from .parity import SCALED_TOL_FP32, run_parity
+    from ..testing.parity import SCALED_TOL_FP32, run_parity
 
     if args.target != "cpu" and not available_devices(args.target):
         raise BundleError(f"device {args.target!r} is not available here; nothing to verify on")

@@ -1,4 +1,7 @@
-"""llama.cpp's `qwen35` GGUF layout -> ModelConfig and the reference module's parameters.
+"""Qwen3.5 / qwen35 (Bonsai): 3 gated-delta-net : 1 full attention, partial RoPE, gated attention output.
+
+HF conventions (Qwen3_5ForCausalLM) are the reference modules' own: GDN value
+heads read key heads blocked (h // rep), plain gated-norm epsilon, (1 + w) norms.
 
 What llama.cpp's converter (`conversion/qwen.py`, `Qwen3_5TextModel` on top of
 `_LinearAttentionVReorderBase` and `Qwen3NextModel`) does to an HF Qwen3.5
@@ -26,15 +29,114 @@ trunk layers) are not part of next-token inference and are skipped.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from .config import ModelConfig
-from .gguf_loader import GGUFError, GGUFFile, MissingTensorError, _common
+from ..config import ModelConfig
+from ..gguf_file import GGUFError, GGUFFile
+from ..gguf_meta import common_fields
+from ..hf_config import HFLoadError, layer_types, mlp_activation, rope_params
+from ..hf_config import common_fields as hf_common_fields
+from .base import Architecture
 
-ARCH = "qwen35"
+# Compile-time context when the user gives none (GGUF files).
+DEFAULT_CONTEXT = 1024
+
+
+def qwen35_tiny() -> ModelConfig:
+    """Qwen3.5 / qwen35's block at small size: 2 x (3 GDN + 1 full attention).
+
+    Conventions as HF transformers' Qwen3_5ForCausalLM: partial RoPE (a quarter of
+    the head), q/k norm before RoPE, q_proj emitting [q, gate] per head, (1+w)
+    norms, GDN value heads reading key heads blocked (h // rep) with a plain
+    gated-norm epsilon. RoPE base 1e4 rather than 1e7 so short test prompts
+    still rotate measurably.
+    """
+    return ModelConfig(
+        name="qwen35-tiny",
+        family="qwen35",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        layer_types=("gdn", "gdn", "gdn", "global") * 2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        kv_mapping="blocked",
+        rope_theta_global=10000.0,
+        rotary_dim_global=8,
+        qk_norm=True,
+        attn_output_gate="fused_q",
+        gate_fp32=False,
+        norm_placement="pre",
+        norm_weight_offset=1.0,
+        rms_eps=1e-6,
+        mlp_activation="silu",
+        tie_word_embeddings=False,
+        gdn_num_k_heads=2,
+        gdn_num_v_heads=4,
+        gdn_head_k_dim=16,
+        gdn_head_v_dim=16,
+        gdn_conv_kernel=4,
+        gdn_kv_mapping="blocked",
+        gdn_norm_eps="plain",
+        max_context=128,
+    )
+
+
+
+# ---- HF config.json -------------------------------------------------------
+
+
+def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The language-model part of a config (multimodal qwen3_5 nests it under text_config)."""
+    if raw.get("model_type") == "qwen3_5":
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise HFLoadError("model_type 'qwen3_5' without a text_config")
+        merged = dict(text)
+        merged.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        merged["model_type"] = "qwen3_5_text"
+        return merged
+    return raw
+
+
+def config_from_hf(raw: dict[str, Any], name: str, max_context: int | None) -> ModelConfig:
+    """Qwen3_5ForCausalLM (qwen3_5_text) or the text tower of the multimodal qwen3_5 checkpoint."""
+    raw = _text_config(raw)
+    rope = raw.get("rope_parameters") or {}
+    theta, scale = rope_params(rope, raw.get("rope_theta", 10_000_000.0), name)
+    if scale != 1.0:
+        raise HFLoadError(f"{name}: RoPE scaling is not supported for qwen3_5")
+    common = hf_common_fields(raw, name, max_context)
+    factor = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
+    rotary = int(common["head_dim"] * factor)
+    if raw.get("linear_conv_kernel_dim", 4) < 2:
+        raise HFLoadError(f"{name}: linear_conv_kernel_dim must be >= 2")
+    return ModelConfig(
+        family="qwen35",
+        layer_types=layer_types(raw, name, 4),
+        rope_theta_global=theta,
+        rotary_dim_global=rotary,
+        qk_norm=True,
+        attn_output_gate="fused_q",
+        gate_fp32=False,  # HF multiplies by sigmoid(gate) in the model dtype
+        norm_placement="pre",
+        norm_weight_offset=1.0,
+        mlp_activation=mlp_activation(raw, name),
+        gdn_num_k_heads=raw.get("linear_num_key_heads", 16),
+        gdn_num_v_heads=raw.get("linear_num_value_heads", 32),
+        gdn_head_k_dim=raw.get("linear_key_head_dim", 128),
+        gdn_head_v_dim=raw.get("linear_value_head_dim", 128),
+        gdn_conv_kernel=raw.get("linear_conv_kernel_dim", 4),
+        gdn_kv_mapping="blocked",  # HF repeat_interleave over k heads
+        gdn_norm_eps="plain",
+        **common,
+    )
+
+
+# ---- GGUF ----------------------------------------------------------------------
 
 _GLOBAL = {
     "embed_tokens.weight": "token_embd.weight",
@@ -87,9 +189,9 @@ def qwen35_layer_types(g: GGUFFile, layers: int) -> tuple[str, ...]:
     return tuple("global" if (i + 1) % interval == 0 else "gdn" for i in range(layers))
 
 
-def qwen35_config(g: GGUFFile, max_context: int | None = None) -> ModelConfig:
+def config_from_gguf(g: GGUFFile, max_context: int | None = None) -> ModelConfig:
     """The ModelConfig of a qwen35 file, in the file's own (llama.cpp) conventions."""
-    c = _common(g, max_context)
+    c = common_fields(g, max_context, DEFAULT_CONTEXT)
     layers = _trunk_layers(g)
     n_k = int(g.require("ssm.group_count"))
     n_v = int(g.require("ssm.time_step_rank"))
@@ -104,13 +206,8 @@ def qwen35_config(g: GGUFFile, max_context: int | None = None) -> ModelConfig:
     scale = float(g.arch_key("rope.scaling.factor", 1.0) or 1.0)
     if g.arch_key("rope.scaling.type") not in (None, "none") and scale != 1.0:
         raise GGUFError(f"{g.path}: RoPE scaling is not supported for qwen35")
-    extra: dict[str, Any] = dict(c.pop("extra"))
-    # llama.cpp's GDN q/k norm is x * rsqrt(sum x^2 + rms_eps) (build_gdn_l2_norm); HF's uses a
-    # fixed 1e-6, which is the same expression for every released Qwen3.5 (rms_eps 1e-6).
-    extra["gdn_l2norm"] = "hf"
     return ModelConfig(
         **c,
-        extra=extra,
         layer_types=qwen35_layer_types(g, layers),
         rope_theta_global=float(g.arch_key("rope.freq_base", 10_000_000.0)),
         rotary_dim_global=rot,
@@ -128,10 +225,13 @@ def qwen35_config(g: GGUFFile, max_context: int | None = None) -> ModelConfig:
         gdn_conv_kernel=int(g.require("ssm.conv_kernel")),
         gdn_kv_mapping="interleaved",  # value heads stored in tiled order by the converter
         gdn_norm_eps="plain",  # llama.cpp's build_norm_gated uses rms_eps (measured, docs/gdn.md)
+        # llama.cpp's GDN q/k norm is x * rsqrt(sum x^2 + rms_eps) (build_gdn_l2_norm); HF's uses a
+        # fixed 1e-6, which is the same expression for every released Qwen3.5 (rms_eps 1e-6).
+        gdn_l2norm="hf",
     )
 
 
-def qwen35_tensor_name_map(cfg: ModelConfig) -> dict[str, str]:
+def gguf_tensor_names(cfg: ModelConfig) -> dict[str, str]:
     """module parameter name -> GGUF tensor name for every parameter of a qwen35 module."""
     out = {k: v for k, v in _GLOBAL.items() if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
     for i, kind in enumerate(cfg.layer_types):
@@ -140,14 +240,15 @@ def qwen35_tensor_name_map(cfg: ModelConfig) -> dict[str, str]:
     return out
 
 
-def _is_skipped(name: str, trunk_layers: int) -> bool:
+def gguf_skip_tensor(name: str, cfg: ModelConfig) -> bool:
     """MTP tensors: anything in a block past the trunk."""
+    trunk_layers = cfg.num_layers
     if not name.startswith("blk."):
         return False
     return int(name.split(".", 2)[1]) >= trunk_layers
 
 
-def convert_tensor(tensor_name: str, w: np.ndarray) -> np.ndarray:
+def gguf_tensor_value(tensor_name: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """Undo the converter's value transforms (norm `1 + w` is kept; the module reads it as is)."""
     if tensor_name.endswith(".ssm_a"):
         if not np.all(w < 0):
@@ -156,23 +257,7 @@ def convert_tensor(tensor_name: str, w: np.ndarray) -> np.ndarray:
     return w
 
 
-def iter_qwen35_weights(g: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """(parameter name, float32 array) for every parameter; missing or left-over tensors are errors."""
-    names = qwen35_tensor_name_map(cfg)
-    missing = [t for t in names.values() if t not in g.tensors]
-    if missing:
-        raise MissingTensorError(f"{g.path} lacks {len(missing)} tensor(s) a qwen35 model needs, first {missing[0]!r}")
-    used = set(names.values())
-    unexpected = sorted(t for t in g.tensors if t not in used and not _is_skipped(t, cfg.num_layers))
-    if unexpected:
-        raise GGUFError(f"{g.path}: tensor {unexpected[0]!r} has no place in a qwen35 model ({len(unexpected)} unexpected)")
-    for param, tname in names.items():
-        yield param, convert_tensor(tname, g.dequantize(tname))
-
-
-# --------------------------------------------------------------------------
-# HF <-> file layout (used by tests to check the mapping tensor by tensor)
-# --------------------------------------------------------------------------
+# ---- HF <-> file layout (used by tests to check the mapping tensor by tensor) ----
 
 
 def grouped_to_tiled(x: np.ndarray, axis: int, n_k: int, rep: int, head_dim: int) -> np.ndarray:
@@ -191,12 +276,15 @@ def tiled_to_grouped(x: np.ndarray, axis: int, n_k: int, rep: int, head_dim: int
     return np.moveaxis(y, 0, axis)
 
 
-__all__ = [
-    "convert_tensor",
-    "grouped_to_tiled",
-    "iter_qwen35_weights",
-    "qwen35_config",
-    "qwen35_layer_types",
-    "qwen35_tensor_name_map",
-    "tiled_to_grouped",
-]
+ARCHITECTURE = Architecture(
+    family="qwen35",
+    presets={"qwen35-tiny": qwen35_tiny},
+    hf_model_types=("qwen3_5_text", "qwen3_5"),
+    config_from_hf=config_from_hf,
+    hf_layer_renames={"input_layernorm": "input_norm", "post_attention_layernorm": "mlp_norm"},
+    gguf_architecture="qwen35",
+    config_from_gguf=config_from_gguf,
+    gguf_tensor_names=gguf_tensor_names,
+    gguf_tensor_value=gguf_tensor_value,
+    gguf_skip_tensor=gguf_skip_tensor,
+)

@@ -7,8 +7,8 @@ inverse-listed table stores rows z = H D e, undone at lookup by e = signs * WHT(
 Rotated tensors are written as F32 (or F16); everything else is copied
 byte for byte, quantization included.
 
-    python -m foldline.tools.make_rotated_gguf smollm2-135m /tmp/smollm2-rotated.gguf
-    python -m foldline.tools.make_rotated_gguf llama-tiny /tmp/llama-tiny-rotated.gguf --block-size 32
+    python -m foldline.testing.rotated_gguf smollm2-135m /tmp/smollm2-rotated.gguf
+    python -m foldline.testing.rotated_gguf llama-tiny /tmp/llama-tiny-rotated.gguf --block-size 32
 """
 
 from __future__ import annotations
@@ -18,12 +18,16 @@ import copy
 from collections.abc import Mapping
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 from torch import nn
 
 from ..frontend import hadamard as H
-from ..frontend.model import CausalLM
+from ..frontend.arch import get_preset
+from ..frontend.gguf_file import GGUFFile
+from ..frontend.model import CausalLM, build_model
+from ..frontend.shipped import SHIPPED_MODELS, locate_shipped
 
 # GGUF tensors whose activation is rotated (the measured qwen35 list, by suffix); ssm_alpha / ssm_beta stay plain.
 FORWARD_SUFFIXES = (
@@ -47,8 +51,6 @@ def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def write_llama_gguf(model: CausalLM, path: str | Path) -> Path:
     """An unrotated llama-family CausalLM (e.g. the seeded llama-tiny preset) as an F32 GGUF file."""
-    import gguf
-
     cfg = model.cfg
     if cfg.family != "llama" or set(cfg.layer_types) != {"global"}:
         raise ValueError(f"write_llama_gguf writes llama models with global attention only, not {cfg.name!r}")
@@ -165,9 +167,6 @@ def rotate_gguf(
     extra_metadata: Mapping[str, object] | None = None,
 ) -> H.HadamardMetadata:
     """Write `dst`: `src` with its listed weights stored rotated and the prism.hadamard.* keys added."""
-    import gguf
-
-    from ..frontend.gguf_loader import GGUFFile
 
     if dtype not in ("f32", "f16"):
         raise ValueError(f"rotated tensors are written as f32 or f16, not {dtype!r}")
@@ -252,14 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     src = Path(args.source)
     if src.suffix != ".gguf":
-        from ..frontend.shipped import SHIPPED_MODELS, locate_shipped
-
         if args.source in SHIPPED_MODELS:
             src = locate_shipped(args.source)
         else:
-            from ..frontend.config import get_preset
-            from ..frontend.model import build_model
-
             src = args.output.with_suffix(".unrotated.gguf")
             write_llama_gguf(build_model(get_preset(args.source)), src)
             print(f"unrotated {args.source} written to {src}")

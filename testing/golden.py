@@ -24,9 +24,9 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 from torch.fx.graph import CodeGen
 
-from ..frontend.model import TORCH_DTYPES, StateSpec
-from .manager import CompileUnit, run_pipeline
-from .state_layout import SEQ_DIM
+from ..frontend.types import TORCH_DTYPES, StateSpec
+from ..passes.manager import CompileUnit, run_pipeline
+from ..passes.state_layout import SEQ_DIM
 
 # Scaled-error tolerances per dtype: fp32 rounding differences of reordered sums
 # through a few layers stay far below these; a wrong mask or a doubled scale

@@ -1,0 +1,55 @@
+"""Shared frontend types: dtypes, state buffer specs, the chunk context, a loaded model.
+
+A leaf module: it imports nothing from the rest of foldline, so every other
+frontend module (the reference modules, the GDN mixer, the loaders, the passes)
+can use these types without an import cycle.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .config import ModelConfig
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One runtime-owned state buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    layer: int
+    kind: str  # "global_kv", "local_kv", "gdn_recurrent", "gdn_conv"
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+
+@dataclass
+class ChunkContext:
+    """What every layer needs to know about the chunk being processed."""
+
+    start_pos: Tensor  # [B] int64
+    n_valid: Tensor  # [B] int64
+    positions: Tensor  # [B, C] int64
+    embed: Tensor  # [B, C, d] scaled embedding (Ripple's value-residual seed)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to export: its config, the reference module with weights, its tokenizer."""
+
+    config: ModelConfig
+    module: nn.Module  # a frontend.model.CausalLM
+    tokenizer_json: str | None = None  # a tokenizers JSON document
+    chat_template: str | None = None
+    source: str = ""

@@ -1,0 +1,63 @@
+"""The pass registry: what a pass sees (CompileUnit), what it reports (PassResult), and registration.
+
+A leaf of the passes package: each pass module registers itself here, and the
+pass manager imports the pass modules, so neither imports the other's user.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.export import ExportedProgram
+
+from ..frontend.config import ModelConfig
+from ..frontend.types import StateSpec
+
+
+@dataclass
+class CompileUnit:
+    """What passes transform: all entry points of one model, and its state layout."""
+
+    config: ModelConfig
+    programs: dict[str, ExportedProgram]
+    state_specs: list[StateSpec]
+    # Per-compile pass options, e.g. {"hadamard": "fold" | "online"}.
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PassResult:
+    """What one pass did: the number of rewritten sites and anything worth reporting."""
+
+    changed: bool
+    sites: int = 0
+    bytes_saved: int = 0
+    notes: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        parts = [f"{self.sites} site(s)"]
+        if self.bytes_saved:
+            parts.append(f"{self.bytes_saved:,} state bytes saved")
+        parts.extend(self.notes)
+        return "; ".join(parts)
+
+
+@dataclass
+class Pass:
+    name: str
+    description: str
+    run: Callable[[CompileUnit], PassResult]
+
+
+PASSES: dict[str, Pass] = {}
+
+
+def register_pass(name: str, description: str):
+    def wrap(fn: Callable[[CompileUnit], PassResult]):
+        PASSES[name] = Pass(name, description, fn)
+        return fn
+
+    return wrap

@@ -1,0 +1,138 @@
+"""The package's import graph: no cycles, and no import against the stage order.
+
+Every import counts, at module level or inside a function: a lazy import that
+dodges a cycle at run time is still a cycle in the design.
+
+Stage order: tools -> backends -> passes -> frontend. `runtime` stands apart
+(an edge app installs it without the compiler), so it imports no compiler
+stage; `testing` (golden harness, parity runner, fixture generators) may use
+any stage, and no product stage imports it except the CLI.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("frontend", "passes", "backends", "runtime", "tools", "testing")
+
+# stage -> stages it must never import
+FORBIDDEN = {
+    "runtime": {"frontend", "passes", "backends", "tools", "testing"},
+    "frontend": {"passes", "backends", "tools", "testing"},
+    "passes": {"backends", "tools", "testing"},
+    "backends": {"tools", "testing"},
+}
+
+
+def module_sources(root: Path = ROOT) -> dict[str, str]:
+    """foldline module name -> source text, for every module of the stage packages."""
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(["foldline", *parts])] = path.read_text()
+    return out
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """module -> the foldline modules it imports (resolved to the longest existing module name)."""
+    graph: dict[str, set[str]] = {m: set() for m in sources}
+    for module, text in sources.items():
+        is_package = any(other.startswith(module + ".") for other in sources)
+        package = module if is_package else module.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(text)):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    full = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    full = node.module or ""
+                targets = [full] + [f"{full}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            for target in targets:
+                while target and target not in sources:
+                    target = target.rsplit(".", 1)[0] if "." in target else ""
+                if target and target != module:
+                    graph[module].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def stage_of(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def against_stage_order(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{src} imports {dst}"
+        for src, dsts in graph.items()
+        for dst in dsts
+        if stage_of(dst) in FORBIDDEN.get(stage_of(src), set())
+    )
+
+
+def test_the_package_has_no_import_cycle():
+    graph = import_graph(module_sources())
+    assert len(graph) > 40  # every stage was read
+    assert cycles(graph) == []
+
+
+def test_no_import_goes_against_the_stage_order():
+    assert against_stage_order(import_graph(module_sources())) == []
+
+
+def test_a_lazy_import_cycle_is_caught():
+    """The cycles this layout removed (e.g. gdn <-> model through a function-level import) fail the check."""
+    sources = module_sources()
+    sources["foldline.frontend.gdn"] += "\n\ndef _late():\n    from .model import CausalLM\n    return CausalLM\n"
+    assert ["foldline.frontend.gdn", "foldline.frontend.model"] in cycles(import_graph(sources))
+
+
+def test_an_import_against_the_order_is_caught():
+    sources = module_sources()
+    sources["foldline.frontend.model"] += "\n\ndef _late():\n    from ..passes.manager import run_pipeline\n"
+    sources["foldline.runtime.model"] += "\nimport foldline.frontend.config\n"
+    assert against_stage_order(import_graph(sources)) == [
+        "foldline.frontend.model imports foldline.passes.manager",
+        "foldline.runtime.model imports foldline.frontend.config",
+    ]
