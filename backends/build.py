@@ -12,12 +12,13 @@ from pathlib import Path
 import iree.compiler as ireec
 import iree.runtime as rt
 
-from ..frontend.export import export_model
+from ..frontend.export import export_model, parameter_target
 from ..frontend.sources import load_model
 from ..frontend.types import LoadedModel
 from ..passes.manager import CompileUnit, run_pipeline
 from ..runtime.bundle import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file, vmfb_info
 from .importer import import_programs, params_to_numpy
+from .quant_kernels import expand_qlinear_ops
 from .targets import Target, make_target
 
 Progress = Callable[[str], None]
@@ -33,6 +34,8 @@ class BuildOptions:
     dump_after: dict[str, Path] = field(default_factory=dict)
     keep_mlir: bool = False
     hadamard: str = "fold"  # fuse-hadamard mode: "fold" rotations into float weights, or keep them "online"
+    weights: str = "f32"  # quantize-weights mode: auto (the checkpoint's blocks), f32, int8, int4
+    group: int = 32  # quantization group for requantized weights
 
 
 def _versions() -> dict[str, str]:
@@ -55,7 +58,8 @@ def compile_model(loaded: LoadedModel, out_dir: str | Path, options: BuildOption
     progress(f"[1/4] exporting {cfg.name}: prefill chunk {options.chunk}, decode, batch {options.batch}")
     entries = export_model(loaded.module, options.batch, options.chunk)
     unit = CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs,
-                       options={"hadamard": options.hadamard})
+                       options={"hadamard": options.hadamard, "weights": options.weights, "group": options.group},
+                       source_blocks={parameter_target(k): v for k, v in loaded.source_blocks.items()})
 
     progress("[2/4] running passes")
     report = run_pipeline(unit, options.passes, dump_after=options.dump_after, progress=progress)
@@ -75,7 +79,8 @@ def compile_model(loaded: LoadedModel, out_dir: str | Path, options: BuildOption
     for target in options.targets:
         progress(f"[4/4] iree-compile for {target.description}")
         t1 = time.time()
-        vmfb = ireec.compile_str(mlir, input_type="torch", extra_args=target.flags)
+        target_mlir, _ = expand_qlinear_ops(mlir, cpu_tiles=target.device == "cpu")
+        vmfb = ireec.compile_str(target_mlir, input_type="torch", extra_args=target.flags)
         name = f"model.{target.device}.vmfb"
         (out / name).write_bytes(vmfb)
         modules[target.device] = {

@@ -19,6 +19,7 @@ from iree.compiler import ir
 from iree.compiler.extras.fx_importer import FxImporter, FxImporterHooks
 from torch.export import ExportedProgram
 
+from ..frontend import quant  # noqa: F401  (registers foldline::qlinear)
 from ..frontend.ops import DECOMPOSITIONS
 
 PARAM_SCOPE = "model"
@@ -97,10 +98,17 @@ class _ParameterHooks(FxImporterHooks):
         return name
 
 
+# Custom ops that reach MLIR as `torch.operator` for a backend rewrite instead of being decomposed
+# (backends/quant_kernels.py lowers foldline::qlinear to a fused dequantize-matmul kernel).
+KEPT_OPS = (torch.ops.foldline.qlinear.default,)
+
+
 def lower_to_aten(program: ExportedProgram) -> ExportedProgram:
-    """Decompose foldline custom ops (and everything else) to core aten for import."""
+    """Decompose foldline custom ops (and everything else) to core aten for import, but KEPT_OPS."""
     table = torch.export.default_decompositions()
     table.update(DECOMPOSITIONS)
+    for op in KEPT_OPS:
+        table.pop(op, None)
     return program.run_decompositions(table)
 
 

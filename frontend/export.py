@@ -18,6 +18,14 @@ from torch.export import ExportedProgram
 from .model import CausalLM, StateSpec, new_state
 
 ENTRY_POINTS = ("prefill", "decode")
+# The attribute under which each entry point holds the CausalLM: its parameters are
+# lifted as "model.<parameter name>".
+MODEL_ATTR = "model"
+
+
+def parameter_target(param_name: str) -> str:
+    """The lifted-parameter name of a CausalLM parameter in an exported entry point."""
+    return f"{MODEL_ATTR}.{param_name}"
 
 
 @dataclass
@@ -36,7 +44,7 @@ class _ChunkEntry(nn.Module):
 
     def __init__(self, model: CausalLM, n_state: int):
         super().__init__()
-        self.model = model
+        setattr(self, MODEL_ATTR, model)
         self.n_state = n_state
 
     def forward(self, tokens, start_pos, n_valid, *state):

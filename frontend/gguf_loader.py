@@ -20,6 +20,7 @@ from .config import ConfigError, ModelConfig
 from .gguf_file import GGUFError, GGUFFile, MissingTensorError, UnsupportedArchitectureError
 from .hadamard import apply_hadamard_metadata, has_hadamard_metadata
 from .model import CausalLM
+from .quant import REPACKABLE, QuantizedTensor, repack_gguf
 from .tokenizer import tokenizer_json_from_gguf
 from .types import LoadedModel
 
@@ -74,6 +75,30 @@ def _iter_weights(g: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarr
         yield param, arch.gguf_tensor_value(tname, g.dequantize(tname), cfg)
 
 
+def source_blocks(g: GGUFFile, cfg: ModelConfig, module: CausalLM) -> dict[str, QuantizedTensor]:
+    """The file's block-quantized 2-D weights, repacked exactly into foldline's formats, by parameter name.
+
+    The architecture's value conversion (llama's Q/K row order) is applied to
+    each row-indexed array of the blocks; a tensor whose blocks then do not
+    dequantize to exactly the module's weight is left out (it stays float).
+    """
+    arch = architecture_of(cfg)
+    params = dict(module.named_parameters())
+    out: dict[str, QuantizedTensor] = {}
+    for param, tname in tensor_name_map(cfg).items():
+        info = g.info(tname)
+        if info.qtype not in [int(q) for q in REPACKABLE] or len(info.shape) != 2:
+            continue
+        blocks = repack_gguf(g.raw(tname), info.qtype)
+        fields = {"codes": blocks.codes, "scales": blocks.scales, "mins": blocks.mins}
+        for key, array in fields.items():
+            if array is not None:
+                setattr(blocks, key, np.ascontiguousarray(arch.gguf_tensor_value(tname, array, cfg)))
+        if np.array_equal(blocks.dequantize(), params[param].detach().numpy()):
+            out[param] = blocks
+    return out
+
+
 def build_module(g: GGUFFile, cfg: ModelConfig) -> CausalLM:
     """The reference CausalLM with the file's weights, materialised one tensor at a time."""
     with torch.device("meta"):
@@ -97,6 +122,7 @@ def load_gguf(path: str | Path, max_context: int | None = None) -> LoadedModel:
     with GGUFFile(path) as g:
         cfg = config_from_file(g, max_context)
         module = build_module(g, cfg)
+        blocks = source_blocks(g, cfg, module)
         if has_hadamard_metadata(g.metadata):
             # Weights stored Hadamard-rotated: wrap them so the module computes the unrotated model.
             gguf_to_param = {tensor: param for param, tensor in tensor_name_map(cfg).items()}
@@ -105,4 +131,4 @@ def load_gguf(path: str | Path, max_context: int | None = None) -> LoadedModel:
         template = g.get("tokenizer.chat_template")
         if template is None:
             template = architecture_of(cfg).default_chat_template
-    return LoadedModel(cfg, module, tokenizer_json, template, source=f"gguf:{path.name}")
+    return LoadedModel(cfg, module, tokenizer_json, template, source=f"gguf:{path.name}", source_blocks=blocks)

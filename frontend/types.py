@@ -8,7 +8,8 @@ can use these types without an import cycle.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -53,3 +54,6 @@ class LoadedModel:
     tokenizer_json: str | None = None  # a tokenizers JSON document
     chat_template: str | None = None
     source: str = ""
+    # The checkpoint's block-quantized weights, exactly repacked (quant.QuantizedTensor by parameter
+    # name); the module holds their float32 dequantization, the eager reference.
+    source_blocks: dict[str, Any] = field(default_factory=dict)

@@ -8,12 +8,19 @@ left intact, so golden tests can run before and after side by side.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.export import ExportedProgram
-from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, TensorArgument
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    InputKind,
+    InputSpec,
+    OutputSpec,
+    TensorArgument,
+)
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
@@ -104,13 +111,17 @@ def rebuild(
     constants: dict[str, torch.Tensor] | None = None,
     example_inputs: tuple | None = None,
 ) -> ExportedProgram:
-    """A new ExportedProgram from an edited graph; the constructor re-verifies it."""
+    """A new ExportedProgram from an edited graph; the constructor re-verifies it.
+
+    Output specs follow the graph's output node, so a pass may replace the node
+    that produces an output (the head's linear, say).
+    """
     gm.graph.lint()
     gm.recompile()
     sig = program.graph_signature
     new_sig = ExportGraphSignature(
         input_specs=list(input_specs) if input_specs is not None else copy.copy(sig.input_specs),
-        output_specs=copy.copy(sig.output_specs),
+        output_specs=_output_specs(gm, sig.output_specs),
     )
     return ExportedProgram(
         root=gm,
@@ -123,6 +134,15 @@ def rebuild(
         constants=dict(constants if constants is not None else program.constants),
         verifiers=program.verifiers,
     )
+
+
+def _output_specs(gm: GraphModule, specs: list[OutputSpec]) -> list[OutputSpec]:
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    return [
+        dataclasses.replace(spec, arg=TensorArgument(name=node.name))
+        if isinstance(spec.arg, TensorArgument) and isinstance(node, Node) else spec
+        for spec, node in zip(specs, outputs)
+    ]
 
 
 # Lifted inputs that hold weights or constants (what a pass may read at compile time).

@@ -12,14 +12,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import fold_embedding_scale, fuse_hadamard, ring_buffer_swa  # noqa: F401  (each registers its pass)
+from . import (  # noqa: F401  (each registers its pass)
+    fold_embedding_scale,
+    fuse_hadamard,
+    quantize_weights,
+    ring_buffer_swa,
+)
 from .registry import PASSES, CompileUnit, Pass, PassResult, register_pass
 
 __all__ = ["PASSES", "CompileUnit", "Pass", "PassError", "PassResult", "available_passes", "default_pipeline",
            "register_pass", "resolve_pipeline", "run_pipeline"]
 
 # fuse-hadamard first: folding restores the plain embedding lookups fold-embedding-scale anchors on.
-DEFAULT_PIPELINE: list[str] = ["fuse-hadamard", "fold-embedding-scale", "ring-buffer-swa"]
+# quantize-weights last: it reads the float weights the other passes leave.
+DEFAULT_PIPELINE: list[str] = ["fuse-hadamard", "fold-embedding-scale", "ring-buffer-swa", "quantize-weights"]
 
 
 class PassError(ValueError):

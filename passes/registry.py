@@ -23,8 +23,11 @@ class CompileUnit:
     config: ModelConfig
     programs: dict[str, ExportedProgram]
     state_specs: list[StateSpec]
-    # Per-compile pass options, e.g. {"hadamard": "fold" | "online"}.
+    # Per-compile pass options, e.g. {"hadamard": "fold" | "online", "weights": "auto" | "int4"}.
     options: dict[str, Any] = field(default_factory=dict)
+    # The checkpoint's own block-quantized weights (quant.QuantizedTensor) by lifted-parameter
+    # name in the programs (frontend.export.parameter_target).
+    source_blocks: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

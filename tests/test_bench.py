@@ -1,4 +1,4 @@
-"""foldline bench: figures for the compiled bundle and torch eager, side by side."""
+"""foldline bench: figures for the compiled bundle and its peers, side by side."""
 
 from __future__ import annotations
 
@@ -16,16 +16,18 @@ def test_prompt_ids_are_deterministic_and_in_range():
     assert len(a) == 128 and min(a) >= 1000 and max(a) < 49152
 
 
-def test_table_has_ratios():
+def test_table_has_one_ratio_column_per_peer():
     compiled = {"prefill_tok_s": 200.0, "decode_tok_s": 50.0, "prefill_cpu_ms_tok": 5.0, "decode_cpu_ms_tok": 20.0,
                 "peak_rss_mib": 300.0, "load_s": 1.0}
-    eager = {k: v / 2 for k, v in compiled.items()}
-    table = format_table(compiled, eager, 128, 128, "cpu")
+    llama = {k: v / 2 for k, v in compiled.items()}
+    hf = {k: v * 4 for k, v in compiled.items()}
+    table = format_table({"foldline": compiled, "llama.cpp": llama, "HF eager": hf}, 128, 128)
     lines = table.splitlines()
-    assert "torch eager" in lines[0] and "foldline / eager" in lines[0]
-    assert lines[1].split()[-1] == "2.00x"  # prefill ratio
+    assert lines[0].split()[-4:] == ["foldline", "/", "HF", "eager"]
+    assert "foldline / llama.cpp" in lines[0]
+    assert lines[1].split()[-2:] == ["2.00x", "0.25x"]  # prefill ratios against each peer
     assert "decode tok/s (128 tokens)" in table
-    assert "torch eager" not in format_table(compiled, None, 128, 128, "cpu")
+    assert "/" not in format_table({"foldline": compiled}, 128, 128).splitlines()[0]
 
 
 @pytest.mark.slow
@@ -36,13 +38,22 @@ def test_bench_cli_on_a_compiled_bundle(bundle_factory, tmp_path, capsys):
                "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "prefill tok/s (20 tokens)" in printed and "foldline / eager" in printed
+    assert "prefill tok/s (20 tokens)" in printed and "foldline (cpu) / reference eager" in printed
     data = json.loads(out.read_text())
-    for engine in ("compiled", "eager"):
-        figures = data[engine]
+    for engine in ("foldline (cpu)", "reference eager"):
+        figures = data["engines"][engine]
         assert figures["prefill_tok_s"] > 0 and figures["decode_tok_s"] > 0
         assert figures["peak_rss_mib"] > 10
-    assert data["compiled"]["chunk"] == 16
+    assert data["engines"]["foldline (cpu)"]["chunk"] == 16
+
+
+def test_a_peer_that_is_not_installed_is_reported_not_fatal(tmp_path):
+    from foldline.tools.bench_peers import PeerUnavailable, bench_llama_cpp
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(PeerUnavailable, match="llama_cpp"):
+        bench_llama_cpp(gguf, [1, 2, 3], 2, 1)  # this interpreter has no llama-cpp-python
 
 
 @pytest.mark.slow

@@ -1,16 +1,17 @@
-"""foldline bench BUNDLE [--prompt-len 128] [--new-tokens 128] [--eager MODEL]
+"""foldline bench BUNDLE [--prompt-len 128] [--new-tokens 128] [--llama-cpp [GGUF]] [--hf [MODEL]]
 
-Prefill and decode throughput of a compiled bundle and, side by side, of the
-torch eager reference on the same weights with the same chunking. Each engine
-runs in its own child process so its peak RSS is its own (and the runtime's
-process never imports torch).
+Prefill and decode throughput and peak memory of a compiled bundle and, side by
+side in the same run, of the engines a user would pick instead: llama.cpp and
+HF transformers eager on the same checkpoint (`tools/bench_peers.py`), and
+optionally foldline's own torch reference module. Each engine runs in its own
+child process so its peak RSS is its own (and the runtime's process never
+imports torch); all are timed by the same loop (`tools/bench_timer.py`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -18,14 +19,24 @@ from typing import Any
 
 import numpy as np
 
+from .bench_timer import peak_rss_mib, time_engine
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure prefill/decode tokens/s and peak memory of a bundle (and torch eager)")
     p.add_argument("bundle", help="bundle directory")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens to prefill (default 128)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens to decode after the prompt (default 128)")
+    p.add_argument("--llama-cpp", nargs="?", const="auto", default=None, metavar="GGUF",
+                   help="also time llama.cpp (llama-cpp-python) on GGUF (default: the GGUF the bundle came from)")
+    p.add_argument("--llama-python", default=None, metavar="PYTHON",
+                   help="interpreter that has llama-cpp-python (default: this one)")
+    p.add_argument("--hf", nargs="?", const="auto", default=None, metavar="MODEL",
+                   help="also time HF transformers eager on MODEL, a .gguf or HF directory "
+                        "(default: the GGUF the bundle came from)")
     p.add_argument("--eager", default=None, metavar="MODEL",
-                   help="also time torch eager on MODEL (the spec the bundle was compiled from)")
+                   help="also time foldline's own torch reference module on MODEL (what compiling buys; not a peer)")
+    p.add_argument("--threads", type=int, default=None, help="threads for the peers (default: all cores)")
     p.add_argument("--device", default="cpu", choices=["cpu", "vulkan", "cuda"])
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
@@ -37,29 +48,6 @@ def add_parser(sub) -> None:
 def prompt_ids(vocab: int, n: int, seed: int) -> list[int]:
     # Skip the low ids where vocabularies keep their control tokens.
     return np.random.default_rng(seed).integers(min(1000, vocab // 2), vocab, size=n).tolist()
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
-
-
-def _time_engine(prefill, decode, ids: list[int], new_tokens: int) -> dict[str, float]:
-    # Wall clock is what a user sees; process CPU time (all threads) tells how much
-    # of it was this engine's work when other processes share the cores.
-    c0, t0 = time.process_time(), time.perf_counter()
-    logits = prefill(ids)
-    c1, t1 = time.process_time(), time.perf_counter()
-    for _ in range(new_tokens):
-        logits = decode(int(np.argmax(logits)))
-    c2, t2 = time.process_time(), time.perf_counter()
-    return {
-        "prefill_s": t1 - t0,
-        "decode_s": t2 - t1,
-        "prefill_tok_s": len(ids) / (t1 - t0),
-        "decode_tok_s": new_tokens / (t2 - t1) if new_tokens else float("nan"),
-        "prefill_cpu_ms_tok": 1000 * (c1 - c0) / len(ids),
-        "decode_cpu_ms_tok": 1000 * (c2 - c1) / new_tokens if new_tokens else float("nan"),
-    }
 
 
 def bench_compiled(bundle: str, device: str, prompt_len: int, new_tokens: int, seed: int) -> dict[str, Any]:
@@ -74,8 +62,8 @@ def bench_compiled(bundle: str, device: str, prompt_len: int, new_tokens: int, s
     warm.prefill(ids[: model.chunk])
     warm.decode(ids[0])
     session = model.session()
-    out = _time_engine(session.prefill, session.decode, ids, new_tokens)
-    out.update(load_s=load_s, peak_rss_mib=_peak_rss_mib(), chunk=model.chunk, max_context=model.max_context,
+    out = time_engine(session.prefill, session.decode, ids, new_tokens)
+    out.update(load_s=load_s, peak_rss_mib=peak_rss_mib(), chunk=model.chunk, max_context=model.max_context,
                threads=os.cpu_count())
     return out
 
@@ -95,8 +83,8 @@ def bench_eager(spec: str, max_context: int, chunk: int, prompt_len: int, new_to
     warm.prefill(ids[:chunk])
     warm.decode(ids[0])
     runner = EagerRunner(loaded.module, chunk)
-    out = _time_engine(runner.prefill, runner.decode, ids, new_tokens)
-    out.update(load_s=load_s, peak_rss_mib=_peak_rss_mib(), threads=torch.get_num_threads())
+    out = time_engine(runner.prefill, runner.decode, ids, new_tokens)
+    out.update(load_s=load_s, peak_rss_mib=peak_rss_mib(), threads=torch.get_num_threads())
     return out
 
 
@@ -114,30 +102,44 @@ def _child(kind: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     return json.loads(line[len("BENCH ") :])
 
 
-def format_table(compiled: dict[str, Any], eager: dict[str, Any] | None, prompt_len: int, new_tokens: int,
-                 device: str) -> str:
-    rows = [
-        (f"prefill tok/s ({prompt_len} tokens)", "prefill_tok_s", "{:.1f}"),
-        (f"decode tok/s ({new_tokens} tokens)", "decode_tok_s", "{:.1f}"),
-        ("prefill CPU ms/token", "prefill_cpu_ms_tok", "{:.1f}"),
-        ("decode CPU ms/token", "decode_cpu_ms_tok", "{:.1f}"),
-        ("peak RSS (MiB)", "peak_rss_mib", "{:.0f}"),
-        ("load (s)", "load_s", "{:.1f}"),
-    ]
-    head = ["", f"foldline ({device})"] + (["torch eager", "foldline / eager"] if eager else [])
-    table = [head]
-    for label, key, fmt in rows:
-        line = [label, fmt.format(compiled[key])]
-        if eager:
-            line += [fmt.format(eager[key]), f"{compiled[key] / eager[key]:.2f}x"]
+ROWS = (
+    ("prefill tok/s ({prompt_len} tokens)", "prefill_tok_s", "{:.1f}"),
+    ("decode tok/s ({new_tokens} tokens)", "decode_tok_s", "{:.1f}"),
+    ("prefill CPU ms/token", "prefill_cpu_ms_tok", "{:.1f}"),
+    ("decode CPU ms/token", "decode_cpu_ms_tok", "{:.1f}"),
+    ("peak RSS (MiB)", "peak_rss_mib", "{:.0f}"),
+    ("load (s)", "load_s", "{:.1f}"),
+)
+
+
+def format_table(engines: dict[str, dict[str, Any]], prompt_len: int, new_tokens: int) -> str:
+    """One column per engine (the first is foldline), then foldline / engine for each other one."""
+    names = list(engines)
+    first, others = names[0], names[1:]
+    table = [["", *names, *[f"{first} / {o}" for o in others]]]
+    for label, key, fmt in ROWS:
+        line = [label.format(prompt_len=prompt_len, new_tokens=new_tokens)]
+        line += [fmt.format(engines[n][key]) for n in names]
+        line += [f"{engines[first][key] / engines[o][key]:.2f}x" if engines[o][key] else "-" for o in others]
         table.append(line)
-    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                      for r in table)
 
 
+def _source_model(manifest, given: str) -> str:
+    """The checkpoint a peer should load: the one given, else the GGUF the bundle was compiled from."""
+    if given != "auto":
+        return given
+    source = (manifest.config.get("extra") or {}).get("gguf")
+    if not source:
+        raise ValueError("the bundle records no source GGUF; name the model file for the peer explicitly")
+    return source
+
+
 def run(args) -> int:
     from ..runtime.bundle import Manifest
+    from .bench_peers import PeerUnavailable, bench_hf_eager, bench_llama_cpp
 
     manifest = Manifest.load(args.bundle)
     if args.prompt_len < 1 or args.new_tokens < 0:
@@ -148,15 +150,33 @@ def run(args) -> int:
             f"max_context {manifest.max_context}"
         )
     common = {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "seed": args.seed}
-    compiled = _child("compiled", {"bundle": str(args.bundle), "device": args.device, **common})
-    eager = None
+    ids = prompt_ids(manifest.vocab_size, args.prompt_len, args.seed)
+    threads = args.threads or os.cpu_count() or 1
+    engines = {f"foldline ({args.device})": _child("compiled", {"bundle": str(args.bundle), "device": args.device,
+                                                                **common})}
+    skipped = []
+    if args.llama_cpp:
+        try:
+            engines["llama.cpp"] = bench_llama_cpp(_source_model(manifest, args.llama_cpp), ids, args.new_tokens,
+                                                   threads, python=args.llama_python)
+        except PeerUnavailable as e:
+            skipped.append(str(e))
+    if args.hf:
+        try:
+            engines["HF eager"] = bench_hf_eager(_source_model(manifest, args.hf), ids, args.new_tokens, threads)
+        except PeerUnavailable as e:
+            skipped.append(str(e))
     if args.eager:
-        eager = _child("eager", {"spec": args.eager, "max_context": manifest.max_context,
-                                 "chunk": manifest.prefill_chunk, **common})
+        engines["reference eager"] = _child("eager", {"spec": args.eager, "max_context": manifest.max_context,
+                                                      "chunk": manifest.prefill_chunk, **common})
     name = manifest.config.get("name", args.bundle)
-    print(f"bench {name}: prompt {args.prompt_len} tokens in chunks of {manifest.prefill_chunk}, "
-          f"{args.new_tokens} decoded tokens, {os.cpu_count()} CPU threads")
-    print(format_table(compiled, eager, args.prompt_len, args.new_tokens, args.device))
+    print(f"bench {name}: prompt {args.prompt_len} tokens (foldline in chunks of {manifest.prefill_chunk}), "
+          f"{args.new_tokens} greedy decoded tokens, {threads} threads, load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print(format_table(engines, args.prompt_len, args.new_tokens))
+    for line in skipped:
+        print(f"skipped {line}")
+    compiled = next(iter(engines.values()))
     if args.hadamard_online:
         online = _child("compiled", {"bundle": str(args.hadamard_online), "device": args.device, **common})
         fold_ms, online_ms = (1000 * r["decode_s"] / max(args.new_tokens, 1) for r in (compiled, online))
@@ -164,6 +184,6 @@ def run(args) -> int:
               f"(online {online_ms:.3f} ms vs this bundle {fold_ms:.3f} ms)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bundle": str(args.bundle), "model": name, **common, "compiled": compiled, "eager": eager}, f,
-                      indent=2)
+            json.dump({"bundle": str(args.bundle), "model": name, **common, "threads": threads,
+                       "engines": engines}, f, indent=2)
     return 0

@@ -1,0 +1,286 @@
+"""Block-quantized weights: foldline's two formats, exact repacking from GGUF blocks, and quantization.
+
+Two formats cover every GGUF block type foldline reads, each exactly:
+
+- `q8`: signed int8 codes [N, K], one scale per group of `group` codes along K,
+  optionally one min per group: w = scale * q (+ min).
+- `q4`: unsigned 4-bit codes [N, K] packed two per byte (element 2i in the low
+  nibble, 2i+1 in the high one: the little-endian i4 layout IREE bitcasts to),
+  one scale and one min per group: w = scale * q + min.
+
+Scales and mins are float16 where the GGUF block stores them as float16
+(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: bytes unchanged) and float32 where the block
+stores a product (K-quants: d * sub-block scale, exact in float32). Every
+product and sum below is exact or rounds exactly as `gguf.quants.dequantize`
+does, so `dequantize(repack(block))` equals gguf's float32 output bit for bit
+(tests/test_quant.py), but for the sign of zero: Q4_0's d * (q - 8) is -0
+where d < 0 and q = 8, our d * q + (-8 d) is +0.
+
+| GGUF type | format | codes | group | scale / min |
+| --- | --- | --- | --- | --- |
+| Q8_0 | q8 | q | 32 | d (f16) |
+| Q5_0 | q8 | q - 16 | 32 | d (f16) |
+| Q5_1 | q8 + min | q | 32 | d, m (f16) |
+| Q6_K | q8 | q - 32 | 16 | d * sc (f32) |
+| Q5_K | q8 + min | q | 32 | d * sc, -dmin * m (f32) |
+| Q4_0 | q4 | q | 32 | d, -8 d (f16) |
+| Q4_1 | q4 | q | 32 | d, m (f16) |
+| Q4_K | q4 | q | 32 | d * sc, -dmin * m (f32) |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import Q4_K
+from torch import Tensor
+
+from .ops import register_decomposition
+
+FORMATS = ("q8", "q4")
+
+
+class QuantError(ValueError):
+    """A tensor that cannot be put in a foldline block format."""
+
+
+@dataclass
+class QuantizedTensor:
+    """A [N, K] weight in a foldline block format (numpy arrays, ready for the parameter archive)."""
+
+    format: str  # "q8" or "q4"
+    shape: tuple[int, int]  # logical [N, K]
+    group: int
+    codes: np.ndarray  # q8: int8 [N, K]; q4: uint8 [N, K // 2] (two codes per byte)
+    scales: np.ndarray  # [N, K // group], float16 or float32
+    mins: np.ndarray | None = None  # same shape and dtype as scales; required for q4
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        if self.format not in FORMATS:
+            raise QuantError(f"unknown block format {self.format!r}; expected one of {FORMATS}")
+        if k % self.group:
+            raise QuantError(f"row length {k} is not a multiple of the group {self.group}")
+        want = (n, k // 2) if self.format == "q4" else (n, k)
+        if self.codes.shape != want:
+            raise QuantError(f"{self.format} codes have shape {self.codes.shape}, expected {want}")
+        if self.scales.shape != (n, k // self.group):
+            raise QuantError(f"scales have shape {self.scales.shape}, expected {(n, k // self.group)}")
+        if self.format == "q4" and self.mins is None:
+            raise QuantError("q4 needs a min per group")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.codes, self.scales, self.mins) if a is not None)
+
+    def unpacked_codes(self) -> np.ndarray:
+        """int codes [N, K] as int16 (q4 unpacked from its nibbles)."""
+        if self.format == "q8":
+            return self.codes.astype(np.int16)
+        n, k = self.shape
+        out = np.empty((n, k), dtype=np.int16)
+        out[:, 0::2] = self.codes & 0x0F
+        out[:, 1::2] = self.codes >> 4
+        return out
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [N, K]: scale * q (+ min), in float32, the formula the compiled kernel uses."""
+        n, k = self.shape
+        q = self.unpacked_codes().astype(np.float32).reshape(n, k // self.group, self.group)
+        w = self.scales.astype(np.float32)[..., None] * q
+        if self.mins is not None:
+            w = w + self.mins.astype(np.float32)[..., None]
+        return w.reshape(n, k)
+
+
+# ---------------------------------------------------------------------------
+# Exact repacking of GGUF blocks
+# ---------------------------------------------------------------------------
+
+REPACKABLE = (
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q4_K,
+)
+
+
+def _blocks(raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, int, int]:
+    """raw bytes [N, row_bytes] -> blocks [N * nb, block_bytes], N, K."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    if raw.ndim != 2 or raw.shape[1] % size:
+        raise QuantError(f"{qtype.name} tensor bytes of shape {raw.shape} are not rows of {size}-byte blocks")
+    n = raw.shape[0]
+    k = raw.shape[1] // size * block
+    return np.ascontiguousarray(raw).reshape(-1, size), n, k
+
+
+def _nibbles_32(qs: np.ndarray) -> np.ndarray:
+    """ggml's 16-byte nibble layout (element i low nibble, i + 16 high nibble) -> codes [..., 32]."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _high_bits_32(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's 4-byte qh (little-endian bit i = element i) -> [..., 32] of 0/1."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")
+
+
+def _pack_q4(codes: np.ndarray) -> np.ndarray:
+    """uint8 codes [N, K] in 0..15 -> [N, K // 2], element 2i low nibble, 2i+1 high."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16)
+
+
+def repack_gguf(raw: np.ndarray, qtype: int) -> QuantizedTensor:
+    """Exact foldline blocks for a GGUF tensor's raw bytes [N, row_bytes] (see the module table)."""
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in REPACKABLE:
+        raise QuantError(f"{qtype.name} has no foldline block format")
+    blocks, n, k = _blocks(raw, qtype)
+    nb = blocks.shape[0]
+    if qtype == GGMLQuantizationType.Q8_0:
+        d, qs = blocks[:, :2], blocks[:, 2:]
+        return QuantizedTensor("q8", (n, k), 32, qs.view(np.int8).reshape(n, k).copy(), _f16(d).reshape(n, -1))
+    if qtype in (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1):
+        has_min = qtype == GGMLQuantizationType.Q5_1
+        d = _f16(blocks[:, :2])
+        m = _f16(blocks[:, 2:4]) if has_min else None
+        off = 4 if has_min else 2
+        qh, qs = blocks[:, off : off + 4], blocks[:, off + 4 :]
+        q = (_nibbles_32(qs) | (_high_bits_32(qh) << 4)).astype(np.int16)
+        codes = (q if has_min else q - 16).astype(np.int8).reshape(n, k)
+        return QuantizedTensor("q8", (n, k), 32, codes, d.reshape(n, -1), m.reshape(n, -1) if has_min else None)
+    if qtype in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+        d = _f16(blocks[:, :2])
+        if qtype == GGMLQuantizationType.Q4_1:
+            m, qs = _f16(blocks[:, 2:4]), blocks[:, 4:]
+        else:
+            m, qs = (d * np.float16(-8)).astype(np.float16), blocks[:, 2:]  # exact: a power-of-two multiple
+        codes = _pack_q4(_nibbles_32(qs).reshape(n, k))
+        return QuantizedTensor("q4", (n, k), 32, codes, d.reshape(n, -1), m.reshape(n, -1))
+    if qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
+        d = _f16(blocks[:, :2]).astype(np.float32)
+        dmin = _f16(blocks[:, 2:4]).astype(np.float32)
+        sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
+        scale = (d * sc.astype(np.float32)).reshape(n, -1)
+        minus = (-(dmin * mn.astype(np.float32))).reshape(n, -1)
+        if qtype == GGMLQuantizationType.Q4_K:
+            qs = blocks[:, 16:].reshape(nb, 4, 32)  # 4 chunks of 64: low nibbles sub-block 2j, high 2j+1
+            q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, k)
+            return QuantizedTensor("q4", (n, k), 32, _pack_q4(q), scale, minus)
+        qh, qs = blocks[:, 16:48], blocks[:, 48:].reshape(nb, 4, 32)
+        ql = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(nb, 8, 32)
+        high = ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1).reshape(nb, 8, 32)
+        q = (ql | (high << 4)).astype(np.int8).reshape(n, k)
+        return QuantizedTensor("q8", (n, k), 32, q, scale, minus)
+    # Q6_K: 256 codes per block in 16 groups of 16, q - 32 in [-32, 31].
+    ql, qh = blocks[:, :128], blocks[:, 128:192]
+    sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
+    d = _f16(blocks[:, 208:210]).astype(np.float32)
+    low = np.stack([ql.reshape(nb, 2, 64) & 0x0F, ql.reshape(nb, 2, 64) >> 4], axis=2).reshape(nb, 2, 4, 32)
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]
+    high = (qh.reshape(nb, 2, 1, 32) >> shifts) & 0x03
+    q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, k)
+    return QuantizedTensor("q8", (n, k), 16, q, (d * sc).reshape(n, -1))
+
+
+# ---------------------------------------------------------------------------
+# Quantizing float weights (HF checkpoints, GGUF float tensors)
+# ---------------------------------------------------------------------------
+
+
+def quantize(w: np.ndarray, fmt: str, group: int = 32) -> QuantizedTensor:
+    """Groupwise round-to-nearest: q8 symmetric (scale = max|w| / 127), q4 asymmetric (min and 15 steps).
+
+    Scales and mins are float16, like GGUF's Q8_0 / Q4_1 blocks.
+    """
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim != 2:
+        raise QuantError(f"only 2-D weights are quantized, got shape {w.shape}")
+    n, k = w.shape
+    if k % group:
+        raise QuantError(f"row length {k} is not a multiple of the group {group}")
+    g = w.reshape(n, k // group, group)
+    if fmt == "q8":
+        scale = (np.abs(g).max(-1) / 127).astype(np.float16)
+        s32 = scale.astype(np.float32)[..., None]
+        q = np.where(s32 > 0, np.rint(g / np.where(s32 > 0, s32, 1)), 0).clip(-127, 127)
+        return QuantizedTensor("q8", (n, k), group, q.astype(np.int8).reshape(n, k), scale)
+    if fmt == "q4":
+        lo, hi = g.min(-1), g.max(-1)
+        scale = ((hi - lo) / 15).astype(np.float16)
+        mins = lo.astype(np.float16)
+        s32, m32 = scale.astype(np.float32)[..., None], mins.astype(np.float32)[..., None]
+        q = np.where(s32 > 0, np.rint((g - m32) / np.where(s32 > 0, s32, 1)), 0).clip(0, 15)
+        return QuantizedTensor("q4", (n, k), group, _pack_q4(q.astype(np.uint8).reshape(n, k)), scale, mins)
+    raise QuantError(f"unknown block format {fmt!r}; expected one of {FORMATS}")
+
+
+def dequantize_torch(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, fmt: str,
+                     group: int) -> torch.Tensor:
+    """The eager reference of the compiled dequantization: float32 [N, K]."""
+    if fmt == "q4":
+        n = codes.shape[0]
+        q = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(n, -1)
+    else:
+        q = codes
+    n, k = q.shape
+    w = scales.float()[..., None] * q.float().reshape(n, k // group, group)
+    if mins is not None:
+        w = w + mins.float()[..., None]
+    return w.reshape(n, k)
+
+
+# ---------------------------------------------------------------------------
+# Custom ops: the anchors a backend lowers to a fused dequantize + matmul
+# ---------------------------------------------------------------------------
+
+
+def qlinear_impl(x: Tensor, codes: Tensor, scales: Tensor, mins: Tensor | None, fmt: str, group: int) -> Tensor:
+    """x @ dequantize(W)^T, in x's dtype (float32 math for the weight)."""
+    w = dequantize_torch(codes, scales, mins, fmt, group)
+    return F.linear(x, w.to(x.dtype))
+
+
+def qembedding_impl(codes: Tensor, scales: Tensor, mins: Tensor | None, ids: Tensor, fmt: str,
+                    group: int) -> Tensor:
+    """Rows `ids` of dequantize(W): only the looked-up rows are dequantized."""
+    rows_mins = None if mins is None else mins[ids.reshape(-1)]
+    rows = dequantize_torch(codes[ids.reshape(-1)], scales[ids.reshape(-1)], rows_mins, fmt, group)
+    return rows.reshape(*ids.shape, rows.shape[-1])
+
+
+@torch.library.custom_op("foldline::qlinear", mutates_args=())
+def qlinear(x: Tensor, codes: Tensor, scales: Tensor, mins: Tensor | None, fmt: str, group: int) -> Tensor:
+    return qlinear_impl(x, codes, scales, mins, fmt, group)
+
+
+@qlinear.register_fake
+def _(x, codes, scales, mins, fmt, group):
+    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+
+@torch.library.custom_op("foldline::qembedding", mutates_args=())
+def qembedding(codes: Tensor, scales: Tensor, mins: Tensor | None, ids: Tensor, fmt: str, group: int) -> Tensor:
+    return qembedding_impl(codes, scales, mins, ids, fmt, group)
+
+
+@qembedding.register_fake
+def _(codes, scales, mins, ids, fmt, group):
+    width = codes.shape[1] * (2 if fmt == "q4" else 1)
+    return torch.empty((*ids.shape, width), dtype=torch.float32, device=codes.device)
+
+
+register_decomposition(torch.ops.foldline.qlinear.default, qlinear_impl)
+register_decomposition(torch.ops.foldline.qembedding.default, qembedding_impl)

@@ -1,0 +1,116 @@
+"""The engines `foldline bench` measures foldline against, each in its own child process.
+
+- llama.cpp on the same GGUF, through llama-cpp-python. It is not a foldline
+  dependency: `--llama-python` names an interpreter that has it (its own venv,
+  built without AMX on hosts where llama.cpp's AMX path crashes; see
+  docs/benchmarks.md). The child script imports nothing from foldline.
+- HF transformers eager on the same GGUF (`from_pretrained(..., gguf_file=...)`,
+  dequantized to float32) or HF directory.
+
+Every engine gets the same prompt ids, prefills them at once, then decodes
+greedily one token at a time; wall-clock and process CPU time are taken around
+each phase, and peak RSS is the child's own.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import bench_timer
+
+# Every child runs the same timing code (tools/bench_timer.py, sent as text), then its engine.
+_TIMER = Path(bench_timer.__file__).read_text() + "\n\nimport json, sys\nargs = json.loads(sys.argv[1])\n"
+
+_LLAMA_CPP = '''
+from importlib.metadata import version
+from llama_cpp import Llama
+
+ids, new_tokens, threads = args["ids"], args["new_tokens"], args["threads"]
+t0 = time.perf_counter()
+llm = Llama(model_path=args["gguf"], n_ctx=len(ids) + new_tokens + 8, n_batch=max(len(ids), 32),
+            n_threads=threads, n_threads_batch=threads, verbose=False)
+load_s = time.perf_counter() - t0
+
+def prefill(tokens):
+    llm.reset()
+    llm.eval(tokens)
+    return llm.scores[llm.n_tokens - 1]
+
+def decode(token):
+    llm.eval([token])
+    return llm.scores[llm.n_tokens - 1]
+
+prefill(ids[:8]); decode(ids[0])  # warm up: page in the weights
+out = time_engine(prefill, decode, ids, new_tokens)
+out.update(load_s=load_s, peak_rss_mib=peak_rss_mib(), threads=threads, version=version("llama-cpp-python"))
+print("BENCH " + json.dumps(out))
+'''
+
+_HF_EAGER = '''
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+ids, new_tokens, threads = args["ids"], args["new_tokens"], args["threads"]
+torch.set_num_threads(threads)
+path = Path(args["model"])
+t0 = time.perf_counter()
+if path.suffix == ".gguf":
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+else:
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+model.eval()
+load_s = time.perf_counter() - t0
+state = {}
+
+@torch.no_grad()
+def prefill(tokens):
+    out = model(torch.tensor([tokens]), use_cache=True)
+    state["past"] = out.past_key_values
+    return out.logits[0, -1].float().numpy()
+
+@torch.no_grad()
+def decode(token):
+    out = model(torch.tensor([[token]]), past_key_values=state["past"], use_cache=True)
+    state["past"] = out.past_key_values
+    return out.logits[0, -1].float().numpy()
+
+prefill(ids[:8]); decode(ids[0])
+out = time_engine(prefill, decode, ids, new_tokens)
+out.update(load_s=load_s, peak_rss_mib=peak_rss_mib(), threads=threads, version=transformers.__version__)
+print("BENCH " + json.dumps(out))
+'''
+
+
+class PeerUnavailable(RuntimeError):
+    """A peer engine that cannot run here (not installed): reported, not fatal."""
+
+
+def _run_child(python: str, script: str, args: dict[str, Any], what: str) -> dict[str, Any]:
+    proc = subprocess.run([python, "-c", _TIMER + script, json.dumps(args)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        err = proc.stderr.strip()
+        if "ModuleNotFoundError" in err:
+            raise PeerUnavailable(f"{what}: {err.splitlines()[-1]} (interpreter {python})")
+        raise RuntimeError(f"{what} benchmark failed:\n{err[-2000:]}")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH "))
+    return json.loads(line[len("BENCH "):])
+
+
+def bench_llama_cpp(gguf: str | Path, ids: list[int], new_tokens: int, threads: int,
+                    python: str | None = None) -> dict[str, Any]:
+    if not Path(gguf).is_file():
+        raise FileNotFoundError(f"llama.cpp needs a GGUF file; {gguf} does not exist")
+    return _run_child(python or sys.executable, _LLAMA_CPP,
+                      {"gguf": str(gguf), "ids": ids, "new_tokens": new_tokens, "threads": threads}, "llama.cpp")
+
+
+def bench_hf_eager(model: str | Path, ids: list[int], new_tokens: int, threads: int) -> dict[str, Any]:
+    return _run_child(sys.executable, _HF_EAGER,
+                      {"model": str(model), "ids": ids, "new_tokens": new_tokens, "threads": threads}, "HF eager")
