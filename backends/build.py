@@ -34,7 +34,7 @@ class BuildOptions:
     dump_after: dict[str, Path] = field(default_factory=dict)
     keep_mlir: bool = False
     hadamard: str = "fold"  # fuse-hadamard mode: "fold" rotations into float weights, or keep them "online"
-    weights: str = "f32"  # quantize-weights mode: auto (the checkpoint's blocks), f32, int8, int4
+    weights: str = "auto"  # quantize-weights mode: auto (the checkpoint's blocks), f32, int8, int4
     group: int = 32  # quantization group for requantized weights
 
 

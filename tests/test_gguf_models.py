@@ -66,6 +66,28 @@ def test_tokenizer_matches_hf(name, gguf_models, hf_tokenizers):
     assert with_special == ([bos] if bos is not None else []) + plain
 
 
+# params.irpa against the file's tensor bytes: SmolLM2 (Q4_1, Q8_0) repacks byte for byte; Gemma's Q5_0
+# codes take a byte each and its K-quant sub-block scales become float32 (docs/quantization.md).
+PARAMS_VS_GGUF = {"smollm2-135m": (0.99, 1.03), "gemma3-270m": (1.0, 1.15)}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_default_bundle_keeps_the_gguf_blocks(name, gguf_bundles):
+    _skip_unless_installed(name)
+    from foldline.frontend.gguf_file import GGUFFile
+    from foldline.frontend.shipped import locate_shipped
+
+    with GGUFFile(locate_shipped(name)) as g:
+        tensor_bytes = sum(info.nbytes for info in g.tensors.values())
+    bundle = gguf_bundles(name)
+    low, high = PARAMS_VS_GGUF[name]
+    ratio = (bundle / "params.irpa").stat().st_size / tensor_bytes
+    assert low <= ratio <= high, f"{name}: params.irpa is {ratio:.3f}x the GGUF's tensor bytes"
+    passes = json.loads((bundle / "manifest.json").read_text())["passes"]
+    step = next(p for p in passes if p["name"] == "quantize-weights")
+    assert step["changed"] and "0 requantized" in " ".join(step["notes"])
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_compiled_logits_match_hf(name, gguf_bundles, hf_references):
     _skip_unless_installed(name)

@@ -31,8 +31,11 @@ from llama_cpp import Llama
 
 ids, new_tokens, threads = args["ids"], args["new_tokens"], args["threads"]
 t0 = time.perf_counter()
-llm = Llama(model_path=args["gguf"], n_ctx=len(ids) + new_tokens + 8, n_batch=max(len(ids), 32),
-            n_threads=threads, n_threads_batch=threads, verbose=False)
+n_ctx = len(ids) + new_tokens + 8
+# n_batch = n_ctx: without logits_all, llama-cpp-python keeps n_batch rows of scores and indexes them
+# by position, so a smaller batch runs out of rows once the position passes it.
+llm = Llama(model_path=args["gguf"], n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, n_threads_batch=threads,
+            verbose=False)
 load_s = time.perf_counter() - t0
 
 def prefill(tokens):

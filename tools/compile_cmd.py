@@ -26,9 +26,10 @@ def add_parser(sub) -> None:
     p.add_argument("--keep-mlir", action="store_true", help="also write model.mlir into the bundle")
     p.add_argument("--hadamard", choices=["fold", "online"], default="fold",
                    help="Hadamard-folded weights: fold the rotation into float weights (default) or keep it online")
-    p.add_argument("--weights", choices=["auto", "f32", "int8", "int4"], default="f32",
-                   help="weight precision: f32 (default), auto (keep a GGUF's block-quantized weights), "
-                        "or int8 / int4 block formats (groupwise round-to-nearest where the checkpoint has none)")
+    p.add_argument("--weights", choices=["auto", "f32", "int8", "int4"], default="auto",
+                   help="weight precision: auto (default: keep a GGUF's block-quantized weights, floats stay "
+                        "floats), f32, or int8 / int4 block formats (groupwise round-to-nearest where the "
+                        "checkpoint has none)")
     p.add_argument("--group", type=int, default=32, help="group size for --weights int8/int4 (default 32)")
     p.set_defaults(func=run)
 

@@ -1,0 +1,136 @@
+"""Quantized weights through IREE: compiled vs eager, no float copy of a weight, quantized bytes on disk."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from foldline.frontend.arch import get_preset
+from foldline.frontend.model import build_model
+from foldline.frontend.quant import quantize
+from foldline.frontend.types import LoadedModel
+
+pytestmark = pytest.mark.slow
+
+
+def _blocked(preset: str, fmt: str) -> LoadedModel:
+    """A preset whose linear and embedding weights are exactly their blocks' dequantization (as from a GGUF)."""
+    cfg = get_preset(preset)
+    model = build_model(cfg, seed=0)
+    blocks = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            b = quantize(module.weight.detach().numpy(), fmt)
+            with torch.no_grad():
+                module.weight.copy_(torch.from_numpy(b.dequantize()))
+            blocks[f"{name}.weight"] = b
+    return LoadedModel(cfg, model, source=f"preset:{preset}", source_blocks=blocks)
+
+
+@pytest.fixture(scope="module")
+def blocked_bundles(tmp_path_factory):
+    from foldline.backends.build import BuildOptions, compile_model
+
+    cache = {}
+
+    def get(preset: str, fmt: str):
+        if (preset, fmt) not in cache:
+            loaded = _blocked(preset, fmt)
+            out = tmp_path_factory.mktemp(f"{preset}-{fmt}") / "bundle"
+            compile_model(loaded, out, BuildOptions(weights="auto", keep_mlir=True), progress=lambda _m: None)
+            cache[preset, fmt] = (loaded, out)
+        return cache[preset, fmt]
+
+    return get
+
+
+# llama: untied head; gemma3: a q8 table tied to the head, sliding windows; qwen35: GDN projections.
+@pytest.mark.parametrize("preset,fmt", [("llama-tiny", "q4"), ("gemma3-tiny", "q8"), ("qwen35-tiny", "q4")])
+def test_lossless_blocks_compile_and_match_eager(preset, fmt, blocked_bundles):
+    from foldline.runtime import Model
+    from foldline.testing.parity import SCALED_TOL_FP32, run_parity
+
+    loaded, bundle = blocked_bundles(preset, fmt)
+    report = run_parity(loaded.module, Model.load(bundle), list(range(3, 43)), steps=24)
+    assert report.ok(SCALED_TOL_FP32), report.summary()
+    assert report.tokens_agree
+
+
+def test_no_dispatch_writes_a_float_copy_of_a_quantized_weight(blocked_bundles, tmp_path):
+    import iree.compiler as ireec
+
+    from foldline.backends.quant_kernels import expand_qlinear_ops
+    from foldline.backends.targets import make_target
+    from foldline.testing.dispatches import contractions_reading_codes, float_copies_of, read_dispatches
+
+    loaded, bundle = blocked_bundles("llama-tiny", "q4")
+    mlir, sites = expand_qlinear_ops((bundle / "model.mlir").read_text(), cpu_tiles=True)
+    assert sites > 0
+    dump = tmp_path / "dispatches"
+    flags = [*make_target("cpu").flags, f"--iree-hal-dump-executable-sources-to={dump}"]
+    ireec.compile_str(mlir, input_type="torch", extra_args=flags)
+    dispatches = read_dispatches(dump)
+    assert dispatches
+    checked = 0
+    for name, blocks in loaded.source_blocks.items():
+        n, k = blocks.shape
+        assert float_copies_of(dispatches, n, k, blocks.group) == [], name
+        assert contractions_reading_codes(dispatches, n, k, blocks.format), f"{name}: no contraction reads its codes"
+        checked += 1
+    # 7 projections in each of 3 layers, and the table the lookup gathers from and the tied head reads
+    assert checked == 3 * 7 + 1
+
+
+def test_the_parameter_archive_holds_the_quantized_bytes(blocked_bundles):
+    import json
+
+    loaded, bundle = blocked_bundles("llama-tiny", "q4")
+    quantized = sum(b.nbytes for b in loaded.source_blocks.values())
+    float_rest = sum(p.numel() * 4 for n, p in loaded.module.named_parameters()
+                     if n not in loaded.source_blocks)
+    size = (bundle / "params.irpa").stat().st_size
+    assert size < 1.05 * (quantized + float_rest) + 64 * 1024  # the blocks plus norms, plus alignment
+    report = json.loads((bundle / "manifest.json").read_text())["passes"]
+    step = next(r for r in report if r["name"] == "quantize-weights")
+    assert step["changed"]
+
+
+class _OneQLinear(torch.nn.Module):
+    def __init__(self, n: int, k: int):
+        super().__init__()
+        b = quantize(np.random.default_rng(0).standard_normal((n, k)).astype(np.float32), "q4")
+        self.blocks = b
+        self.codes = torch.nn.Parameter(torch.from_numpy(b.codes), requires_grad=False)
+        self.scales = torch.nn.Parameter(torch.from_numpy(b.scales), requires_grad=False)
+        self.mins = torch.nn.Parameter(torch.from_numpy(b.mins), requires_grad=False)
+
+    def forward(self, x):
+        return torch.ops.foldline.qlinear(x, self.codes, self.scales, self.mins, "q4", 32)
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["fused-kernel", "aten-decomposition"])
+def test_the_dispatch_check_tells_a_fused_kernel_from_a_materialised_weight(kept, tmp_path, monkeypatch):
+    """The same qlinear, lowered by the kernel generator or decomposed to aten (nibble shifts in the graph)."""
+    import iree.compiler as ireec
+
+    from foldline.backends import importer
+    from foldline.backends.quant_kernels import expand_qlinear_ops
+    from foldline.backends.targets import make_target
+    from foldline.testing.dispatches import contractions_reading_codes, float_copies_of, read_dispatches
+
+    n, k = 256, 128
+    module = _OneQLinear(n, k).eval()
+    with torch.no_grad():
+        program = torch.export.export(module, (torch.randn(1, k),), strict=False)
+    if not kept:
+        monkeypatch.setattr(importer, "KEPT_OPS", ())
+    mlir, _ = importer.import_programs([("main", program)])
+    mlir, sites = expand_qlinear_ops(mlir, cpu_tiles=True)
+    assert sites == (1 if kept else 0)
+    dump = tmp_path / "dump"
+    ireec.compile_str(mlir, input_type="torch",
+                      extra_args=[*make_target("cpu").flags, f"--iree-hal-dump-executable-sources-to={dump}"])
+    dispatches = read_dispatches(dump)
+    fused = not float_copies_of(dispatches, n, k, 32) and bool(contractions_reading_codes(dispatches, n, k, "q4"))
+    assert fused == kept
