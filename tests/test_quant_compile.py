@@ -62,7 +62,11 @@ def test_no_dispatch_writes_a_float_copy_of_a_quantized_weight(blocked_bundles, 
 
     from foldline.backends.quant_kernels import expand_qlinear_ops
     from foldline.backends.targets import make_target
-    from foldline.testing.dispatches import contractions_reading_codes, float_copies_of, read_dispatches
+    from foldline.testing.dispatches import (
+        contractions_reading_codes,
+        float_copies_of,
+        read_dispatches,
+    )
 
     loaded, bundle = blocked_bundles("llama-tiny", "q4")
     mlir, sites = expand_qlinear_ops((bundle / "model.mlir").read_text(), cpu_tiles=True)
@@ -117,7 +121,11 @@ def test_the_dispatch_check_tells_a_fused_kernel_from_a_materialised_weight(kept
     from foldline.backends import importer
     from foldline.backends.quant_kernels import expand_qlinear_ops
     from foldline.backends.targets import make_target
-    from foldline.testing.dispatches import contractions_reading_codes, float_copies_of, read_dispatches
+    from foldline.testing.dispatches import (
+        contractions_reading_codes,
+        float_copies_of,
+        read_dispatches,
+    )
 
     n, k = 256, 128
     module = _OneQLinear(n, k).eval()
