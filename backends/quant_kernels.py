@@ -25,8 +25,9 @@ Why this form, measured with IREE 3.13 on this machine:
 
 On CPU the generic carries explicit tile sizes (one output row per vector
 step, the reduction tiled by whole groups, 16 rows of x sharing each
-dequantized vector when M > 1); other targets get the same generic without a
-configuration. CPU modules are compiled with
+dequantized vector when M > 1). The fused form does not lower to SPIR-V, so
+Vulkan and CUDA get `portable_kernel_mlir`: a dequantization generic and a
+matmul, which IREE may hoist into a load-time float copy of the weight. CPU modules are compiled with
 `--iree-llvmcpu-reassociate-fp-reductions=true` (backends/targets.py): without
 it each reduction is a chain of scalar adds and these kernels run 3.5-9x slower.
 """
@@ -205,6 +206,74 @@ def kernel_mlir(spec: QLinearSpec, cpu_tiles: bool) -> str:
     return f"util.func private @{spec.name}({', '.join(params)}) -> {y_t} {{\n  {body}\n  util.return %y : {y_t}\n}}"
 
 
+def portable_kernel_mlir(spec: QLinearSpec) -> str:
+    """For GPU targets: a dequantization generic to [N, K] followed by a matmul.
+
+    The fused CPU form does not lower to SPIR-V (its vectors are CPU-sized);
+    this one compiles for Vulkan and CUDA, and IREE may hoist the
+    dequantization to load time (a float copy of the weight on the device).
+    """
+    m, n, k, g, gs = spec.m, spec.n, spec.k, spec.groups, spec.group
+    st = spec.scale_type
+    x_t = f"tensor<{'x'.join(map(str, spec.x_shape))}xf32>"
+    y_shape = (*spec.x_shape[:-1], n)
+    y_t = f"tensor<{'x'.join(map(str, y_shape))}xf32>"
+    codes_t = f"tensor<{n}x{k // 2 if spec.fmt == 'q4' else k}xi8>"
+    sc_t = f"tensor<{n}x{g}x{st}>"
+    lines = []
+    if spec.fmt == "q4":
+        lines.append("%c3 = " + _reshape("expand", "%codes", codes_t, f"tensor<{n}x{g}x{gs // 2}xi8>",
+                                         [[0], [1, 2]], [n, g, gs // 2]))
+        q_t = f"tensor<{n}x{g}x{gs}xi4>"
+        lines.append(f"%qw = flow.tensor.bitcast %c3 : tensor<{n}x{g}x{gs // 2}xi8> -> {q_t}")
+    else:
+        q_t = f"tensor<{n}x{g}x{gs}xi8>"
+        lines.append("%qw = " + _reshape("expand", "%codes", codes_t, q_t, [[0], [1, 2]], [n, g, gs]))
+    scale_ins = ["%scales"] + (["%mins"] if spec.has_min else [])
+    w3_t = f"tensor<{n}x{g}x{gs}xf32>"
+    bargs, deq, w = _body(spec)
+    bargs = bargs.replace("%a: f32, ", "")
+    maps = ["affine_map<(d0, d1, d2) -> (d0, d1, d2)>"] + ["affine_map<(d0, d1, d2) -> (d0, d1)>"] * len(
+        scale_ins) + ["affine_map<(d0, d1, d2) -> (d0, d1, d2)>"]
+    lines += [
+        f"%wempty = tensor.empty() : {w3_t}",
+        f"%w3 = linalg.generic {{indexing_maps = [{', '.join(maps)}], "
+        f"iterator_types = [\"parallel\", \"parallel\", \"parallel\"]}}",
+        f"    ins({', '.join(['%qw', *scale_ins])} : {', '.join([q_t, *([sc_t] * len(scale_ins))])}) "
+        f"outs(%wempty : {w3_t}) {{",
+        f"  ^bb0({bargs}, %o: f32):",
+        *[f"      {line}" for line in deq],
+        f"      linalg.yield {w} : f32",
+        f"}} -> {w3_t}",
+        "%w = " + _reshape("collapse", "%w3", w3_t, f"tensor<{n}x{k}xf32>", [[0], [1, 2]], []),
+    ]
+    lead = len(spec.x_shape) - 1
+    x2_t, y2_t = f"tensor<{m}x{k}xf32>", f"tensor<{m}x{n}xf32>"
+    if lead == 0:
+        lines.append("%x2 = " + _reshape("expand", "%x", x_t, x2_t, [[0, 1]], [1, k]))
+    elif lead == 1:
+        lines.append(f"%x2 = tensor.cast %x : {x_t} to {x2_t}")
+    else:
+        lines.append("%x2 = " + _reshape("collapse", "%x", x_t, x2_t, [list(range(lead)), [lead]], []))
+    lines += [
+        "%zero = arith.constant 0.0 : f32",
+        f"%yempty = tensor.empty() : {y2_t}",
+        f"%yfill = linalg.fill ins(%zero : f32) outs(%yempty : {y2_t}) -> {y2_t}",
+        "%y2 = linalg.matmul indexing_maps = [affine_map<(d0, d1, d2) -> (d0, d2)>, "
+        "affine_map<(d0, d1, d2) -> (d1, d2)>, affine_map<(d0, d1, d2) -> (d0, d1)>]",
+        f"    ins(%x2, %w : {x2_t}, tensor<{n}x{k}xf32>) outs(%yfill : {y2_t}) -> {y2_t}",
+    ]
+    if lead == 0:
+        lines.append("%y = " + _reshape("collapse", "%y2", y2_t, y_t, [[0, 1]], []))
+    elif lead == 1:
+        lines.append(f"%y = tensor.cast %y2 : {y2_t} to {y_t}")
+    else:
+        lines.append("%y = " + _reshape("expand", "%y2", y2_t, y_t, [list(range(lead)), [lead]], list(y_shape)))
+    params = [f"%x: {x_t}", f"%codes: {codes_t}", f"%scales: {sc_t}"] + ([f"%mins: {sc_t}"] if spec.has_min else [])
+    body = "\n  ".join(lines)
+    return f"util.func private @{spec.name}({', '.join(params)}) -> {y_t} {{\n  {body}\n  util.return %y : {y_t}\n}}"
+
+
 # ---------------------------------------------------------------------------
 # The rewrite
 # ---------------------------------------------------------------------------
@@ -262,6 +331,8 @@ def _spec_of(op: ir.Operation) -> QLinearSpec:
 def expand_qlinear_ops(mlir: str, cpu_tiles: bool) -> tuple[str, int]:
     """Replace every foldline::qlinear op in the module text with a call to its kernel.
 
+    cpu_tiles: the fused, tiled CPU kernel; otherwise the portable GPU form.
+
     Returns the new module text and the number of sites rewritten.
     """
     if OP_NAME not in mlir:
@@ -299,5 +370,6 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool) -> tuple[str, int]:
             op.erase()
             kernels[spec.name] = spec
         for spec in kernels.values():
-            ir.InsertionPoint(module.body).insert(ir.Operation.parse(kernel_mlir(spec, cpu_tiles)))
+            text = kernel_mlir(spec, cpu_tiles=True) if cpu_tiles else portable_kernel_mlir(spec)
+            ir.InsertionPoint(module.body).insert(ir.Operation.parse(text))
         return str(module), len(found)

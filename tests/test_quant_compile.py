@@ -142,3 +142,18 @@ def test_the_dispatch_check_tells_a_fused_kernel_from_a_materialised_weight(kept
     dispatches = read_dispatches(dump)
     fused = not float_copies_of(dispatches, n, k, 32) and bool(contractions_reading_codes(dispatches, n, k, "q4"))
     assert fused == kept
+
+
+def test_quantized_bundle_runs_on_vulkan(vulkan_device, tmp_path):
+    """GPU targets get the portable kernel (dequantize, then matmul): same logits as eager."""
+    from foldline.backends.build import BuildOptions, compile_model
+    from foldline.backends.targets import make_target
+    from foldline.runtime import Model
+    from foldline.testing.parity import SCALED_TOL_FP32, run_parity
+
+    loaded = _blocked("llama-tiny", "q4")
+    out = compile_model(loaded, tmp_path / "b", BuildOptions(targets=[make_target("vulkan")]),
+                        progress=lambda _m: None)
+    report = run_parity(loaded.module, Model.load(out, device="vulkan"), list(range(3, 43)), steps=16)
+    assert report.ok(SCALED_TOL_FP32), report.summary()
+    assert report.tokens_agree
