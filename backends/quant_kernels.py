@@ -1,35 +1,41 @@
-"""Fused dequantize-matmul kernels for `foldline::qlinear`, generated as linalg per shape.
+"""Kernels for `foldline::qlinear`, generated as linalg per shape and entry point.
 
 The importer keeps `foldline::qlinear` out of the aten decompositions, so it
 reaches MLIR as `torch.operator "torch.foldline.qlinear"`. `expand_qlinear_ops`
-replaces each one with a `util.call` to a generated `util.func` whose single
-`linalg.generic` reads the narrow codes, dequantizes one element and
-multiply-accumulates it in its body:
+replaces each one with a `util.call` to a generated `util.func`:
 
-    q4 codes (i8 param [N, K/2]) -> expand [N, G, g/2] -> flow.tensor.bitcast -> i4 [N, G, g]
-    y[m, n] += x[m, g, j] * (scale[n, g] * float(q[n, g, j]) (+ min[n, g]))
+- decode (one activation row) on CPU: `fused_matvec_mlir`, a single
+  `linalg.generic` that reads the narrow codes, dequantizes one element and
+  multiply-accumulates it in its body, with explicit CPU tiles (one output row
+  per vector step, the reduction tiled by whole groups):
 
-There is no separate dequantization op for IREE's dispatch formation to hoist
-into an initializer or to materialise, so no float copy of a weight exists
-anywhere in the program (tests/test_quant_compile.py checks the dispatches).
-Why this form, measured with IREE 3.13 on this machine:
+      q4 codes (i8 param [N, K/2]) -> expand [N, G, g/2] -> flow.tensor.bitcast -> i4 [N, G, g]
+      y[n] += x[g, j] * (scale[n, g] * float(q[n, g, j]) (+ min[n, g]))
 
-- a dequant generic followed by a matmul is not fused by default
-  (`--iree-dispatch-creation-block-matmul-producer-fusion`, on in 3.13): the
-  dequant becomes a load-time initializer that writes an f32 copy of every
-  weight; with the fusion forced it runs 5-17x slower than this kernel;
+  There is no separate dequantization op to hoist or materialise: no float
+  copy of the weight exists, and each decode step reads only the quantized
+  bytes (tests/test_quant_compile.py checks the dispatches);
+- prefill chunks (M > 1) on CPU, and every call on GPU targets:
+  `dequantize_matmul_mlir`, the weight dequantized into a float tile once per
+  call and multiplied by all M rows. On SmolLM2 this took 7.8 CPU ms per
+  prefill token against 30.9 for the fused form at M = 16 (llama.cpp: 7.4); the
+  fused form's CPU-sized vectors do not lower to SPIR-V. CPU modules compile
+  without constant-expression hoisting, so the tile is never moved into a
+  load-time float copy of every weight.
+
+Alternatives measured with IREE 3.13 on this machine:
+
+- a dequant generic followed by a matmul for decode is not fused by default
+  (`--iree-dispatch-creation-block-matmul-producer-fusion`, on in 3.13); with
+  the fusion forced it runs 5-17x slower than the fused matvec;
 - nibble unpacking with shifts and masks in the torch graph is never fused;
   torch.uint4 does not import;
 - dequantizing to [N, K] with a block-scale map `k floordiv g` stops the
   vectorizer.
 
-On CPU the generic carries explicit tile sizes (one output row per vector
-step, the reduction tiled by whole groups, 16 rows of x sharing each
-dequantized vector when M > 1). The fused form does not lower to SPIR-V, so
-Vulkan and CUDA get `portable_kernel_mlir`: a dequantization generic and a
-matmul, which IREE may hoist into a load-time float copy of the weight. CPU modules are compiled with
-`--iree-llvmcpu-reassociate-fp-reductions=true` (backends/targets.py): without
-it each reduction is a chain of scalar adds and these kernels run 3.5-9x slower.
+CPU modules are compiled with `--iree-llvmcpu-reassociate-fp-reductions=true`
+(backends/targets.py): without it each reduction is a chain of scalar adds and
+the fused kernel runs 3.5-9x slower.
 """
 
 from __future__ import annotations
@@ -81,17 +87,10 @@ class QLinearSpec:
 
 
 def _tiles(spec: QLinearSpec) -> tuple[list[int], list[int], list[int]]:
-    """(distribution, vector_common_parallel, vector_reduction) for the CPU pipeline."""
+    """(distribution, vector_common_parallel, vector_reduction) for the CPU pipeline (M = 1)."""
     g = spec.groups
     gt = 2 if g % 2 == 0 else (3 if g % 3 == 0 else 1)
-    rows = min(32, spec.n)
-    if spec.m == 1:
-        return [rows, 0, 0], [1, 0, 0], [0, gt, spec.group]
-    # M > 1: up to 6 whole groups per reduction step (1.2-1.4x over one at M = 16; 18 groups of
-    # 16 rows exceed IREE's stack limit).
-    mt = min(spec.m, 16)
-    gt = max(d for d in range(1, 7) if g % d == 0)
-    return [mt, rows, 0, 0], [mt, 1, 0, 0], [0, 0, gt, spec.group]
+    return [min(32, spec.n), 0, 0], [1, 0, 0], [0, gt, spec.group]
 
 
 def _compilation_info(spec: QLinearSpec) -> str:
@@ -130,61 +129,85 @@ def _reshape(op: str, src: str, src_t: str, dst_t: str, groups: list[list[int]],
     return f"tensor.collapse_shape {src} {groups} : {src_t} into {dst_t}"
 
 
-def kernel_mlir(spec: QLinearSpec, cpu_tiles: bool) -> str:
-    """The util.func computing qlinear for one shape: x [..., K] -> y [..., N]."""
-    m, n, k, g, gs = spec.m, spec.n, spec.k, spec.groups, spec.group
-    st = spec.scale_type
-    x_t = f"tensor<{'x'.join(map(str, spec.x_shape))}xf32>"
-    y_shape = (*spec.x_shape[:-1], n)
-    y_t = f"tensor<{'x'.join(map(str, y_shape))}xf32>"
-    codes_cols = k // 2 if spec.fmt == "q4" else k
-    codes_t = f"tensor<{n}x{codes_cols}xi8>"
-    sc_t = f"tensor<{n}x{g}x{st}>"
-    lines = []
+def _tensor(shape: tuple[int, ...] | list[int], element: str) -> str:
+    return f"tensor<{'x'.join(map(str, shape))}x{element}>"
+
+
+def _codes_t(spec: QLinearSpec) -> str:
+    return _tensor((spec.n, spec.k // 2 if spec.fmt == "q4" else spec.k), "i8")
+
+
+def _scales_t(spec: QLinearSpec) -> str:
+    return _tensor((spec.n, spec.groups), spec.scale_type)
+
+
+def _codes_by_group(spec: QLinearSpec) -> tuple[list[str], str]:
+    """Lines making %qw, the codes as [N, G, g] (q4: bitcast to i4, no data movement), and its type."""
+    n, g, gs = spec.n, spec.groups, spec.group
     if spec.fmt == "q4":
-        lines.append(f"%c3 = tensor.expand_shape %codes [[0], [1, 2]] output_shape [{n}, {g}, {gs // 2}] : "
-                     f"{codes_t} into tensor<{n}x{g}x{gs // 2}xi8>")
-        q_t = f"tensor<{n}x{g}x{gs}xi4>"
-        lines.append(f"%qw = flow.tensor.bitcast %c3 : tensor<{n}x{g}x{gs // 2}xi8> -> {q_t}")
-    else:
-        q_t = f"tensor<{n}x{g}x{gs}xi8>"
-        lines.append(f"%qw = tensor.expand_shape %codes [[0], [1, 2]] output_shape [{n}, {g}, {gs}] : "
-                     f"{codes_t} into {q_t}")
-    lead = len(spec.x_shape) - 1
-    x2_t = f"tensor<{m}x{k}xf32>"
+        packed_t, q_t = _tensor((n, g, gs // 2), "i8"), _tensor((n, g, gs), "i4")
+        return ["%c3 = " + _reshape("expand", "%codes", _codes_t(spec), packed_t, [[0], [1, 2]], [n, g, gs // 2]),
+                f"%qw = flow.tensor.bitcast %c3 : {packed_t} -> {q_t}"], q_t
+    q_t = _tensor((n, g, gs), "i8")
+    return ["%qw = " + _reshape("expand", "%codes", _codes_t(spec), q_t, [[0], [1, 2]], [n, g, gs])], q_t
+
+
+def _x_as_rows(spec: QLinearSpec) -> str:
+    """%x2: the activation x [..., K] as [M, K]."""
+    lead, x_t, x2_t = len(spec.x_shape) - 1, _tensor(spec.x_shape, "f32"), _tensor((spec.m, spec.k), "f32")
     if lead == 0:
-        lines.append("%x2 = " + _reshape("expand", "%x", x_t, x2_t, [[0, 1]], [1, k]))
-    elif lead == 1:
-        lines.append(f"%x2 = tensor.cast %x : {x_t} to {x2_t}")
-    else:
-        lines.append("%x2 = " + _reshape("collapse", "%x", x_t, x2_t, [list(range(lead)), [lead]], []))
+        return "%x2 = " + _reshape("expand", "%x", x_t, x2_t, [[0, 1]], [1, spec.k])
+    if lead == 1:
+        return f"%x2 = tensor.cast %x : {x_t} to {x2_t}"
+    return "%x2 = " + _reshape("collapse", "%x", x_t, x2_t, [list(range(lead)), [lead]], [])
+
+
+def _rows_as_y(spec: QLinearSpec) -> str:
+    """%y: the result %y2 [M, N] as [..., N], the activation's leading shape."""
+    lead, y2_t = len(spec.x_shape) - 1, _tensor((spec.m, spec.n), "f32")
+    y_shape = [*spec.x_shape[:-1], spec.n]
+    y_t = _tensor(y_shape, "f32")
+    if lead == 0:
+        return "%y = " + _reshape("collapse", "%y2", y2_t, y_t, [[0, 1]], [])
+    if lead == 1:
+        return f"%y = tensor.cast %y2 : {y2_t} to {y_t}"
+    return "%y = " + _reshape("expand", "%y2", y2_t, y_t, [list(range(lead)), [lead]], y_shape)
+
+
+def _function(spec: QLinearSpec, lines: list[str]) -> str:
+    params = [f"%x: {_tensor(spec.x_shape, 'f32')}", f"%codes: {_codes_t(spec)}", f"%scales: {_scales_t(spec)}"]
+    if spec.has_min:
+        params.append(f"%mins: {_scales_t(spec)}")
+    y_t = _tensor((*spec.x_shape[:-1], spec.n), "f32")
+    body = "\n  ".join(lines)
+    return f"util.func private @{spec.name}({', '.join(params)}) -> {y_t} {{\n  {body}\n  util.return %y : {y_t}\n}}"
+
+
+def fused_matvec_mlir(spec: QLinearSpec, cpu_tiles: bool = True) -> str:
+    """The fused kernel for one activation row: x [..., K] (M = 1) -> y [..., N], one generic reading the codes."""
+    if spec.m != 1:
+        raise QuantKernelError(f"the fused kernel takes one activation row, got {spec.m}")
+    n, k, g, gs = spec.n, spec.k, spec.groups, spec.group
+    lines, q_t = _codes_by_group(spec)
     scale_ins = ["%scales"] + (["%mins"] if spec.has_min else [])
-    if m == 1:
-        lines.append(f"%x3 = tensor.expand_shape %x2 [[0], [1, 2]] output_shape [1, {g}, {gs}] : "
-                     f"tensor<1x{k}xf32> into tensor<1x{g}x{gs}xf32>")
-        lines.append(f"%xv = tensor.collapse_shape %x3 [[0, 1], [2]] : tensor<1x{g}x{gs}xf32> into "
-                     f"tensor<{g}x{gs}xf32>")
-        xv_t, out_t = f"tensor<{g}x{gs}xf32>", f"tensor<{n}xf32>"
-        maps = (["affine_map<(d0, d1, d2) -> (d1, d2)>", "affine_map<(d0, d1, d2) -> (d0, d1, d2)>"]
-                + ["affine_map<(d0, d1, d2) -> (d0, d1)>"] * len(scale_ins) + ["affine_map<(d0, d1, d2) -> (d0)>"])
-        iters = '"parallel", "reduction", "reduction"'
-    else:
-        lines.append(f"%xv = tensor.expand_shape %x2 [[0], [1, 2]] output_shape [{m}, {g}, {gs}] : "
-                     f"tensor<{m}x{k}xf32> into tensor<{m}x{g}x{gs}xf32>")
-        xv_t, out_t = f"tensor<{m}x{g}x{gs}xf32>", f"tensor<{m}x{n}xf32>"
-        maps = (["affine_map<(d0, d1, d2, d3) -> (d0, d2, d3)>", "affine_map<(d0, d1, d2, d3) -> (d1, d2, d3)>"]
-                + ["affine_map<(d0, d1, d2, d3) -> (d1, d2)>"] * len(scale_ins)
-                + ["affine_map<(d0, d1, d2, d3) -> (d0, d1)>"])
-        iters = '"parallel", "parallel", "reduction", "reduction"'
+    x3_t, xv_t, out_t, y2_t = (_tensor(s, "f32") for s in ((1, g, gs), (g, gs), (n,), (1, n)))
+    lines += [
+        _x_as_rows(spec),
+        "%x3 = " + _reshape("expand", "%x2", _tensor((1, k), "f32"), x3_t, [[0], [1, 2]], [1, g, gs]),
+        "%xv = " + _reshape("collapse", "%x3", x3_t, xv_t, [[0, 1], [2]], []),
+    ]
+    maps = (["affine_map<(d0, d1, d2) -> (d1, d2)>", "affine_map<(d0, d1, d2) -> (d0, d1, d2)>"]
+            + ["affine_map<(d0, d1, d2) -> (d0, d1)>"] * len(scale_ins) + ["affine_map<(d0, d1, d2) -> (d0)>"])
     attr = f" attrs = {{compilation_info = {_compilation_info(spec)}}}" if cpu_tiles else ""
     bargs, deq, w = _body(spec)
     ins = ", ".join(["%xv", "%qw", *scale_ins])
-    ins_t = ", ".join([xv_t, q_t, *([sc_t] * len(scale_ins))])
+    ins_t = ", ".join([xv_t, q_t, *([_scales_t(spec)] * len(scale_ins))])
     lines += [
         "%zero = arith.constant 0.0 : f32",
         f"%empty = tensor.empty() : {out_t}",
         f"%init = linalg.fill ins(%zero : f32) outs(%empty : {out_t}) -> {out_t}",
-        f"%acc = linalg.generic {{indexing_maps = [{', '.join(maps)}], iterator_types = [{iters}]}}",
+        f"%acc = linalg.generic {{indexing_maps = [{', '.join(maps)}], "
+        'iterator_types = ["parallel", "reduction", "reduction"]}',
         f"    ins({ins} : {ins_t}) outs(%init : {out_t}){attr} {{",
         f"  ^bb0({bargs}, %out: f32):",
         *[f"      {line}" for line in deq],
@@ -192,89 +215,49 @@ def kernel_mlir(spec: QLinearSpec, cpu_tiles: bool) -> str:
         "      %r = arith.addf %out, %p : f32",
         "      linalg.yield %r : f32",
         f"}} -> {out_t}",
+        "%y2 = " + _reshape("expand", "%acc", out_t, y2_t, [[0, 1]], [1, n]),
+        _rows_as_y(spec),
     ]
-    y2_t = f"tensor<{m}x{n}xf32>"
-    if m == 1:
-        lines.append("%y2 = " + _reshape("expand", "%acc", out_t, y2_t, [[0, 1]], [1, n]))
-    else:
-        lines.append(f"%y2 = tensor.cast %acc : {out_t} to {y2_t}")
-    if lead == 0:
-        lines.append("%y = " + _reshape("collapse", "%y2", y2_t, y_t, [[0, 1]], []))
-    elif lead == 1:
-        lines.append(f"%y = tensor.cast %y2 : {y2_t} to {y_t}")
-    else:
-        lines.append("%y = " + _reshape("expand", "%y2", y2_t, y_t, [list(range(lead)), [lead]], list(y_shape)))
-    params = [f"%x: {x_t}", f"%codes: {codes_t}", f"%scales: {sc_t}"] + ([f"%mins: {sc_t}"] if spec.has_min else [])
-    body = "\n  ".join(lines)
-    return f"util.func private @{spec.name}({', '.join(params)}) -> {y_t} {{\n  {body}\n  util.return %y : {y_t}\n}}"
+    return _function(spec, lines)
 
 
-def portable_kernel_mlir(spec: QLinearSpec) -> str:
-    """For GPU targets: a dequantization generic to [N, K] followed by a matmul.
+def dequantize_matmul_mlir(spec: QLinearSpec) -> str:
+    """A dequantization generic to a float [N, K] tile, then a matmul: once per call.
 
-    The fused CPU form does not lower to SPIR-V (its vectors are CPU-sized);
-    this one compiles for Vulkan and CUDA, and IREE may hoist the
-    dequantization to load time (a float copy of the weight on the device).
+    Used where the fused generic is the wrong tool: prefill chunks on CPU (M > 1,
+    where IREE 3.13 runs the fused form at a third of float32 matmul speed, while
+    dequantizing once per chunk costs ~4x less CPU per token) and GPU targets (the
+    fused form's CPU-sized vectors do not lower to SPIR-V). With constant-expression
+    hoisting off (backends/targets.py) the float tile lives only during the call.
     """
     m, n, k, g, gs = spec.m, spec.n, spec.k, spec.groups, spec.group
-    st = spec.scale_type
-    x_t = f"tensor<{'x'.join(map(str, spec.x_shape))}xf32>"
-    y_shape = (*spec.x_shape[:-1], n)
-    y_t = f"tensor<{'x'.join(map(str, y_shape))}xf32>"
-    codes_t = f"tensor<{n}x{k // 2 if spec.fmt == 'q4' else k}xi8>"
-    sc_t = f"tensor<{n}x{g}x{st}>"
-    lines = []
-    if spec.fmt == "q4":
-        lines.append("%c3 = " + _reshape("expand", "%codes", codes_t, f"tensor<{n}x{g}x{gs // 2}xi8>",
-                                         [[0], [1, 2]], [n, g, gs // 2]))
-        q_t = f"tensor<{n}x{g}x{gs}xi4>"
-        lines.append(f"%qw = flow.tensor.bitcast %c3 : tensor<{n}x{g}x{gs // 2}xi8> -> {q_t}")
-    else:
-        q_t = f"tensor<{n}x{g}x{gs}xi8>"
-        lines.append("%qw = " + _reshape("expand", "%codes", codes_t, q_t, [[0], [1, 2]], [n, g, gs]))
+    lines, q_t = _codes_by_group(spec)
     scale_ins = ["%scales"] + (["%mins"] if spec.has_min else [])
-    w3_t = f"tensor<{n}x{g}x{gs}xf32>"
+    w3_t, w_t, x2_t, y2_t = (_tensor(s, "f32") for s in ((n, g, gs), (n, k), (m, k), (m, n)))
     bargs, deq, w = _body(spec)
-    bargs = bargs.replace("%a: f32, ", "")
-    maps = ["affine_map<(d0, d1, d2) -> (d0, d1, d2)>"] + ["affine_map<(d0, d1, d2) -> (d0, d1)>"] * len(
-        scale_ins) + ["affine_map<(d0, d1, d2) -> (d0, d1, d2)>"]
+    maps = (["affine_map<(d0, d1, d2) -> (d0, d1, d2)>"] + ["affine_map<(d0, d1, d2) -> (d0, d1)>"] * len(scale_ins)
+            + ["affine_map<(d0, d1, d2) -> (d0, d1, d2)>"])
     lines += [
         f"%wempty = tensor.empty() : {w3_t}",
         f"%w3 = linalg.generic {{indexing_maps = [{', '.join(maps)}], "
-        f"iterator_types = [\"parallel\", \"parallel\", \"parallel\"]}}",
-        f"    ins({', '.join(['%qw', *scale_ins])} : {', '.join([q_t, *([sc_t] * len(scale_ins))])}) "
+        'iterator_types = ["parallel", "parallel", "parallel"]}',
+        f"    ins({', '.join(['%qw', *scale_ins])} : {', '.join([q_t, *([_scales_t(spec)] * len(scale_ins))])}) "
         f"outs(%wempty : {w3_t}) {{",
-        f"  ^bb0({bargs}, %o: f32):",
+        f"  ^bb0({bargs.replace('%a: f32, ', '')}, %o: f32):",
         *[f"      {line}" for line in deq],
         f"      linalg.yield {w} : f32",
         f"}} -> {w3_t}",
-        "%w = " + _reshape("collapse", "%w3", w3_t, f"tensor<{n}x{k}xf32>", [[0], [1, 2]], []),
-    ]
-    lead = len(spec.x_shape) - 1
-    x2_t, y2_t = f"tensor<{m}x{k}xf32>", f"tensor<{m}x{n}xf32>"
-    if lead == 0:
-        lines.append("%x2 = " + _reshape("expand", "%x", x_t, x2_t, [[0, 1]], [1, k]))
-    elif lead == 1:
-        lines.append(f"%x2 = tensor.cast %x : {x_t} to {x2_t}")
-    else:
-        lines.append("%x2 = " + _reshape("collapse", "%x", x_t, x2_t, [list(range(lead)), [lead]], []))
-    lines += [
+        "%w = " + _reshape("collapse", "%w3", w3_t, w_t, [[0], [1, 2]], []),
+        _x_as_rows(spec),
         "%zero = arith.constant 0.0 : f32",
         f"%yempty = tensor.empty() : {y2_t}",
         f"%yfill = linalg.fill ins(%zero : f32) outs(%yempty : {y2_t}) -> {y2_t}",
         "%y2 = linalg.matmul indexing_maps = [affine_map<(d0, d1, d2) -> (d0, d2)>, "
         "affine_map<(d0, d1, d2) -> (d1, d2)>, affine_map<(d0, d1, d2) -> (d0, d1)>]",
-        f"    ins(%x2, %w : {x2_t}, tensor<{n}x{k}xf32>) outs(%yfill : {y2_t}) -> {y2_t}",
+        f"    ins(%x2, %w : {x2_t}, {w_t}) outs(%yfill : {y2_t}) -> {y2_t}",
+        _rows_as_y(spec),
     ]
-    if lead == 0:
-        lines.append("%y = " + _reshape("collapse", "%y2", y2_t, y_t, [[0, 1]], []))
-    elif lead == 1:
-        lines.append(f"%y = tensor.cast %y2 : {y2_t} to {y_t}")
-    else:
-        lines.append("%y = " + _reshape("expand", "%y2", y2_t, y_t, [list(range(lead)), [lead]], list(y_shape)))
-    params = [f"%x: {x_t}", f"%codes: {codes_t}", f"%scales: {sc_t}"] + ([f"%mins: {sc_t}"] if spec.has_min else [])
-    body = "\n  ".join(lines)
-    return f"util.func private @{spec.name}({', '.join(params)}) -> {y_t} {{\n  {body}\n  util.return %y : {y_t}\n}}"
+    return _function(spec, lines)
 
 
 # ---------------------------------------------------------------------------
@@ -334,7 +317,8 @@ def _spec_of(op: ir.Operation) -> QLinearSpec:
 def expand_qlinear_ops(mlir: str, cpu_tiles: bool) -> tuple[str, int]:
     """Replace every foldline::qlinear op in the module text with a call to its kernel.
 
-    cpu_tiles: the fused, tiled CPU kernel; otherwise the portable GPU form.
+    cpu_tiles: a CPU target: the fused, tiled kernel for single rows (decode) and
+    dequantize-then-matmul for prefill chunks; otherwise dequantize-then-matmul.
 
     Returns the new module text and the number of sites rewritten.
     """
@@ -357,15 +341,12 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool) -> tuple[str, int]:
             spec = _spec_of(op)
             x, codes, scales, mins = op.operands[:4]
             with ir.InsertionPoint(op), op.location:
-                x_t = f"tensor<{'x'.join(map(str, spec.x_shape))}xf32>"
-                codes_t = f"tensor<{spec.n}x{spec.k // 2 if spec.fmt == 'q4' else spec.k}xi8>"
-                sc_t = f"tensor<{spec.n}x{spec.groups}x{spec.scale_type}>"
-                operands = [_builtin(x, x_t), _builtin(codes, codes_t), _builtin(scales, sc_t)]
+                operands = [_builtin(x, _tensor(spec.x_shape, "f32")), _builtin(codes, _codes_t(spec)),
+                            _builtin(scales, _scales_t(spec))]
                 if spec.has_min:
-                    operands.append(_builtin(mins, sc_t))
-                y_shape = (*spec.x_shape[:-1], spec.n)
+                    operands.append(_builtin(mins, _scales_t(spec)))
                 call = ir.Operation.create(
-                    "util.call", results=[ir.Type.parse(f"tensor<{'x'.join(map(str, y_shape))}xf32>")],
+                    "util.call", results=[ir.Type.parse(_tensor((*spec.x_shape[:-1], spec.n), "f32"))],
                     operands=operands, attributes={"callee": ir.FlatSymbolRefAttr.get(spec.name)})
                 back = ir.Operation.create("torch_c.from_builtin_tensor", results=[op.results[0].type],
                                            operands=[call.result])
@@ -373,6 +354,7 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool) -> tuple[str, int]:
             op.erase()
             kernels[spec.name] = spec
         for spec in kernels.values():
-            text = kernel_mlir(spec, cpu_tiles=True) if cpu_tiles else portable_kernel_mlir(spec)
+            fused = cpu_tiles and spec.m == 1
+            text = fused_matvec_mlir(spec) if fused else dequantize_matmul_mlir(spec)
             ir.InsertionPoint(module.body).insert(ir.Operation.parse(text))
         return str(module), len(found)

@@ -85,7 +85,10 @@ def cpu_target(cpu: str = "host", triple: str | None = None) -> Target:
     """
     # Vectorized reductions: without it each reduction (the fused quantized matmuls above all)
     # lowers to a chain of scalar adds, 3.5-9x slower (backends/quant_kernels.py).
-    flags = ["--iree-hal-target-backends=llvm-cpu", "--iree-llvmcpu-reassociate-fp-reductions=true"]
+    # No constant-expression hoisting: it would move the prefill's per-call dequantization of
+    # quantized weights into a load-time initializer, a float copy of every weight in memory.
+    flags = ["--iree-hal-target-backends=llvm-cpu", "--iree-llvmcpu-reassociate-fp-reductions=true",
+             "--iree-opt-const-expr-hoisting=false"]
     arch = host_arch()
     if triple:
         flags.append(f"--iree-llvmcpu-target-triple={triple}")

@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
                    help="IREE Vulkan target: host (the Vulkan device here; lavapipe -> llvmpipe), "
                         "or a device family such as llvmpipe, ampere, rdna3")
     p.add_argument("--cuda-arch", default="sm_80", help="CUDA SM architecture, e.g. sm_80 (default; runs on Ampere and newer), sm_86, sm_89")
-    p.add_argument("--chunk", type=int, default=16, help="static prefill chunk length (default 16)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="static prefill chunk length (default: 64 with quantized weights, else 16)")
     p.add_argument("--max-context", type=int, default=None, help="context length the bundle supports")
     p.add_argument("--passes", default=None, help="comma-separated pass pipeline (default: the target's)")
     p.add_argument("--no-pass", action="append", default=[], metavar="NAME", help="drop a pass")

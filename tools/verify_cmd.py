@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
     p.add_argument("--cuda-arch", default="sm_80", help="CUDA SM architecture (default sm_80)")
     p.add_argument("--steps", type=int, default=48, help="greedy decode steps after the prompt")
     p.add_argument("--prompt-len", type=int, default=40, help="random prompt length (token ids)")
-    p.add_argument("--chunk", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: as foldline compile)")
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--passes", default=None, help="comma-separated pass pipeline (default pipeline)")
     p.add_argument("--tol", type=float, default=None, help="scaled-error tolerance (default 1e-4 for fp32)")
