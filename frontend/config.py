@@ -13,6 +13,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 LAYER_KINDS = ("global", "local", "gdn")
+
+# The context a bundle supports when the user names none: the model's trained context, capped.
+# Attention work follows the tokens held (kv-length-buckets), but the caches are allocated whole:
+# 8192 tokens of SmolLM2-135M hold 189 MB of f16 K/V, Qwen3.5's 262144 would hold gigabytes.
+DEFAULT_CONTEXT_CAP = 8192
+
+
+def default_max_context(trained: int | None) -> int:
+    """max_context when none is given: the trained context, at most DEFAULT_CONTEXT_CAP."""
+    return min(trained, DEFAULT_CONTEXT_CAP) if trained else DEFAULT_CONTEXT_CAP
 GDN_L2NORMS = ("hf", "ggml")
 
 
@@ -99,6 +109,8 @@ class ModelConfig:
     # Compile-time limits (not architecture, but they fix the static shapes).
     max_context: int = 256
     dtype: str = "float32"
+    # Attention K/V cache element type; None: the compute dtype. float16 halves the caches.
+    kv_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # A published config kept for `foldline plan` only: never built or compiled.
@@ -129,6 +141,11 @@ class ModelConfig:
                 self.rope_scaling_factor_global,
             )
         return base, (rot if rot is not None else self.head_dim), scale
+
+    @property
+    def cache_dtype(self) -> str:
+        """The element type of the attention K/V caches."""
+        return self.kv_dtype or self.dtype
 
     def layers_of(self, kind: str) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == kind]
@@ -173,6 +190,7 @@ class ModelConfig:
             need(self.gdn_kv_mapping in ("blocked", "interleaved"), f"bad gdn_kv_mapping {self.gdn_kv_mapping!r}")
             need(self.gdn_norm_eps in ("plain", "scaled"), f"bad gdn_norm_eps {self.gdn_norm_eps!r}")
             need(self.gdn_l2norm in GDN_L2NORMS, f"bad gdn_l2norm {self.gdn_l2norm!r} (expected one of {GDN_L2NORMS})")
+        need(self.kv_dtype in (None, "float32", "float16", "bfloat16"), f"bad kv_dtype {self.kv_dtype!r}")
         need(self.max_context > 0, "max_context must be positive")
 
     # ---- (de)serialisation -----------------------------------------------

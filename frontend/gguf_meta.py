@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import ModelConfig
+from .config import ModelConfig, default_max_context
 from .gguf_file import GGUFError, GGUFFile
 
 
@@ -53,10 +53,10 @@ def rope_scaling(g: GGUFFile) -> float:
     return factor
 
 
-def common_fields(g: GGUFFile, max_context: int | None, default_context: int) -> dict[str, Any]:
+def common_fields(g: GGUFFile, max_context: int | None) -> dict[str, Any]:
     """The ModelConfig fields every llama.cpp architecture stores the same way.
 
-    max_context None: `default_context`, capped at the trained context.
+    max_context None: the trained context, capped (config.default_max_context).
     """
     arch = g.architecture
     hidden = int(g.require("embedding_length"))
@@ -71,9 +71,7 @@ def common_fields(g: GGUFFile, max_context: int | None, default_context: int) ->
     if vocab is None:
         vocab = g.info("token_embd.weight").shape[0]
     trained_ctx = int(g.arch_key("context_length", 0) or 0)
-    ctx = max_context if max_context is not None else default_context
-    if trained_ctx:
-        ctx = min(ctx, trained_ctx) if max_context is None else ctx
+    ctx = max_context if max_context is not None else default_max_context(trained_ctx or None)
     name = g.get("general.name") or g.path.stem
     return dict(
         name=str(name),

@@ -9,12 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import ConfigError
+from .config import ConfigError, default_max_context
 from .types import TORCH_DTYPES
-
-# The reference modules keep full-length KV caches, so compiling for a model's
-# whole advertised context (Qwen3.5: 262144) is never what a default should do.
-DEFAULT_MAX_CONTEXT = 4096
 
 _LAYER_KINDS = {"full_attention": "global", "sliding_attention": "local", "linear_attention": "gdn"}
 
@@ -53,7 +49,7 @@ def common_fields(raw: dict[str, Any], name: str, max_context: int | None) -> di
         raise HFLoadError(f"{name}: attention_bias=true is not supported by the reference attention")
     if raw.get("mlp_bias"):
         raise HFLoadError(f"{name}: mlp_bias=true is not supported")
-    ctx = max_context if max_context is not None else raw.get("max_position_embeddings", DEFAULT_MAX_CONTEXT)
+    ctx = max_context if max_context is not None else default_max_context(raw.get("max_position_embeddings"))
     return {
         "name": name,
         "vocab_size": raw["vocab_size"],

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from .arch import BY_HF_MODEL_TYPE, architecture_of
 from .config import ModelConfig
-from .hf_config import DEFAULT_MAX_CONTEXT, HFLoadError
+from .hf_config import HFLoadError
 from .model import CausalLM, build_model
 from .types import TORCH_DTYPES, LoadedModel
 
@@ -139,11 +139,11 @@ def _tokenizer_files(path: Path) -> tuple[str | None, str | None]:
 
 
 def load_hf_dir(path: str | Path, max_context: int | None = None) -> LoadedModel:
-    """Config, weights and tokenizer of an HF directory; max_context None = min(model max, 4096)."""
+    """Config, weights and tokenizer of an HF directory; max_context None = the trained context, capped."""
     path = Path(path)
     cfg = read_hf_config(path)
-    ctx = max_context if max_context is not None else min(cfg.max_context, DEFAULT_MAX_CONTEXT)
-    cfg = cfg.replace(max_context=ctx)
+    if max_context is not None:
+        cfg = cfg.replace(max_context=max_context)
     module = build_model(cfg, seed=None)
     _assign(module, _load_tensors(path), path)
     tokenizer_json, template = _tokenizer_files(path)

@@ -76,7 +76,7 @@ class Attention(nn.Module):
         k_cache.copy_(new_k)
         v_cache.copy_(new_v)
         attn = torch.ops.foldline.cache_attention(
-            q, new_k, new_v, ctx.start_pos, self.window, cfg.softmax_scale, cfg.kv_mapping
+            q, new_k, new_v, ctx.start_pos, self.window, cfg.softmax_scale, cfg.kv_mapping, k_cache.shape[2]
         )
         attn = attn.transpose(1, 2).reshape(b, c, hq * hd)
         if gate is not None:
@@ -193,8 +193,8 @@ def state_specs(cfg: ModelConfig, batch: int) -> list[StateSpec]:
             continue
         shape = (batch, cfg.num_kv_heads, cfg.max_context, cfg.head_dim)
         skind = "local_kv" if kind == "local" else "global_kv"
-        specs.append(StateSpec(f"layer{i}.k", shape, cfg.dtype, i, skind))
-        specs.append(StateSpec(f"layer{i}.v", shape, cfg.dtype, i, skind))
+        specs.append(StateSpec(f"layer{i}.k", shape, cfg.cache_dtype, i, skind))
+        specs.append(StateSpec(f"layer{i}.v", shape, cfg.cache_dtype, i, skind))
     return specs
 
 

@@ -45,13 +45,27 @@ def _ungroup(o: Tensor, kv_mapping: str) -> Tensor:
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, kv_mapping: str) -> Tensor:
-    """Grouped attention; `allowed` is [B, C, L] (query x key). Softmax in fp32."""
+    """Grouped attention; `allowed` is [B, C, L] (query x key). Softmax in fp32.
+
+    One query token (decode) is written as broadcast products summed over one axis,
+    which IREE fuses into reductions that read each cache slot once in its stored
+    layout; matmuls would first materialise K transposed and repeated per query head
+    (4x slower per step on CPU). Chunks keep the matmul form, which tiles better.
+    """
     n_kv = k.shape[1]
-    qg = _group_query(q, n_kv, kv_mapping).to(torch.float32)
-    scores = torch.matmul(qg, k.to(torch.float32)[:, :, None].transpose(-1, -2)) * scale
-    scores = torch.where(allowed[:, None, None], scores, torch.full_like(scores, MASK_VALUE))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.to(torch.float32)[:, :, None])
+    qg = _group_query(q, n_kv, kv_mapping).to(torch.float32)  # [B, Hkv, rep, C, D]
+    kf, vf = k.to(torch.float32), v.to(torch.float32)
+    mask = allowed[:, None, None]  # [B, 1, 1, C, L]
+    if q.shape[2] == 1:
+        scores = (qg * kf[:, :, None]).sum(-1, keepdim=True).transpose(-1, -2) * scale  # [B, Hkv, rep, 1, L]
+        scores = torch.where(mask, scores, torch.full_like(scores, MASK_VALUE))
+        probs = torch.softmax(scores, dim=-1)
+        out = (probs.transpose(-1, -2) * vf[:, :, None]).sum(-2, keepdim=True)  # [B, Hkv, rep, 1, D]
+    else:
+        scores = torch.matmul(qg, kf[:, :, None].transpose(-1, -2)) * scale
+        scores = torch.where(mask, scores, torch.full_like(scores, MASK_VALUE))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs, vf[:, :, None])
     return _ungroup(out, kv_mapping).to(q.dtype)
 
 
@@ -61,22 +75,46 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, kv_m
 
 
 def kv_cache_write_impl(cache: Tensor, new: Tensor, start_pos: Tensor, n_valid: Tensor) -> Tensor:
-    """Write new[:, :, i] into slot start_pos + i for valid i; padding leaves slots alone."""
+    """Write new[:, :, i] into slot start_pos + i for the valid tokens i < n_valid; no other slot changes.
+
+    Padding tokens rewrite the last valid token's value into its own slot, so the
+    write never reads the cache: IREE then updates the caller's buffer in place
+    instead of copying the whole cache first (backends/inplace_state.py). A row
+    with no valid token writes padding into slot start_pos, which holds no
+    position yet (masked, and overwritten by that row's next token); such a row
+    must not be at a full cache (start_pos == max_context), where it would
+    overwrite the last slot.
+    """
     b, h, length, d = cache.shape
     chunk = new.shape[2]
-    pos = _chunk_positions(start_pos, chunk) % length  # padding past the end wraps onto old slots
-    valid = _valid(n_valid, chunk)
+    i = torch.arange(chunk, dtype=start_pos.dtype, device=start_pos.device)[None, :]
+    source = torch.minimum(i, (n_valid[:, None] - 1).clamp(min=0))  # [B, C]: the token each write takes
+    pos = (start_pos[:, None] + source).clamp(max=length - 1)
+    value = torch.gather(new.to(cache.dtype), 2, source[:, None, :, None].expand(b, h, chunk, d))
     index = pos[:, None, :, None].expand(b, h, chunk, d)
-    old = torch.gather(cache, 2, index)
-    value = torch.where(valid[:, None, :, None], new.to(cache.dtype), old)
     return torch.scatter(cache, 2, index, value)
 
 
 def cache_attention_impl(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, start_pos: Tensor, window: int, scale: float, kv_mapping: str
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    start_pos: Tensor,
+    window: int,
+    scale: float,
+    kv_mapping: str,
+    length: int,
 ) -> Tensor:
-    """Causal attention over a full cache; window > 0 adds the sliding-window mask."""
-    chunk, length = q.shape[2], k_cache.shape[2]
+    """Causal attention over the first `length` slots of a full cache; window > 0 adds the window mask.
+
+    `length` below the cache size is a promise by the caller that every position of
+    the chunk is below it (the kv-length-buckets pass makes one entry point per length,
+    and the runtime calls the shortest that holds the chunk): the work then follows
+    the tokens held, not the cache size.
+    """
+    length = min(length, k_cache.shape[2])
+    k_cache, v_cache = k_cache[:, :, :length], v_cache[:, :, :length]
+    chunk = q.shape[2]
     qpos = _chunk_positions(start_pos, chunk)[:, :, None]
     kpos = torch.arange(length, dtype=start_pos.dtype, device=start_pos.device)[None, None, :]
     allowed = kpos <= qpos
@@ -157,13 +195,20 @@ def _(cache, new, start_pos, n_valid):
 
 @torch.library.custom_op("foldline::cache_attention", mutates_args=())
 def cache_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, start_pos: Tensor, window: int, scale: float, kv_mapping: str
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    start_pos: Tensor,
+    window: int,
+    scale: float,
+    kv_mapping: str,
+    length: int,
 ) -> Tensor:
-    return cache_attention_impl(q, k_cache, v_cache, start_pos, window, scale, kv_mapping)
+    return cache_attention_impl(q, k_cache, v_cache, start_pos, window, scale, kv_mapping, length)
 
 
 @cache_attention.register_fake
-def _(q, k_cache, v_cache, start_pos, window, scale, kv_mapping):
+def _(q, k_cache, v_cache, start_pos, window, scale, kv_mapping, length):
     return q.new_empty(q.shape)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .arch import get_preset
 from .config import ConfigError, ModelConfig
+from .gguf_file import GGUFFile
 from .gguf_loader import load_gguf, read_gguf_config
 from .hf_loader import load_hf_dir, read_hf_config
 from .model import build_model
@@ -27,6 +28,18 @@ def resolve_config(spec: str) -> ModelConfig:
     if path.is_dir():
         return read_hf_config(path)
     return get_preset(spec)
+
+
+FLOAT_GGUF_TYPES = ("F32", "F16", "BF16")
+
+
+def holds_block_quantized_weights(spec: str) -> bool:
+    """Whether MODEL is a GGUF with block-quantized weight tensors (what compile keeps by default)."""
+    path = locate_shipped(spec) if spec in SHIPPED_MODELS else Path(spec)
+    if path.suffix != ".gguf" or not path.is_file():
+        return False
+    with GGUFFile(path) as g:
+        return any(t.type_name not in FLOAT_GGUF_TYPES for t in g.tensors.values())
 
 
 def load_model(spec: str, max_context: int | None = None, seed: int = 0) -> LoadedModel:

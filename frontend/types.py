@@ -8,6 +8,8 @@ can use these types without an import cycle.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,3 +59,24 @@ class LoadedModel:
     # The checkpoint's block-quantized weights, exactly repacked (quant.QuantizedTensor by parameter
     # name); the module holds their float32 dequantization, the eager reference.
     source_blocks: dict[str, Any] = field(default_factory=dict)
+
+    @contextmanager
+    def reconfigured(self, **changes: Any) -> Iterator[ModelConfig]:
+        """Compile-time config changes (kv_dtype, say) on the config and the module, undone on exit.
+
+        Every submodule holding the config (the model, its layers and mixers) sees the
+        new one inside the block, so the module and `config` never disagree, and a
+        model loaded once can be compiled several ways.
+        """
+        old, new = self.config, self.config.replace(**changes)
+        self._point(old, new)
+        try:
+            yield new
+        finally:
+            self._point(new, old)
+
+    def _point(self, old: ModelConfig, new: ModelConfig) -> None:
+        for sub in self.module.modules():
+            if getattr(sub, "cfg", None) is old:
+                sub.cfg = new
+        self.config = new

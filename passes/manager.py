@@ -15,6 +15,7 @@ from typing import Any
 from . import (  # noqa: F401  (each registers its pass)
     fold_embedding_scale,
     fuse_hadamard,
+    kv_length_buckets,
     quantize_weights,
     ring_buffer_swa,
 )
@@ -24,8 +25,10 @@ __all__ = ["PASSES", "CompileUnit", "Pass", "PassError", "PassResult", "availabl
            "register_pass", "resolve_pipeline", "run_pipeline"]
 
 # fuse-hadamard first: folding restores the plain embedding lookups fold-embedding-scale anchors on.
-# quantize-weights last: it reads the float weights the other passes leave.
-DEFAULT_PIPELINE: list[str] = ["fuse-hadamard", "fold-embedding-scale", "ring-buffer-swa", "quantize-weights"]
+# quantize-weights after them: it reads the float weights the other passes leave.
+# kv-length-buckets last: it copies each entry point once per attention length.
+DEFAULT_PIPELINE: list[str] = ["fuse-hadamard", "fold-embedding-scale", "ring-buffer-swa", "quantize-weights",
+                               "kv-length-buckets"]
 
 
 class PassError(ValueError):

@@ -28,6 +28,8 @@ class CompileUnit:
     # The checkpoint's own block-quantized weights (quant.QuantizedTensor) by lifted-parameter
     # name in the programs (frontend.export.parameter_target).
     source_blocks: dict[str, Any] = field(default_factory=dict)
+    # Attention lengths below max_context that have their own entry points (kv-length-buckets).
+    kv_lengths: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -6,7 +6,7 @@ still grows with the context. This pass rewrites each site
 
     k' = kv_cache_write(k_cache, k, start_pos, n_valid)      (same for v)
     k_cache <- k'                                             (state mutation)
-    o  = cache_attention(q, k', v', start_pos, W, scale, map)   with W > 0
+    o  = cache_attention(q, k', v', start_pos, W, scale, map, L)   with W > 0
 
 into
 
@@ -62,7 +62,7 @@ class Site:
 
 def _match(node: Node, state_index: dict[str, int], length_of: dict[str, int]) -> tuple[Site | None, str]:
     """Match one cache_attention node; returns (site, why-not)."""
-    q, k_w, v_w, start_pos, window, _scale, _mapping = node.args
+    q, k_w, v_w, start_pos, window, _scale, _mapping, _length = node.args
     if not isinstance(window, int) or window <= 0:
         return None, ""
     for w in (k_w, v_w):
@@ -117,7 +117,7 @@ def _rewrite(program: ExportedProgram, windows: dict[int, int], n_state: int) ->
         if site.k_state not in windows or site.v_state not in windows:
             continue
         attn = site.attention
-        q, _k, _v, start_pos, window, scale, mapping = attn.args
+        q, _k, _v, start_pos, window, scale, mapping, _length = attn.args
         k_state, k_new, _, n_valid = site.k_write.args
         v_state, v_new, _, _ = site.v_write.args
         with gm.graph.inserting_before(attn):

@@ -134,6 +134,16 @@ class Manifest:
         return int(self.data["model"]["max_context"])
 
     @property
+    def kv_lengths(self) -> list[int]:
+        """Attention lengths with their own entry points (prefill_<L>, decode_<L>), ascending."""
+        lengths = self.data.get("kv_lengths", [])
+        if not (isinstance(lengths, list) and all(type(n) is int for n in lengths)
+                and lengths == sorted(set(lengths)) and all(0 < n < self.max_context for n in lengths)):
+            raise BundleError(f"{self.root / MANIFEST}: kv_lengths {lengths!r} must be ascending integers "
+                              f"between 0 and max_context {self.max_context}")
+        return lengths
+
+    @property
     def vocab_size(self) -> int:
         return int(self.data["model"]["vocab_size"])
 

@@ -145,7 +145,36 @@ class DeviceContext:
         return rt.asdevicearray(self.device, np.ascontiguousarray(array))
 
     def zeros(self, shape: Sequence[int], dtype: Any) -> rt.DeviceArray:
-        return self.upload(np.zeros(tuple(shape), dtype=dtype))
+        """A zero-filled device buffer, filled in place where the device allows (no host copy).
+
+        A long-context bundle's caches are hundreds of MB: staging them through a
+        host array would hold them twice at the peak.
+        """
+        dtype = np.dtype(dtype)
+        shape = tuple(int(d) for d in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        element_type = rt.array_interop.map_dtype_to_element_type(dtype)
+        if nbytes == 0 or element_type is None:
+            return self.upload(np.zeros(shape, dtype=dtype))
+        try:
+            buffer = self.device.allocator.allocate_buffer(
+                memory_type=int(rt.MemoryType.DEVICE_LOCAL),
+                allowed_usage=int(rt.BufferUsage.DEFAULT),
+                allocation_size=nbytes,
+            )
+            buffer.fill_zero(0, nbytes)
+        except RuntimeError:  # not host-fillable here (some Vulkan drivers): upload zeros instead
+            return self.upload(np.zeros(shape, dtype=dtype))
+        return rt.DeviceArray(self.device, rt.HalBufferView(buffer, shape, element_type), override_dtype=dtype)
+
+    def fill_zero(self, array: rt.DeviceArray) -> rt.DeviceArray:
+        """Zero `array` in place where possible; otherwise a fresh zero buffer of its shape."""
+        buffer = array._buffer_view.get_buffer()
+        try:
+            buffer.fill_zero(0, buffer.byte_length())
+            return array
+        except RuntimeError:
+            return self.zeros(array.shape, array.dtype)
 
     def to_host(self, array: rt.DeviceArray) -> np.ndarray:
         """An owned host copy; safe on drivers that cannot import or map host memory."""

@@ -44,6 +44,7 @@ class Model:
         self.vocab_size = manifest.vocab_size
         self.max_context = manifest.max_context
         self.chunk = manifest.prefill_chunk
+        self.kv_lengths = manifest.kv_lengths
         self.eos_token_ids = tuple(self.config.get("eos_token_ids", ()))
         self._tokenizer = None
 
@@ -68,6 +69,15 @@ class Model:
 
     def session(self) -> Session:
         return Session(self)
+
+    def entry_point(self, entry: str, end: int) -> str:
+        """The entry point for a chunk whose positions end below `end`: the shortest attention length.
+
+        Work per step then follows the tokens held: a bundle for a long context
+        costs what a short one does until the conversation grows.
+        """
+        length = next((n for n in self.kv_lengths if end <= n), None)
+        return entry if length is None else f"{entry}_{length}"
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -119,7 +129,7 @@ class Session:
             tokens = np.zeros((1, chunk), dtype=np.int64)
             tokens[0, : piece.size] = piece
             out = self.ctx.call(
-                "prefill",
+                self.model.entry_point("prefill", self.position + piece.size),
                 [tokens, np.array([self.position], np.int64), np.array([piece.size], np.int64)],
                 self.buffers,
             )
@@ -131,7 +141,7 @@ class Session:
     def decode(self, token: int) -> np.ndarray:
         """Feed one token; returns the next-token logits."""
         arr = self._check_ids([token])
-        out = self.ctx.call("decode", [arr.reshape(1, 1), np.array([self.position], np.int64)], self.buffers)
+        out = self.ctx.call(self.model.entry_point("decode", self.position + 1), [arr.reshape(1, 1), np.array([self.position], np.int64)], self.buffers)
         self.position += 1
         self.tokens.append(int(token))
         return out.reshape(-1)
@@ -212,6 +222,6 @@ class Session:
         self.tokens = list(snap.tokens)
 
     def reset(self) -> None:
-        self.buffers = [self.ctx.zeros(b.shape, b.dtype) for b in self.buffers]
+        self.buffers = [self.ctx.fill_zero(b) for b in self.buffers]
         self.position = 0
         self.tokens = []

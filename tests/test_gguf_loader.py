@@ -240,7 +240,7 @@ def test_llama_config_and_tied_head(tmp_path):
     assert cfg.layer_types == ("global", "global")
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 16)
     assert cfg.rope_theta_global == 100000.0 and cfg.rms_eps == pytest.approx(1e-5)
-    assert cfg.max_context == 256  # default 512 capped at the trained context
+    assert cfg.max_context == 256  # the trained context when none is asked for
     assert read_gguf_config(tied, max_context=64).max_context == 64
     loaded = load_gguf(untied)
     assert hasattr(loaded.module, "lm_head")
@@ -322,7 +322,7 @@ def test_gemma3_config_mapping(tmp_path):
     assert cfg.mlp_activation == "gelu_tanh"
     assert cfg.rms_eps == pytest.approx(1e-6)
     assert cfg.bos_token_id == 2 and cfg.eos_token_ids[0] == 1
-    assert cfg.max_context == 1024
+    assert cfg.max_context == 8192  # the trained 32768, capped by default
 
 
 def test_gemma3_explicit_layer_pattern(tmp_path):

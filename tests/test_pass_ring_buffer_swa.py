@@ -44,7 +44,7 @@ def test_ring_ops_match_full_cache_ops(chunk):
     """Random chunk sequences, rows at different positions, empty and padded chunks, chunk vs W."""
     gen = torch.Generator().manual_seed(chunk)
     b, h, d, window, length = 3, 2, 4, 5, 64
-    full_k = torch.zeros(b, h, length, d)
+    full_k = torch.zeros(b, h, length + 1, d)  # one slot more: a full row's empty chunk may write its last slot
     ring_k = torch.zeros(b, h, window, d)
     full_v, ring_v = full_k.clone(), ring_k.clone()
     pos = torch.tensor([0, 3, 11])
@@ -56,7 +56,7 @@ def test_ring_ops_match_full_cache_ops(chunk):
         q = torch.randn(b, 2 * h, chunk, d, generator=gen)
         full_k = ops.kv_cache_write_impl(full_k, k_new, pos, n_valid)
         full_v = ops.kv_cache_write_impl(full_v, v_new, pos, n_valid)
-        want = ops.cache_attention_impl(q, full_k, full_v, pos, window, 0.5, "blocked")
+        want = ops.cache_attention_impl(q, full_k, full_v, pos, window, 0.5, "blocked", full_k.shape[2])
         got = ops.ring_attention_impl(q, ring_k, ring_v, k_new, v_new, pos, n_valid, window, 0.5, "blocked")
         ring_k = ops.ring_write_impl(ring_k, k_new, pos, n_valid)
         ring_v = ops.ring_write_impl(ring_v, v_new, pos, n_valid)

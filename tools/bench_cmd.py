@@ -37,6 +37,12 @@ def add_parser(sub) -> None:
     p.add_argument("--eager", default=None, metavar="MODEL",
                    help="also time foldline's own torch reference module on MODEL (what compiling buys; not a peer)")
     p.add_argument("--threads", type=int, default=None, help="threads for the peers (default: all cores)")
+    p.add_argument("--peer-context", type=int, default=None, metavar="N",
+                   help="llama.cpp's context (KV capacity; default: the bundle's max_context, so both hold "
+                        "caches of the same size)")
+    p.add_argument("--held", default=None, metavar="N,N,...",
+                   help="instead: decode tok/s with N tokens already held, for each N (e.g. 128,1024,4096,8192): "
+                        "prefill N tokens, then decode --new-tokens (default 32 here)")
     p.add_argument("--device", default="cpu", choices=["cpu", "vulkan", "cuda"])
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
@@ -58,10 +64,10 @@ def bench_compiled(bundle: str, device: str, prompt_len: int, new_tokens: int, s
     model = Model.load(bundle, device=device, verify=False)
     load_s = time.perf_counter() - t0
     ids = prompt_ids(model.vocab_size, prompt_len, seed)
-    warm = model.session()  # first calls allocate and page in the weights
-    warm.prefill(ids[: model.chunk])
-    warm.decode(ids[0])
-    session = model.session()
+    session = model.session()  # first calls allocate and page in the weights
+    session.prefill(ids[: model.chunk])
+    session.decode(ids[0])
+    session.reset()  # the same buffers, zeroed: one session's state at the peak, as an app holds
     out = time_engine(session.prefill, session.decode, ids, new_tokens)
     out.update(load_s=load_s, peak_rss_mib=peak_rss_mib(), chunk=model.chunk, max_context=model.max_context,
                threads=os.cpu_count())
@@ -142,6 +148,8 @@ def run(args) -> int:
     from .bench_peers import PeerUnavailable, bench_hf_eager, bench_llama_cpp
 
     manifest = Manifest.load(args.bundle)
+    if args.held is not None:
+        return run_held(args, manifest)
     if args.prompt_len < 1 or args.new_tokens < 0:
         raise ValueError("--prompt-len must be >= 1 and --new-tokens >= 0")
     if args.prompt_len + args.new_tokens > manifest.max_context:
@@ -158,7 +166,8 @@ def run(args) -> int:
     if args.llama_cpp:
         try:
             engines["llama.cpp"] = bench_llama_cpp(_source_model(manifest, args.llama_cpp), ids, args.new_tokens,
-                                                   threads, python=args.llama_python)
+                                                   threads, python=args.llama_python,
+                                                   n_ctx=args.peer_context or manifest.max_context)
         except PeerUnavailable as e:
             skipped.append(str(e))
     if args.hf:
@@ -186,4 +195,62 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"bundle": str(args.bundle), "model": name, **common, "threads": threads,
                        "engines": engines}, f, indent=2)
+    return 0
+
+
+def _parse_held(text: str, max_context: int, new_tokens: int) -> list[int]:
+    try:
+        held = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError as e:
+        raise ValueError(f"--held takes comma-separated token counts, got {text!r}") from e
+    if not held or any(n < 1 or n > max_context for n in held):
+        raise ValueError(f"--held values must be between 1 and the bundle's max_context {max_context}")
+    if new_tokens < 1 or new_tokens >= max_context:
+        raise ValueError(f"--new-tokens must be between 1 and max_context {max_context} with --held")
+    return held
+
+
+def run_held(args, manifest) -> int:
+    """Decode speed as a function of the tokens held, foldline beside llama.cpp at the same positions."""
+    from .bench_peers import PeerUnavailable, bench_llama_cpp
+
+    new_tokens = args.new_tokens if args.new_tokens != 128 else 32
+    held_list = _parse_held(args.held, manifest.max_context, new_tokens)
+    threads = args.threads or os.cpu_count() or 1
+    rows, skipped = [], None
+    for held in held_list:
+        prompt_len = min(held, manifest.max_context - new_tokens)  # the last decode must still fit
+        ids = prompt_ids(manifest.vocab_size, prompt_len, args.seed)
+        ours = _child("compiled", {"bundle": str(args.bundle), "device": args.device, "prompt_len": prompt_len,
+                                   "new_tokens": new_tokens, "seed": args.seed})
+        peer = None
+        if args.llama_cpp and skipped is None:
+            try:
+                peer = bench_llama_cpp(_source_model(manifest, args.llama_cpp), ids, new_tokens, threads,
+                                       python=args.llama_python, n_ctx=args.peer_context or manifest.max_context)
+            except PeerUnavailable as e:
+                skipped = str(e)
+        rows.append((prompt_len, ours, peer))
+    name = manifest.config.get("name", args.bundle)
+    print(f"bench {name}: decode {new_tokens} greedy tokens after N tokens held (max_context "
+          f"{manifest.max_context}), {threads} threads, load average {os.getloadavg()[0]:.1f}")
+    header = ["tokens held", "foldline prefill tok/s", "foldline decode tok/s", "peak RSS (MiB)"]
+    if any(p for _, _, p in rows):
+        header += ["llama.cpp prefill tok/s", "llama.cpp decode tok/s", "llama.cpp RSS (MiB)", "decode ratio"]
+    table = [header]
+    for held, ours, peer in rows:
+        line = [str(held), f"{ours['prefill_tok_s']:.1f}", f"{ours['decode_tok_s']:.1f}", f"{ours['peak_rss_mib']:.0f}"]
+        if peer:
+            line += [f"{peer['prefill_tok_s']:.1f}", f"{peer['decode_tok_s']:.1f}", f"{peer['peak_rss_mib']:.0f}",
+                     f"{ours['decode_tok_s'] / peer['decode_tok_s']:.2f}x"]
+        table.append(line)
+    widths = [max(len(r[i]) for r in table if i < len(r)) for i in range(len(header))]
+    for r in table:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    if skipped:
+        print(f"skipped {skipped}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bundle": str(args.bundle), "model": name, "new_tokens": new_tokens, "threads": threads,
+                       "held": [{"held": h, "foldline": o, "llama.cpp": p} for h, o, p in rows]}, f, indent=2)
     return 0

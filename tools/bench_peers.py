@@ -31,10 +31,12 @@ from llama_cpp import Llama
 
 ids, new_tokens, threads = args["ids"], args["new_tokens"], args["threads"]
 t0 = time.perf_counter()
-n_ctx = len(ids) + new_tokens + 8
-# n_batch = n_ctx: without logits_all, llama-cpp-python keeps n_batch rows of scores and indexes them
-# by position, so a smaller batch runs out of rows once the position passes it.
-llm = Llama(model_path=args["gguf"], n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, n_threads_batch=threads,
+needed = len(ids) + new_tokens + 8
+# The context the bundle was compiled for, so both engines hold caches of the same capacity.
+n_ctx = max(args.get("n_ctx") or needed, needed)
+# n_batch >= every position reached: without logits_all, llama-cpp-python keeps n_batch rows of scores
+# and indexes them by position (n_batch = n_ctx would allocate n_ctx x vocab floats: 32 GiB for Gemma 3).
+llm = Llama(model_path=args["gguf"], n_ctx=n_ctx, n_batch=needed, n_threads=threads, n_threads_batch=threads,
             verbose=False)
 load_s = time.perf_counter() - t0
 
@@ -107,11 +109,13 @@ def _run_child(python: str, script: str, args: dict[str, Any], what: str) -> dic
 
 
 def bench_llama_cpp(gguf: str | Path, ids: list[int], new_tokens: int, threads: int,
-                    python: str | None = None) -> dict[str, Any]:
+                    python: str | None = None, n_ctx: int | None = None) -> dict[str, Any]:
+    """llama.cpp on `gguf`; n_ctx: its context (KV capacity), by default just what the run needs."""
     if not Path(gguf).is_file():
         raise FileNotFoundError(f"llama.cpp needs a GGUF file; {gguf} does not exist")
     return _run_child(python or sys.executable, _LLAMA_CPP,
-                      {"gguf": str(gguf), "ids": ids, "new_tokens": new_tokens, "threads": threads}, "llama.cpp")
+                      {"gguf": str(gguf), "ids": ids, "new_tokens": new_tokens, "threads": threads, "n_ctx": n_ctx},
+                      "llama.cpp")
 
 
 def bench_hf_eager(model: str | Path, ids: list[int], new_tokens: int, threads: int) -> dict[str, Any]:

@@ -19,7 +19,14 @@ def add_parser(sub) -> None:
     p.add_argument("--cuda-arch", default="sm_80", help="CUDA SM architecture, e.g. sm_80 (default; runs on Ampere and newer), sm_86, sm_89")
     p.add_argument("--chunk", type=int, default=None,
                    help="static prefill chunk length (default: 64 with quantized weights, else 16)")
-    p.add_argument("--max-context", type=int, default=None, help="context length the bundle supports")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="context length the bundle supports (default: the model's trained context, at most 8192)")
+    p.add_argument("--kv-dtype", choices=["auto", "f32", "f16", "bf16"], default="auto",
+                   help="attention K/V cache element type (default auto: f16 beside quantized weights, "
+                        "else the model's dtype); f16 halves the caches")
+    p.add_argument("--kv-lengths", default=None, metavar="L,L,...",
+                   help="attention lengths below max-context that get their own entry points "
+                        "(default: 256, 512, 1024, ...; 'none' for max-context only)")
     p.add_argument("--passes", default=None, help="comma-separated pass pipeline (default: the target's)")
     p.add_argument("--no-pass", action="append", default=[], metavar="NAME", help="drop a pass")
     p.add_argument("--dump-after", nargs=2, action="append", default=[], metavar=("PASS", "DIR"),
@@ -33,6 +40,23 @@ def add_parser(sub) -> None:
                         "checkpoint has none)")
     p.add_argument("--group", type=int, default=32, help="group size for --weights int8/int4 (default 32)")
     p.set_defaults(func=run)
+
+
+KV_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+
+
+def _parse_lengths(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return []
+    try:
+        lengths = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError as e:
+        raise ValueError(f"--kv-lengths takes comma-separated integers or 'none', got {text!r}") from e
+    if any(n <= 0 for n in lengths):
+        raise ValueError(f"--kv-lengths must be positive, got {text!r}")
+    return lengths
 
 
 def run(args) -> int:
@@ -56,6 +80,8 @@ def run(args) -> int:
         hadamard=args.hadamard,
         weights=args.weights,
         group=args.group,
+        kv_dtype=KV_DTYPES.get(args.kv_dtype, args.kv_dtype),
+        kv_lengths=_parse_lengths(args.kv_lengths),
     )
     compile_spec(args.model, args.output, options)
     return 0

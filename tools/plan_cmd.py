@@ -29,7 +29,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="state memory the runtime allocates for MODEL at a context length")
     p.add_argument("model", help="preset name, shipped model name, .gguf file or HF directory")
     p.add_argument("--context", type=int, default=None, help="context length in positions (default: the config's)")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="state dtype (default: the config's)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="compute dtype (default: the config's)")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", *sorted(DTYPES)],
+                   help="K/V cache dtype (default auto, as compile: f16 for block-quantized GGUF weights, "
+                        "else the compute dtype)")
     p.add_argument("--batch", type=int, default=1, help="sequences held at once (default 1)")
     p.add_argument("--summary", action="store_true", help="only the per-kind and total lines")
     p.set_defaults(func=run)
@@ -37,12 +40,17 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..frontend.config import ConfigError
-    from ..frontend.sources import resolve_config
+    from ..frontend.sources import holds_block_quantized_weights, resolve_config
+    from ..passes.kv_length_buckets import length_ladder
     from ..passes.state_layout import plan_state
 
     cfg = resolve_config(args.model)
     if args.dtype is not None:
         cfg = cfg.replace(dtype=DTYPES[args.dtype])
+    if args.kv_dtype != "auto":
+        cfg = cfg.replace(kv_dtype=DTYPES[args.kv_dtype])
+    elif not cfg.planning_only and cfg.dtype == "float32" and holds_block_quantized_weights(args.model):
+        cfg = cfg.replace(kv_dtype="float16")
     if args.context is not None and args.context <= 0:
         raise ConfigError("--context must be positive")
     if args.batch <= 0:
@@ -60,7 +68,7 @@ def run(args) -> int:
         f"{n} {k}" + (f" (window {cfg.sliding_window})" if k == "local" else "") for k, n in kinds.items()
     )
     print(f"{cfg.name}: {cfg.num_layers} layers ({layers}); batch {args.batch}, "
-          f"context {context:,} positions, {cfg.dtype}")
+          f"context {context:,} positions, {cfg.dtype}, K/V {cfg.cache_dtype}")
     if not args.summary:
         print("state buffers after the default pipeline:")
         name_w = max(len(s.name) for s in plan.specs)
@@ -81,4 +89,18 @@ def run(args) -> int:
     saved = f", {naive / total:.2f}x smaller" if total and naive != total else ""
     print(f"total: {fmt_bytes(total)} ({total:,} bytes) compact vs {fmt_bytes(naive)} ({naive:,} bytes) "
           f"naive (every attention layer keeping every position){saved}")
+    if "global" in cfg.layer_types:
+        lengths = [*length_ladder(context), context]
+        print(f"attention lengths: {', '.join(f'{n:,}' for n in lengths)} (each step reads the shortest "
+              f"that holds its positions)")
+        scratch = attention_scratch_bytes(cfg, args.batch, context, chunk=64)
+        print(f"attention scratch at the full context: {fmt_bytes(scratch)} per call "
+              f"(4 B x heads x length x (chunk + 2 x head_dim), chunk 64)")
     return 0
+
+
+def attention_scratch_bytes(cfg, batch: int, length: int, chunk: int) -> int:
+    """The float32 intermediates of one chunk's attention over `length` slots, the largest scratch
+    that grows with the context: scores [heads, chunk, length] and K, V read per query head
+    [heads, length, head_dim] (ops._attend)."""
+    return 4 * batch * cfg.num_heads * length * (chunk + 2 * cfg.head_dim)

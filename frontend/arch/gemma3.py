@@ -19,7 +19,6 @@ from .base import Architecture
 
 # Compile-time context when the user gives none (GGUF files): room for a
 # >512-token prompt, so the 512 window matters, small enough for fast CPU builds.
-DEFAULT_CONTEXT = 1024
 
 # Gemma's published turn format, used when a gemma3 GGUF carries no
 # tokenizer.chat_template (the shipped 270M file has none). A system message is
@@ -114,7 +113,7 @@ def gemma3_layer_types(g: GGUFFile, layers: int) -> tuple[str, ...]:
 
 
 def config_from_gguf(g: GGUFFile, max_context: int | None) -> ModelConfig:
-    c = common_fields(g, max_context, DEFAULT_CONTEXT)
+    c = common_fields(g, max_context)
     layers = int(g.require("block_count"))
     hidden = c["hidden_size"]
     # query_pre_attn_scalar is not stored; llama.cpp derives it: hidden/heads for

@@ -20,9 +20,6 @@ from ..hf_config import common_fields as hf_common_fields
 from ..model import parameter_names
 from .base import Architecture
 
-# Compile-time context when the user gives none (GGUF files).
-DEFAULT_CONTEXT = 512
-
 
 def llama_tiny() -> ModelConfig:
     """A Llama / SmolLM2 block at small size: global attention only, pre-norm."""
@@ -70,7 +67,7 @@ def config_from_hf(raw: dict[str, Any], name: str, max_context: int | None) -> M
 def config_from_gguf(g: GGUFFile, max_context: int | None) -> ModelConfig:
     if "rope_freqs.weight" in g.tensors:
         raise GGUFError(f"{g.path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 scaling) are not supported")
-    c = common_fields(g, max_context, DEFAULT_CONTEXT)
+    c = common_fields(g, max_context)
     layers = int(g.require("block_count"))
     base = float(g.arch_key("rope.freq_base", 10000.0))
     rot = int(g.arch_key("rope.dimension_count", c["head_dim"]))

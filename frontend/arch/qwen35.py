@@ -40,9 +40,6 @@ from ..hf_config import HFLoadError, layer_types, mlp_activation, rope_params
 from ..hf_config import common_fields as hf_common_fields
 from .base import Architecture
 
-# Compile-time context when the user gives none (GGUF files).
-DEFAULT_CONTEXT = 1024
-
 
 def qwen35_tiny() -> ModelConfig:
     """Qwen3.5 / qwen35's block at small size: 2 x (3 GDN + 1 full attention).
@@ -191,7 +188,7 @@ def qwen35_layer_types(g: GGUFFile, layers: int) -> tuple[str, ...]:
 
 def config_from_gguf(g: GGUFFile, max_context: int | None = None) -> ModelConfig:
     """The ModelConfig of a qwen35 file, in the file's own (llama.cpp) conventions."""
-    c = common_fields(g, max_context, DEFAULT_CONTEXT)
+    c = common_fields(g, max_context)
     layers = _trunk_layers(g)
     n_k = int(g.require("ssm.group_count"))
     n_v = int(g.require("ssm.time_step_rank"))

@@ -1,0 +1,96 @@
+"""kv-length-buckets: attention whose work follows the tokens held, not max_context.
+
+A full-length cache of max_context slots makes every step score every slot,
+whatever the position: a bundle compiled for a model's trained context pays for
+it from the first token. This pass copies each entry point once per length L of
+a short ladder (256, 512, ..., below max_context) and sets every
+`cache_attention` in the copy to read only the first L slots:
+
+    prefill, decode              attend over max_context slots (unchanged)
+    prefill_256, decode_256      attend over slots [0, 256)
+    prefill_512, decode_512      ...
+
+The copies share every weight and take the same state buffers, so a bundle
+holds one set of parameters and one cache; the runtime calls the shortest
+entry point whose length holds the chunk's last position. Static lengths keep
+every dispatch static (IREE tiles and vectorises them as before) at the price
+of at most 2x the exact work, and of one function per length in the module
+(the dispatches other than attention are identical, and IREE compiles each
+distinct dispatch once).
+
+Runs last: it multiplies programs, so the passes before it see two. Sliding-
+window layers rewritten into rings by ring-buffer-swa are not touched (a ring
+already holds W slots).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..frontend import ops  # noqa: F401  (registers torch.ops.foldline.*)
+from ..frontend.export import ENTRY_POINTS
+from .graph_edit import copy_graph_module, rebuild
+from .registry import CompileUnit, PassResult, register_pass
+from .state_layout import SEQ_DIM
+
+NAME = "kv-length-buckets"
+CACHE_ATTN = torch.ops.foldline.cache_attention.default
+LENGTH_ARG = 7  # cache_attention(q, k, v, start_pos, window, scale, kv_mapping, length)
+SMALLEST_LENGTH = 256
+
+
+def length_ladder(max_context: int, smallest: int = SMALLEST_LENGTH) -> list[int]:
+    """Attention lengths below max_context, doubling from `smallest`; max_context itself is implied."""
+    lengths, length = [], smallest
+    while length < max_context:
+        lengths.append(length)
+        length *= 2
+    return lengths
+
+
+def variant_name(entry: str, length: int) -> str:
+    """The entry point that attends over the first `length` cache slots."""
+    return f"{entry}_{length}"
+
+
+def _attention_nodes(program) -> list[torch.fx.Node]:
+    return [n for n in program.graph.nodes if n.op == "call_function" and n.target == CACHE_ATTN]
+
+
+def _with_length(program, length: int):
+    gm = copy_graph_module(program)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target == CACHE_ATTN:
+            cache_len = node.args[1].meta["val"].shape[SEQ_DIM]
+            args = list(node.args)
+            args[LENGTH_ARG] = min(length, cache_len)
+            node.args = tuple(args)
+    return rebuild(program, gm)
+
+
+@register_pass(NAME, "one entry point per attention length (256, 512, ...): work follows the tokens held")
+def kv_length_buckets(unit: CompileUnit) -> PassResult:
+    lengths = unit.options.get("kv_lengths")
+    if lengths is None:
+        lengths = length_ladder(unit.config.max_context)
+    lengths = sorted({int(n) for n in lengths if 0 < int(n) < unit.config.max_context})
+    # Idempotent: variants are always rebuilt from the plain entry points.
+    for name in [n for n in unit.programs if n not in ENTRY_POINTS]:
+        del unit.programs[name]
+    bases = {name: p for name, p in unit.programs.items() if _attention_nodes(p)}
+    if not bases or not lengths:
+        why = "no full-cache attention" if not bases else f"max_context {unit.config.max_context} is short"
+        unit.kv_lengths = []
+        return PassResult(changed=False, notes=[f"{why}: one length per entry point"])
+    sites = 0
+    for name, program in bases.items():
+        sites += len(_attention_nodes(program)) * len(lengths)
+        for length in lengths:
+            unit.programs[variant_name(name, length)] = _with_length(program, length)
+    unit.kv_lengths = lengths
+    return PassResult(
+        changed=True,
+        sites=sites,
+        notes=[f"attention lengths {lengths} + {unit.config.max_context} for {sorted(bases)}"],
+        details={"lengths": lengths},
+    )
