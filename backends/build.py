@@ -45,7 +45,7 @@ class BuildOptions:
     hadamard: str = "fold"  # fuse-hadamard mode: "fold" rotations into float weights, or keep them "online"
     weights: str = "auto"  # quantize-weights mode: auto (the checkpoint's blocks), f32, int8, int4
     group: int = 32  # quantization group for requantized weights
-    kv_dtype: str = "auto"  # attention cache element type: auto (default_kv_dtype), float32, float16, bfloat16
+    kv_dtype: str = "auto"  # attention cache element type: auto (default_kv_dtype), float32, float16
     kv_lengths: list[int] | None = None  # attention lengths with their own entry points; None: 256, 512, ...
 
 
@@ -54,6 +54,9 @@ class BuildOptions:
 # in chunks of 16 and 369 in chunks of 64, Gemma 3 270M 226 and 346 (docs/benchmarks.md).
 FLOAT_CHUNK = 16
 QUANTIZED_CHUNK = 64
+
+
+KV_DTYPES = ("float32", "float16")
 
 
 def holds_quantized_weights(loaded: LoadedModel, weights: str) -> bool:
@@ -91,6 +94,9 @@ def _versions() -> dict[str, str]:
 def compile_model(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, progress: Progress = print) -> Path:
     """Write a bundle for an already-loaded model; returns the bundle directory."""
     kv_dtype = default_kv_dtype(loaded, options.weights) if options.kv_dtype == "auto" else options.kv_dtype
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"K/V cache dtype {kv_dtype!r} is not supported; choose one of {', '.join(KV_DTYPES)} "
+                         "(the runtime has no bfloat16 state buffers yet)")
     with loaded.reconfigured(kv_dtype=kv_dtype if kv_dtype != loaded.config.dtype else None):
         return _compile(loaded, out_dir, options, progress)
 

@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
                    help="static prefill chunk length (default: 64 with quantized weights, else 16)")
     p.add_argument("--max-context", type=int, default=None,
                    help="context length the bundle supports (default: the model's trained context, at most 8192)")
-    p.add_argument("--kv-dtype", choices=["auto", "f32", "f16", "bf16"], default="auto",
+    p.add_argument("--kv-dtype", choices=["auto", "f32", "f16"], default="auto",
                    help="attention K/V cache element type (default auto: f16 beside quantized weights, "
                         "else the model's dtype); f16 halves the caches")
     p.add_argument("--kv-lengths", default=None, metavar="L,L,...",
@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-KV_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+KV_DTYPES = {"f32": "float32", "f16": "float16"}
 
 
 def _parse_lengths(text: str | None) -> list[int] | None:
