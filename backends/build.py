@@ -76,9 +76,7 @@ def default_kv_dtype(loaded: LoadedModel, weights: str) -> str:
     relative) is far below the weights' own. Float bundles keep their dtype, so they stay
     within fp32 tolerance of the eager reference.
     """
-    if holds_quantized_weights(loaded, weights) and loaded.config.dtype == "float32":
-        return "float16"
-    return loaded.config.cache_dtype
+    return loaded.config.auto_cache_dtype(holds_quantized_weights(loaded, weights))
 
 
 def _versions() -> dict[str, str]:

@@ -147,6 +147,11 @@ class ModelConfig:
         """The element type of the attention K/V caches."""
         return self.kv_dtype or self.dtype
 
+    def auto_cache_dtype(self, quantized_weights: bool) -> str:
+        """The K/V cache type `--kv-dtype auto` picks: float16 beside block-quantized weights
+        (half the bytes, rounding far below the weights' own, as llama.cpp does), else cache_dtype."""
+        return "float16" if quantized_weights and self.dtype == "float32" else self.cache_dtype
+
     def layers_of(self, kind: str) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == kind]
 

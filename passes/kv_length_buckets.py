@@ -53,18 +53,17 @@ def variant_name(entry: str, length: int) -> str:
     return f"{entry}_{length}"
 
 
-def _attention_nodes(program) -> list[torch.fx.Node]:
-    return [n for n in program.graph.nodes if n.op == "call_function" and n.target == CACHE_ATTN]
+def _attention_nodes(program_or_module) -> list[torch.fx.Node]:
+    return [n for n in program_or_module.graph.nodes if n.op == "call_function" and n.target == CACHE_ATTN]
 
 
 def _with_length(program, length: int):
     gm = copy_graph_module(program)
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target == CACHE_ATTN:
-            cache_len = node.args[1].meta["val"].shape[SEQ_DIM]
-            args = list(node.args)
-            args[LENGTH_ARG] = min(length, cache_len)
-            node.args = tuple(args)
+    for node in _attention_nodes(gm):
+        cache_len = node.args[1].meta["val"].shape[SEQ_DIM]
+        args = list(node.args)
+        args[LENGTH_ARG] = min(length, cache_len)
+        node.args = tuple(args)
     return rebuild(program, gm)
 
 

@@ -49,8 +49,8 @@ def run(args) -> int:
         cfg = cfg.replace(dtype=DTYPES[args.dtype])
     if args.kv_dtype != "auto":
         cfg = cfg.replace(kv_dtype=DTYPES[args.kv_dtype])
-    elif not cfg.planning_only and cfg.dtype == "float32" and holds_block_quantized_weights(args.model):
-        cfg = cfg.replace(kv_dtype="float16")
+    elif not cfg.planning_only:
+        cfg = cfg.replace(kv_dtype=cfg.auto_cache_dtype(holds_block_quantized_weights(args.model)))
     if args.context is not None and args.context <= 0:
         raise ConfigError("--context must be positive")
     if args.batch <= 0:
