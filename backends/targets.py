@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ..errors import FoldlineError
+
 # x86 ISA extensions that LLVM may use when compiling for a named/host CPU;
 # the runtime refuses a module whose recorded flags this CPU lacks.
 X86_ISA_FLAGS = (
@@ -40,7 +42,7 @@ UNSUPPORTED_CUDA_ARCHS = {
 VULKAN_SUGGESTIONS = "llvmpipe (Mesa lavapipe), ampere / ada / rtx4090 (NVIDIA), rdna3 / rx7900xtx (AMD)"
 
 
-class TargetError(ValueError):
+class TargetError(FoldlineError, ValueError):
     """An unknown or unsupported compile target."""
 
 

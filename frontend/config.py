@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import FoldlineError
+
 LAYER_KINDS = ("global", "local", "gdn")
 
 # The context a bundle supports when the user names none: the model's trained context, capped.
@@ -26,7 +28,7 @@ def default_max_context(trained: int | None) -> int:
 GDN_L2NORMS = ("hf", "ggml")
 
 
-class ConfigError(ValueError):
+class ConfigError(FoldlineError, ValueError):
     """A config that cannot describe a model foldline can build."""
 
 

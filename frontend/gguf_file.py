@@ -19,6 +19,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize as gguf_dequantize
 
+from ..errors import FoldlineError
+
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
@@ -37,7 +39,7 @@ SUPPORTED_QUANTS = (
     GGMLQuantizationType.Q6_K,
 )
 
-class GGUFError(ValueError):
+class GGUFError(FoldlineError, ValueError):
     """A GGUF file foldline cannot turn into a model."""
 
 

@@ -39,12 +39,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K
 from torch import Tensor
 
+from ..errors import FoldlineError
 from .ops import register_decomposition
 
 FORMATS = ("q8", "q4")
 
 
-class QuantError(ValueError):
+class QuantError(FoldlineError, ValueError):
     """A tensor that cannot be put in a foldline block format."""
 
 

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from ..errors import FoldlineError
 
-class ShippedModelError(FileNotFoundError):
+
+class ShippedModelError(FoldlineError, FileNotFoundError):
     """A shipped model whose package is not installed or whose file is missing."""
 
 

@@ -24,12 +24,14 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
+from ..errors import FoldlineError
+
 TOKEN_CONTROL = 3
 TOKEN_USER_DEFINED = 4
 SPM_SPACE = "\u2581"
 
 
-class TokenizerBuildError(ValueError):
+class TokenizerBuildError(FoldlineError, ValueError):
     """The GGUF tokenizer metadata describes a tokenizer foldline cannot rebuild."""
 
 

@@ -31,6 +31,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
+from ..errors import FoldlineError
 from ..frontend import hadamard  # registers torch.ops.foldline.hadamard_*
 from .graph_edit import ASSERT_OPS, LiftedInputs, copy_graph_module, remove_dead_code
 from .registry import CompileUnit, PassResult, register_pass
@@ -46,7 +47,7 @@ EMBEDDING = torch.ops.aten.embedding.default
 FOLDABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-class HadamardModeError(ValueError):
+class HadamardModeError(FoldlineError, ValueError):
     """An unknown fuse-hadamard mode."""
 
 

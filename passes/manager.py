@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..errors import FoldlineError
 from . import (  # noqa: F401  (each registers its pass)
     fold_embedding_scale,
     fuse_hadamard,
@@ -31,7 +32,7 @@ DEFAULT_PIPELINE: list[str] = ["fuse-hadamard", "fold-embedding-scale", "ring-bu
                                "kv-length-buckets"]
 
 
-class PassError(ValueError):
+class PassError(FoldlineError, ValueError):
     """An unknown pass name or an invalid pipeline."""
 
 

@@ -29,6 +29,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
+from ..errors import FoldlineError
 from ..frontend import quant  # registers torch.ops.foldline.qlinear / qembedding
 from .graph_edit import LiftedInputs, copy_graph_module, remove_dead_code
 from .registry import CompileUnit, PassResult, register_pass
@@ -44,7 +45,7 @@ QLINEAR = torch.ops.foldline.qlinear.default
 QEMBEDDING = torch.ops.foldline.qembedding.default
 
 
-class WeightsModeError(ValueError):
+class WeightsModeError(FoldlineError, ValueError):
     """An unknown --weights mode or group size."""
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import FoldlineError
+
 FORMAT = "foldline-bundle"
 REQUIRED_KEYS = ("model", "batch", "prefill_chunk", "state", "modules")
 REQUIRED_MODULE_KEYS = ("file", "sha256")
@@ -25,7 +27,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 
 
-class BundleError(RuntimeError):
+class BundleError(FoldlineError, RuntimeError):
     """A bundle that is missing, corrupted or does not match what it claims."""
 
 

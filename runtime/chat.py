@@ -10,10 +10,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from ..errors import FoldlineError
 from .bundle import BundleError
 
 
-class ChatTemplateError(RuntimeError):
+class ChatTemplateError(FoldlineError, RuntimeError):
     """The bundle has no chat template, or it cannot be rendered."""
 
 

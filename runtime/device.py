@@ -19,6 +19,7 @@ from typing import Any
 import iree.runtime as rt
 import numpy as np
 
+from ..errors import InputError
 from .bundle import BundleError, Manifest, vmfb_info
 
 # foldline device name -> IREE HAL driver
@@ -194,21 +195,52 @@ class DeviceContext:
         return self.to_host(result)
 
 
-def _create_config(device: str) -> rt.Config:
+# IREE creates its CPU task driver (and its worker threads) once per process, from flags
+# read at that moment: the first CPU load fixes the thread count for the process.
+_cpu_task_threads: int | None = None
+_cpu_task_created = False
+
+
+def _cpu_driver(threads: int | None) -> str:
+    """The IREE driver for `threads` CPU threads: local-sync for 1 (runs on the caller's thread), else local-task."""
+    global _cpu_task_threads, _cpu_task_created
+    if threads is None:
+        threads = _cpu_task_threads if _cpu_task_created else None
+    elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise InputError(f"threads must be a positive integer, got {threads!r}")
+    if threads == 1:
+        return "local-sync"
+    if _cpu_task_created and threads != _cpu_task_threads:
+        raise InputError(
+            f"this process already runs CPU models on {_cpu_task_threads or 'the default number of'} threads; "
+            f"IREE fixes the CPU thread count at the first load, so threads={threads} needs a new process"
+        )
+    if not _cpu_task_created:
+        if threads is not None:
+            rt.flags.parse_flags(f"--task_topology_max_group_count={threads}")
+        _cpu_task_threads, _cpu_task_created = threads, True
+    return "local-task"
+
+
+def _create_config(device: str, threads: int | None = None) -> rt.Config:
     """The IREE device for `device`, or a BundleError that says what is absent."""
     if device != "cpu" and not available_devices(device):
         raise BundleError(
             f"device {device!r} is not available here: the IREE {DRIVERS[device]!r} driver finds no device "
             f"({'install a Vulkan driver such as mesa-vulkan-drivers' if device == 'vulkan' else 'no NVIDIA GPU or libcuda'})"
         )
+    driver = _cpu_driver(threads) if device == "cpu" else DRIVERS[device]
     try:
-        return rt.Config(DRIVERS[device])
+        return rt.Config(driver)
     except Exception as e:
         raise BundleError(f"device {device!r} is not available here: {e}") from e
 
 
-def open_device(manifest: Manifest, device: str, verify: bool = True) -> DeviceContext:
-    """Create the device, load params + module for it; clear errors for what is missing."""
+def open_device(manifest: Manifest, device: str, verify: bool = True, threads: int | None = None) -> DeviceContext:
+    """Create the device, load params + module for it; clear errors for what is missing.
+
+    threads: CPU worker threads (None: IREE's default, one per physical core; 1: the caller's thread).
+    """
     if device not in DRIVERS:
         raise BundleError(f"unknown device {device!r}; expected one of {', '.join(DRIVERS)}")
     if device not in manifest.modules:
@@ -225,7 +257,9 @@ def open_device(manifest: Manifest, device: str, verify: bool = True) -> DeviceC
     if verify:
         manifest.verify_module(device)
         manifest.verify_params()
-    config = _create_config(device)
+    if threads is not None and device != "cpu":
+        raise InputError(f"threads applies to the cpu device, not {device!r}")
+    config = _create_config(device, threads)
     instance = config.vm_instance
     modules = []
     params_path = manifest.params_path

@@ -8,21 +8,32 @@ between steps.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ..errors import FoldlineError, InputError
 from .bundle import BundleError, Manifest
 from .device import DeviceContext, open_device
 from .sampling import Sampler
+from .streaming import stream_pieces
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
-class ContextFullError(RuntimeError):
+class ContextFullError(FoldlineError, RuntimeError):
     """The session has no room for more tokens."""
+
+
+class TokenIdError(InputError):
+    """A token id that is not an integer in [0, vocab_size)."""
+
+
+class SessionStateError(FoldlineError, RuntimeError):
+    """A closed model or session, a session left broken by a failed call, or a snapshot that does not fit."""
 
 
 @dataclass
@@ -39,7 +50,9 @@ class Model:
 
     def __init__(self, manifest: Manifest, ctx: DeviceContext):
         self.manifest = manifest
-        self.ctx = ctx
+        self._ctx: DeviceContext | None = ctx
+        # Sessions on several threads share the module: their calls run one at a time.
+        self.lock = threading.Lock()
         self.config = manifest.config
         self.vocab_size = manifest.vocab_size
         self.max_context = manifest.max_context
@@ -49,12 +62,39 @@ class Model:
         self._tokenizer = None
 
     @classmethod
-    def load(cls, bundle_dir: str | Path, device: str = "cpu", verify: bool = True) -> Model:
+    def load(cls, bundle_dir: str | Path, device: str = "cpu", verify: bool = True,
+             threads: int | None = None) -> Model:
+        """Open a bundle on `device`.
+
+        threads: CPU worker threads (None: IREE's default, one per physical core;
+        1: run on the calling thread). IREE fixes the count for the process at the
+        first CPU load; asking for another one later is an error.
+        """
         manifest = Manifest.load(bundle_dir)
         if manifest.batch != 1:
             raise BundleError(f"this runtime drives batch-1 bundles; {bundle_dir} has batch {manifest.batch}")
-        ctx = open_device(manifest, device, verify=verify)
+        ctx = open_device(manifest, device, verify=verify, threads=threads)
         return cls(manifest, ctx)
+
+    @property
+    def ctx(self) -> DeviceContext:
+        if self._ctx is None:
+            raise SessionStateError(f"the model {self.manifest.root} is closed")
+        return self._ctx
+
+    @property
+    def closed(self) -> bool:
+        return self._ctx is None
+
+    def close(self) -> None:
+        """Release the module and the device; sessions of this model stop working. Idempotent."""
+        self._ctx = None
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):
@@ -91,59 +131,99 @@ class Model:
 
 
 class Session:
-    """One sequence: owns its state buffers on the device and its position."""
+    """One sequence: owns its state buffers on the device and its position.
+
+    Thread model: several sessions of one Model may run on several threads (the
+    model's lock runs their calls one at a time); one session is not for use from
+    two threads at once.
+    """
 
     def __init__(self, model: Model):
         self.model = model
-        self.ctx = model.ctx
-        self.buffers = [self.ctx.zeros(s.shape, NP_DTYPES[s.dtype]) for s in model.manifest.state]
+        self.buffers = [model.ctx.zeros(s.shape, NP_DTYPES[s.dtype]) for s in model.manifest.state]
         self.position = 0
         self.tokens: list[int] = []
+        self.broken: str | None = None  # why the state no longer matches position/tokens
+        self.closed = False
+
+    @property
+    def ctx(self) -> DeviceContext:
+        return self.model.ctx
 
     @property
     def allocated_bytes(self) -> int:
         return sum(int(np.prod(b.shape)) * b.dtype.itemsize for b in self.buffers)
 
+    def close(self) -> None:
+        """Free the state buffers. Idempotent."""
+        self.buffers, self.closed = [], True
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # ---- checks ------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self.closed:
+            raise SessionStateError("this session is closed")
+        if self.broken is not None:
+            raise SessionStateError(f"this session is broken ({self.broken}); reset() or restore() it")
+        if self.model.closed:
+            raise SessionStateError(f"the model {self.model.manifest.root} is closed")
+
     def _check_ids(self, ids: Sequence[int]) -> np.ndarray:
-        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        self._check_usable()
+        arr = np.asarray(ids)
+        if arr.dtype == object or (arr.size and arr.dtype.kind not in "iu"):
+            raise TokenIdError(f"token ids must be integers, got {arr.dtype} values such as {arr.reshape(-1)[0]!r}")
+        arr = arr.astype(np.int64).reshape(-1)
         bad = arr[(arr < 0) | (arr >= self.model.vocab_size)]
         if bad.size:
-            raise ValueError(f"token id {int(bad[0])} is out of range for vocabulary size {self.model.vocab_size}")
+            raise TokenIdError(f"token id {int(bad[0])} is out of range for vocabulary size {self.model.vocab_size}")
         if self.position + arr.size > self.model.max_context:
             raise ContextFullError(
                 f"context full: {self.position} tokens held + {arr.size} new > max_context {self.model.max_context}"
             )
         return arr
 
+    def _call(self, entry: str, inputs: list[np.ndarray]) -> np.ndarray:
+        """One module call; a failure leaves the session marked broken (its state may be half written)."""
+        try:
+            with self.model.lock:
+                return self.ctx.call(entry, inputs, self.buffers)
+        except BaseException as e:
+            self.broken = f"{entry} failed at position {self.position}: {type(e).__name__}: {e}"
+            raise
+
     # ---- steps -------------------------------------------------------------
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Feed tokens in chunks (the last one padded); returns logits after the last token."""
         arr = self._check_ids(ids)
         if arr.size == 0:
-            raise ValueError("prefill needs at least one token")
+            raise TokenIdError("prefill needs at least one token")
         chunk = self.model.chunk
         logits = None
         for off in range(0, arr.size, chunk):
             piece = arr[off : off + chunk]
             tokens = np.zeros((1, chunk), dtype=np.int64)
             tokens[0, : piece.size] = piece
-            out = self.ctx.call(
+            logits = self._call(
                 self.model.entry_point("prefill", self.position + piece.size),
                 [tokens, np.array([self.position], np.int64), np.array([piece.size], np.int64)],
-                self.buffers,
             )
             self.position += piece.size
-            logits = out
-        self.tokens.extend(int(t) for t in arr)
+            self.tokens.extend(int(t) for t in piece)
         return logits.reshape(-1)
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one token; returns the next-token logits."""
         arr = self._check_ids([token])
-        out = self.ctx.call(self.model.entry_point("decode", self.position + 1), [arr.reshape(1, 1), np.array([self.position], np.int64)], self.buffers)
+        out = self._call(self.model.entry_point("decode", self.position + 1),
+                         [arr.reshape(1, 1), np.array([self.position], np.int64)])
         self.position += 1
-        self.tokens.append(int(token))
+        self.tokens.append(int(arr[0]))
         return out.reshape(-1)
 
     def generate_ids(
@@ -188,40 +268,48 @@ class Session:
         sampler: Sampler | None = None,
         stop_strings: Sequence[str] = (),
         on_logits=None,
+        stop_ids: Sequence[int] | None = None,
     ) -> Iterator[str]:
-        """Generate from token ids and yield decoded text as it becomes complete."""
-        produced: list[int] = []
-        emitted = ""
-        for token in self.generate_ids(prompt_ids, max_new_tokens, sampler, on_logits=on_logits):
-            if token in self.model.eos_token_ids:
-                break
-            produced.append(token)
-            text = self.model.decode_text(produced)
-            if text.endswith("\ufffd"):
-                continue  # an incomplete multi-byte character: wait for the next token
-            piece = text[len(emitted) :]
-            hit = next((s for s in stop_strings if s in text), None)
-            if hit is not None:
-                kept = text[: text.index(hit)]
-                if len(kept) > len(emitted):
-                    yield kept[len(emitted) :]
-                return
-            emitted = text
-            if piece:
-                yield piece
+        """Generate from token ids and yield text as it becomes complete (runtime/streaming.py).
+
+        Stops at EOS or a stop id (neither is part of the text), a stop string
+        (no part of it is ever yielded), max_new_tokens or a full context; the
+        pieces concatenate to the decoded continuation up to the stop.
+        """
+        stops = tuple(self.model.eos_token_ids if stop_ids is None else stop_ids)
+        tokens = self.generate_ids(prompt_ids, max_new_tokens, sampler, stop_ids=stops, on_logits=on_logits)
+        yield from stream_pieces(tokens, self.model.tokenizer, stop_strings, stops)
 
     # ---- snapshots -----------------------------------------------------------
     def snapshot(self) -> Snapshot:
+        self._check_usable()
         return Snapshot(self.position, [self.ctx.to_host(b) for b in self.buffers], list(self.tokens))
 
     def restore(self, snap: Snapshot) -> None:
-        if len(snap.buffers) != len(self.buffers):
-            raise ValueError("snapshot does not belong to this model")
+        """Put the session back to `snap` (a broken session included); refuses a snapshot of another model."""
+        if self.closed:
+            raise SessionStateError("this session is closed")
+        state = self.model.manifest.state
+        if len(snap.buffers) != len(state):
+            raise SessionStateError(f"the snapshot has {len(snap.buffers)} state buffers; this model has {len(state)}")
+        for spec, buf in zip(state, snap.buffers):
+            want = (tuple(spec.shape), np.dtype(NP_DTYPES[spec.dtype]))
+            if (tuple(buf.shape), buf.dtype) != want:
+                raise SessionStateError(f"snapshot buffer {spec.name!r} is {buf.dtype}{list(buf.shape)}; "
+                                        f"this model's is {want[1]}{list(want[0])}")
+        if not 0 <= snap.position <= self.model.max_context or len(snap.tokens) != snap.position:
+            raise SessionStateError(f"the snapshot's position {snap.position} does not match its "
+                                    f"{len(snap.tokens)} tokens or this model's max_context {self.model.max_context}")
         self.buffers = [self.ctx.upload(a) for a in snap.buffers]
         self.position = snap.position
         self.tokens = list(snap.tokens)
+        self.broken = None
 
     def reset(self) -> None:
+        """Back to an empty sequence (a broken session included)."""
+        if self.closed:
+            raise SessionStateError("this session is closed")
         self.buffers = [self.ctx.fill_zero(b) for b in self.buffers]
         self.position = 0
         self.tokens = []
+        self.broken = None

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import InputError
+
 
 @dataclass
 class Sampler:
@@ -19,11 +21,11 @@ class Sampler:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+            raise InputError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+            raise InputError("top_p must be in (0, 1]")
         if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
+            raise InputError("top_k must be >= 0")
         self._rng = np.random.default_rng(self.seed)
 
     def __call__(self, logits: np.ndarray) -> int:

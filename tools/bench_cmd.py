@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .bench_timer import peak_rss_mib, time_engine
+from .cli import CliError
 
 
 def add_parser(sub) -> None:
@@ -139,7 +140,7 @@ def _source_model(manifest, given: str) -> str:
         return given
     source = (manifest.config.get("extra") or {}).get("gguf")
     if not source:
-        raise ValueError("the bundle records no source GGUF; name the model file for the peer explicitly")
+        raise CliError("the bundle records no source GGUF; name the model file for the peer explicitly")
     return source
 
 
@@ -151,9 +152,9 @@ def run(args) -> int:
     if args.held is not None:
         return run_held(args, manifest)
     if args.prompt_len < 1 or args.new_tokens < 0:
-        raise ValueError("--prompt-len must be >= 1 and --new-tokens >= 0")
+        raise CliError("--prompt-len must be >= 1 and --new-tokens >= 0")
     if args.prompt_len + args.new_tokens > manifest.max_context:
-        raise ValueError(
+        raise CliError(
             f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} exceeds the bundle's "
             f"max_context {manifest.max_context}"
         )
@@ -202,11 +203,11 @@ def _parse_held(text: str, max_context: int, new_tokens: int) -> list[int]:
     try:
         held = [int(t) for t in text.split(",") if t.strip()]
     except ValueError as e:
-        raise ValueError(f"--held takes comma-separated token counts, got {text!r}") from e
+        raise CliError(f"--held takes comma-separated token counts, got {text!r}") from e
     if not held or any(n < 1 or n > max_context for n in held):
-        raise ValueError(f"--held values must be between 1 and the bundle's max_context {max_context}")
+        raise CliError(f"--held values must be between 1 and the bundle's max_context {max_context}")
     if new_tokens < 1 or new_tokens >= max_context:
-        raise ValueError(f"--new-tokens must be between 1 and max_context {max_context} with --held")
+        raise CliError(f"--new-tokens must be between 1 and max_context {max_context} with --held")
     return held
 
 

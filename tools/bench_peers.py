@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..errors import FoldlineError
 from . import bench_timer
 
 # Every child runs the same timing code (tools/bench_timer.py, sent as text), then its engine.
@@ -93,7 +94,7 @@ print("BENCH " + json.dumps(out))
 '''
 
 
-class PeerUnavailable(RuntimeError):
+class PeerUnavailable(FoldlineError, RuntimeError):
     """A peer engine that cannot run here (not installed): reported, not fatal."""
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .cli import CliError
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("compile", help="compile a model (preset, .gguf, HF dir, shipped name) into a bundle")
@@ -53,9 +55,9 @@ def _parse_lengths(text: str | None) -> list[int] | None:
     try:
         lengths = [int(t) for t in text.split(",") if t.strip()]
     except ValueError as e:
-        raise ValueError(f"--kv-lengths takes comma-separated integers or 'none', got {text!r}") from e
+        raise CliError(f"--kv-lengths takes comma-separated integers or 'none', got {text!r}") from e
     if any(n <= 0 for n in lengths):
-        raise ValueError(f"--kv-lengths must be positive, got {text!r}")
+        raise CliError(f"--kv-lengths must be positive, got {text!r}")
     return lengths
 
 

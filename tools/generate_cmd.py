@@ -7,6 +7,8 @@ import time
 
 import numpy as np
 
+from .cli import CliError
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate from a compiled bundle")
@@ -24,6 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--logits-out", default=None, help="save every generated step's logits as float32 [steps, vocab] .npy")
     p.add_argument("--no-verify", action="store_true", help="skip the bundle hash check at load")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: one per physical core; 1 runs on the calling thread)")
     p.set_defaults(func=run)
 
 
@@ -31,13 +35,13 @@ def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError as e:
-        raise ValueError(f"--prompt-ids must be comma-separated integers: {e}") from e
+        raise CliError(f"--prompt-ids must be comma-separated integers: {e}") from e
 
 
 def run(args) -> int:
     from ..runtime import Model, Sampler
 
-    model = Model.load(args.bundle, device=args.device, verify=not args.no_verify)
+    model = Model.load(args.bundle, device=args.device, verify=not args.no_verify, threads=args.threads)
     session = model.session()
     sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
     logits_log: list[np.ndarray] = []

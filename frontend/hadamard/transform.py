@@ -24,12 +24,13 @@ import math
 import torch
 from torch import Tensor
 
+from ...errors import FoldlineError
 from ..ops import register_decomposition
 
 DEFAULT_BLOCK_SIZE = 1024  # the measured qwen35 / Bonsai files
 
 
-class HadamardMetadataError(ValueError):
+class HadamardMetadataError(FoldlineError, ValueError):
     """prism.hadamard.* metadata that is inconsistent or that foldline does not understand."""
 
 
