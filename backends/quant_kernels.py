@@ -4,17 +4,19 @@ The importer keeps `foldline::qlinear` out of the aten decompositions, so it
 reaches MLIR as `torch.operator "torch.foldline.qlinear"`. `expand_qlinear_ops`
 replaces each one with a `util.call` to a generated `util.func`:
 
-- decode (one activation row) on CPU: `fused_matvec_mlir`, a single
-  `linalg.generic` that reads the narrow codes, dequantizes one element and
-  multiply-accumulates it in its body, with explicit CPU tiles (one output row
-  per vector step, the reduction tiled by whole groups):
+- decode (one activation row) on CPU: `fused_matvec_mlir`, a generic that
+  reads the narrow codes and dequantizes one element at a time in its body,
+  keeping 16 partial sums per output row in a vector register (the lane is a
+  parallel dimension), then a small generic adding the lanes:
 
-      q4 codes (i8 param [N, K/2]) -> expand [N, G, g/2] -> flow.tensor.bitcast -> i4 [N, G, g]
-      y[n] += x[g, j] * (scale[n, g] * float(q[n, g, j]) (+ min[n, g]))
+      q4 codes (i8 param [N, K/2]) -> expand [N, G, j, 8] -> flow.tensor.bitcast -> i4 [N, G, j, 16]
+      part[n, l] += fma(x[g, j, l], scale[n, g] * float(q[n, g, j, l]) (+ min[n, g]), 0)
+      y[n] = sum_l part[n, l]
 
   There is no separate dequantization op to hoist or materialise: no float
   copy of the weight exists, and each decode step reads only the quantized
-  bytes (tests/test_quant_compile.py checks the dispatches);
+  bytes (tests/test_quant_compile.py checks the dispatches). Why this form,
+  and what IREE does with the alternatives: docs/quantization.md;
 - prefill chunks (M > 1) on CPU, and every call on GPU targets:
   `dequantize_matmul_mlir`, the weight dequantized into a float tile once per
   call and multiplied by all M rows. On SmolLM2 this took 7.8 CPU ms per
@@ -86,17 +88,31 @@ class QLinearSpec:
                 f"_{dims}_n{self.n}")
 
 
+# The decode kernel keeps LANES partial sums per output row in one vector register and
+# reduces them once at the end; ROWS rows per vector step give independent add chains.
+LANES = 16
+ROWS_PER_STEP = 2
+ROWS_PER_WORKGROUP = 32
+
+
+def _lanes(spec: QLinearSpec) -> int | None:
+    """Lanes for the lane-partials kernel, or None where its dims would be unit (IREE then drops the tiles)."""
+    for lanes in (LANES, 8):
+        if spec.group % lanes == 0 and spec.group // lanes >= 2 and spec.groups >= 2:
+            return lanes
+    return None
+
+
 def _tiles(spec: QLinearSpec) -> tuple[list[int], list[int], list[int]]:
-    """(distribution, vector_common_parallel, vector_reduction) for the CPU pipeline (M = 1)."""
+    """(distribution, vector_common_parallel, vector_reduction) of the horizontal-reduction kernel (M = 1)."""
     g = spec.groups
     gt = 2 if g % 2 == 0 else (3 if g % 3 == 0 else 1)
     return [min(32, spec.n), 0, 0], [1, 0, 0], [0, gt, spec.group]
 
 
-def _compilation_info(spec: QLinearSpec) -> str:
-    dist, par, red = _tiles(spec)
+def _compilation_info(distribution: list[int], parallel: list[int], reduction: list[int]) -> str:
     return (f"#iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
-            f"distribution = {dist}, vector_common_parallel = {par}, vector_reduction = {red}>, "
+            f"distribution = {distribution}, vector_common_parallel = {parallel}, vector_reduction = {reduction}>, "
             f"translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>")
 
 
@@ -183,8 +199,83 @@ def _function(spec: QLinearSpec, lines: list[str]) -> str:
     return f"util.func private @{spec.name}({', '.join(params)}) -> {y_t} {{\n  {body}\n  util.return %y : {y_t}\n}}"
 
 
-def fused_matvec_mlir(spec: QLinearSpec, cpu_tiles: bool = True) -> str:
-    """The fused kernel for one activation row: x [..., K] (M = 1) -> y [..., N], one generic reading the codes."""
+def fused_matvec_mlir(spec: QLinearSpec) -> str:
+    """The decode kernel for one activation row: lane partials where the shape allows, else horizontal sums."""
+    lanes = _lanes(spec)
+    return lane_partials_matvec_mlir(spec, lanes) if lanes else horizontal_matvec_mlir(spec)
+
+
+def lane_partials_matvec_mlir(spec: QLinearSpec, lanes: int = LANES) -> str:
+    """One activation row through LANES partial sums per output row, then one sum over the lanes.
+
+    The reduction over K is split as (g, j, l), l the LANES codes one vector
+    load brings; l is a parallel dimension of the first generic, so each vector
+    step is elementwise: widen the codes, scale (+ min), multiply by x and add
+    into a register that lives across the whole row. No horizontal reduction
+    runs inside the loop (the form below needs one per step, and its chain of
+    dependent adds bounded the speed). The products are written as
+    `math.fma(x, w, 0)`: a plain mulf+addf body is recognised as a contraction
+    and lowered lane by lane. No operand may have a unit dimension: IREE's
+    unit-dim folding rebuilds the generic without its compilation_info.
+    """
+    if spec.m != 1:
+        raise QuantKernelError(f"the fused kernel takes one activation row, got {spec.m}")
+    n, k, g, gs = spec.n, spec.k, spec.groups, spec.group
+    js = gs // lanes
+    if spec.fmt == "q4":
+        packed_t, q_t = _tensor((n, g, js, lanes // 2), "i8"), _tensor((n, g, js, lanes), "i4")
+        lines = ["%c4 = " + _reshape("expand", "%codes", _codes_t(spec), packed_t, [[0], [1, 2, 3]], [n, g, js, lanes // 2]),
+                 f"%qw = flow.tensor.bitcast %c4 : {packed_t} -> {q_t}"]
+    else:
+        q_t = _tensor((n, g, js, lanes), "i8")
+        lines = ["%qw = " + _reshape("expand", "%codes", _codes_t(spec), q_t, [[0], [1, 2, 3]], [n, g, js, lanes])]
+    scale_ins = ["%scales"] + (["%mins"] if spec.has_min else [])
+    x1_t, xv_t, part_t, out_t, y2_t = (_tensor(sh, "f32") for sh in ((k,), (g, js, lanes), (n, lanes), (n,), (1, n)))
+    lines += [_x_as_rows(spec),
+              "%x1 = " + _reshape("collapse", "%x2", _tensor((1, k), "f32"), x1_t, [[0, 1]], []),
+              "%xv = " + _reshape("expand", "%x1", x1_t, xv_t, [[0, 1, 2]], [g, js, lanes])]
+    # iteration (row, lane | group, step): parallel dims first, reductions innermost, as IREE keeps them
+    maps = (["affine_map<(r, l, g, j) -> (g, j, l)>", "affine_map<(r, l, g, j) -> (r, g, j, l)>"]
+            + ["affine_map<(r, l, g, j) -> (r, g)>"] * len(scale_ins) + ["affine_map<(r, l, g, j) -> (r, l)>"])
+    rows = ROWS_PER_STEP if n % ROWS_PER_STEP == 0 else 1
+    info = _compilation_info([min(ROWS_PER_WORKGROUP, n), 0, 0, 0], [rows, lanes, 0, 0], [0, 0, 1, 1])
+    bargs, deq, w = _body(spec)
+    ins = ", ".join(["%xv", "%qw", *scale_ins])
+    ins_t = ", ".join([xv_t, q_t, *([_scales_t(spec)] * len(scale_ins))])
+    lines += [
+        "%zero = arith.constant 0.0 : f32",
+        f"%pempty = tensor.empty() : {part_t}",
+        f"%pinit = linalg.fill ins(%zero : f32) outs(%pempty : {part_t}) -> {part_t}",
+        f"%part = linalg.generic {{indexing_maps = [{', '.join(maps)}], "
+        'iterator_types = ["parallel", "parallel", "reduction", "reduction"]}',
+        f"    ins({ins} : {ins_t}) outs(%pinit : {part_t}) attrs = {{compilation_info = {info}}} {{",
+        f"  ^bb0({bargs}, %out: f32):",
+        *[f"      {line}" for line in deq],
+        "      %z = arith.constant 0.0 : f32",
+        f"      %p = math.fma %a, {w}, %z : f32",
+        "      %r = arith.addf %out, %p : f32",
+        "      linalg.yield %r : f32",
+        f"}} -> {part_t}",
+        f"%empty = tensor.empty() : {out_t}",
+        f"%init = linalg.fill ins(%zero : f32) outs(%empty : {out_t}) -> {out_t}",
+        "%acc = linalg.generic {indexing_maps = [affine_map<(r, l) -> (r, l)>, affine_map<(r, l) -> (r)>], "
+        'iterator_types = ["parallel", "reduction"]}',
+        f"    ins(%part : {part_t}) outs(%init : {out_t}) {{",
+        "  ^bb0(%v: f32, %o: f32):",
+        "      %t = arith.addf %o, %v : f32",
+        "      linalg.yield %t : f32",
+        f"}} -> {out_t}",
+        "%y2 = " + _reshape("expand", "%acc", out_t, y2_t, [[0, 1]], [1, n]),
+        _rows_as_y(spec),
+    ]
+    return _function(spec, lines)
+
+
+def horizontal_matvec_mlir(spec: QLinearSpec, cpu_tiles: bool = True) -> str:
+    """One activation row in one generic reading the codes, reduced horizontally at each vector step.
+
+    The fallback for shapes the lane-partials kernel cannot tile (groups of 16
+    with 8 lanes would leave a unit dimension)."""
     if spec.m != 1:
         raise QuantKernelError(f"the fused kernel takes one activation row, got {spec.m}")
     n, k, g, gs = spec.n, spec.k, spec.groups, spec.group
@@ -198,7 +289,7 @@ def fused_matvec_mlir(spec: QLinearSpec, cpu_tiles: bool = True) -> str:
     ]
     maps = (["affine_map<(d0, d1, d2) -> (d1, d2)>", "affine_map<(d0, d1, d2) -> (d0, d1, d2)>"]
             + ["affine_map<(d0, d1, d2) -> (d0, d1)>"] * len(scale_ins) + ["affine_map<(d0, d1, d2) -> (d0)>"])
-    attr = f" attrs = {{compilation_info = {_compilation_info(spec)}}}" if cpu_tiles else ""
+    attr = f" attrs = {{compilation_info = {_compilation_info(*_tiles(spec))}}}" if cpu_tiles else ""
     bargs, deq, w = _body(spec)
     ins = ", ".join(["%xv", "%qw", *scale_ins])
     ins_t = ", ".join([xv_t, q_t, *([_scales_t(spec)] * len(scale_ins))])

@@ -44,7 +44,7 @@ def read_dispatches(dump_dir: str | Path) -> list[Dispatch]:
                     for line in text.splitlines() if "hal.interface.binding.subspan" in line
                     for m in [_BINDING.search(line)] if m]
         contracts = bool(re.search(r"linalg\.(matmul|batch_matmul|mmt4d|batch_mmt4d)\b", text)) or (
-            "linalg.generic" in text and '"reduction"' in text and "arith.mulf" in text)
+            "linalg.generic" in text and '"reduction"' in text and ("arith.mulf" in text or "math.fma" in text))
         out.append(Dispatch(path.name, bindings, contracts))
     return out
 
