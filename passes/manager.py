@@ -16,6 +16,7 @@ from ..errors import FoldlineError
 from . import (  # noqa: F401  (each registers its pass)
     fold_embedding_scale,
     fuse_hadamard,
+    fuse_sibling_qlinears,
     kv_length_buckets,
     quantize_weights,
     ring_buffer_swa,
@@ -27,9 +28,10 @@ __all__ = ["PASSES", "CompileUnit", "Pass", "PassError", "PassResult", "availabl
 
 # fuse-hadamard first: folding restores the plain embedding lookups fold-embedding-scale anchors on.
 # quantize-weights after them: it reads the float weights the other passes leave.
+# fuse-sibling-qlinears right after it: it concatenates the blocks quantize-weights lifted.
 # kv-length-buckets last: it copies each entry point once per attention length.
 DEFAULT_PIPELINE: list[str] = ["fuse-hadamard", "fold-embedding-scale", "ring-buffer-swa", "quantize-weights",
-                               "kv-length-buckets"]
+                               "fuse-sibling-qlinears", "kv-length-buckets"]
 
 
 class PassError(FoldlineError, ValueError):
@@ -72,10 +74,11 @@ def run_pipeline(
     for name in resolve_pipeline(names, drop):
         result = PASSES[name].run(unit)
         progress(f"      {name}: {'changed' if result.changed else 'no change'} ({result.summary()})")
-        report.append(
-            {"name": name, "changed": result.changed, "sites": result.sites,
-             "bytes_saved": result.bytes_saved, "notes": result.notes}
-        )
+        entry = {"name": name, "changed": result.changed, "sites": result.sites,
+                 "bytes_saved": result.bytes_saved, "notes": result.notes}
+        if result.details:
+            entry["details"] = result.details
+        report.append(entry)
         if dump_after and name in dump_after:
             dump_program(unit, Path(dump_after[name]), name)
     return report

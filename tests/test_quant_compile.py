@@ -85,9 +85,22 @@ def test_decode_reads_only_codes_and_no_float_weight_outlives_a_prefill_call(blo
     prefill = [d for d in dispatches if "_prefill$" in d.file]
     others = [d for d in dispatches if d not in decode and d not in prefill]
     assert decode and prefill
+    # fuse-sibling-qlinears concatenates q/k/v and gate/up: their codes are read as one [sum N, K] weight
+    import json
+
+    from foldline.frontend.export import parameter_target
+
+    report = json.loads((bundle / "manifest.json").read_text())["passes"]
+    groups = next(r for r in report if r["name"] == "fuse-sibling-qlinears")["details"]["groups"]
+    fused_into = {member: members for members in groups.values() for member in members}
+    assert fused_into, "q/k/v and gate/up were fused"
     checked = 0
     for name, blocks in loaded.source_blocks.items():
         n, k = blocks.shape
+        members = fused_into.get(parameter_target(name).removesuffix(".weight"))
+        if members is not None:
+            shapes = {parameter_target(s): b.shape for s, b in loaded.source_blocks.items()}
+            n = sum(shapes[m + ".weight"][0] for m in members)
         assert float_copies_of(decode + others, n, k, blocks.group) == [], name
         # IREE shares identical executables between entry points (the head's matvec is the same in
         # prefill and decode), so the contraction reading the codes may carry either name.
