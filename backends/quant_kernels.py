@@ -205,6 +205,25 @@ def fused_matvec_mlir(spec: QLinearSpec) -> str:
     return lane_partials_matvec_mlir(spec, lanes) if lanes else horizontal_matvec_mlir(spec)
 
 
+def _dequantizing_reduction(result: str, spec: QLinearSpec, maps: list[str], iterators: list[str], out_t: str,
+                            ins: list[str], ins_t: list[str], attr: str, product: list[str]) -> list[str]:
+    """`result = linalg.generic`, zero-initialised: its body dequantizes one code into %w (`_body`), the
+    `product` lines make %p from %a and %w, and %p is added to the accumulator. Needs %zero defined."""
+    bargs, deq, _ = _body(spec)
+    kinds = ", ".join(f'"{it}"' for it in iterators)
+    return [
+        f"{result}_empty = tensor.empty() : {out_t}",
+        f"{result}_init = linalg.fill ins(%zero : f32) outs({result}_empty : {out_t}) -> {out_t}",
+        f"{result} = linalg.generic {{indexing_maps = [{', '.join(maps)}], iterator_types = [{kinds}]}}",
+        f"    ins({', '.join(ins)} : {', '.join(ins_t)}) outs({result}_init : {out_t}){attr} {{",
+        f"  ^bb0({bargs}, %out: f32):",
+        *[f"      {line}" for line in deq + product],
+        "      %r = arith.addf %out, %p : f32",
+        "      linalg.yield %r : f32",
+        f"}} -> {out_t}",
+    ]
+
+
 def lane_partials_matvec_mlir(spec: QLinearSpec, lanes: int = LANES) -> str:
     """One activation row through LANES partial sums per output row, then one sum over the lanes.
 
@@ -239,23 +258,14 @@ def lane_partials_matvec_mlir(spec: QLinearSpec, lanes: int = LANES) -> str:
             + ["affine_map<(r, l, g, j) -> (r, g)>"] * len(scale_ins) + ["affine_map<(r, l, g, j) -> (r, l)>"])
     rows = ROWS_PER_STEP if n % ROWS_PER_STEP == 0 else 1
     info = _compilation_info([min(ROWS_PER_WORKGROUP, n), 0, 0, 0], [rows, lanes, 0, 0], [0, 0, 1, 1])
-    bargs, deq, w = _body(spec)
-    ins = ", ".join(["%xv", "%qw", *scale_ins])
-    ins_t = ", ".join([xv_t, q_t, *([_scales_t(spec)] * len(scale_ins))])
+    _, _, w = _body(spec)
+    lines += ["%zero = arith.constant 0.0 : f32"]
+    lines += _dequantizing_reduction(
+        "%part", spec, maps, ["parallel", "parallel", "reduction", "reduction"], part_t,
+        ["%xv", "%qw", *scale_ins], [xv_t, q_t, *([_scales_t(spec)] * len(scale_ins))],
+        f" attrs = {{compilation_info = {info}}}",
+        ["%z = arith.constant 0.0 : f32", f"%p = math.fma %a, {w}, %z : f32"])
     lines += [
-        "%zero = arith.constant 0.0 : f32",
-        f"%pempty = tensor.empty() : {part_t}",
-        f"%pinit = linalg.fill ins(%zero : f32) outs(%pempty : {part_t}) -> {part_t}",
-        f"%part = linalg.generic {{indexing_maps = [{', '.join(maps)}], "
-        'iterator_types = ["parallel", "parallel", "reduction", "reduction"]}',
-        f"    ins({ins} : {ins_t}) outs(%pinit : {part_t}) attrs = {{compilation_info = {info}}} {{",
-        f"  ^bb0({bargs}, %out: f32):",
-        *[f"      {line}" for line in deq],
-        "      %z = arith.constant 0.0 : f32",
-        f"      %p = math.fma %a, {w}, %z : f32",
-        "      %r = arith.addf %out, %p : f32",
-        "      linalg.yield %r : f32",
-        f"}} -> {part_t}",
         f"%empty = tensor.empty() : {out_t}",
         f"%init = linalg.fill ins(%zero : f32) outs(%empty : {out_t}) -> {out_t}",
         "%acc = linalg.generic {indexing_maps = [affine_map<(r, l) -> (r, l)>, affine_map<(r, l) -> (r)>], "
@@ -290,22 +300,13 @@ def horizontal_matvec_mlir(spec: QLinearSpec, cpu_tiles: bool = True) -> str:
     maps = (["affine_map<(d0, d1, d2) -> (d1, d2)>", "affine_map<(d0, d1, d2) -> (d0, d1, d2)>"]
             + ["affine_map<(d0, d1, d2) -> (d0, d1)>"] * len(scale_ins) + ["affine_map<(d0, d1, d2) -> (d0)>"])
     attr = f" attrs = {{compilation_info = {_compilation_info(*_tiles(spec))}}}" if cpu_tiles else ""
-    bargs, deq, w = _body(spec)
-    ins = ", ".join(["%xv", "%qw", *scale_ins])
-    ins_t = ", ".join([xv_t, q_t, *([_scales_t(spec)] * len(scale_ins))])
+    _, _, w = _body(spec)
+    lines += ["%zero = arith.constant 0.0 : f32"]
+    lines += _dequantizing_reduction(
+        "%acc", spec, maps, ["parallel", "reduction", "reduction"], out_t,
+        ["%xv", "%qw", *scale_ins], [xv_t, q_t, *([_scales_t(spec)] * len(scale_ins))], attr,
+        [f"%p = arith.mulf %a, {w} : f32"])
     lines += [
-        "%zero = arith.constant 0.0 : f32",
-        f"%empty = tensor.empty() : {out_t}",
-        f"%init = linalg.fill ins(%zero : f32) outs(%empty : {out_t}) -> {out_t}",
-        f"%acc = linalg.generic {{indexing_maps = [{', '.join(maps)}], "
-        'iterator_types = ["parallel", "reduction", "reduction"]}',
-        f"    ins({ins} : {ins_t}) outs(%init : {out_t}){attr} {{",
-        f"  ^bb0({bargs}, %out: f32):",
-        *[f"      {line}" for line in deq],
-        f"      %p = arith.mulf %a, {w} : f32",
-        "      %r = arith.addf %out, %p : f32",
-        "      linalg.yield %r : f32",
-        f"}} -> {out_t}",
         "%y2 = " + _reshape("expand", "%acc", out_t, y2_t, [[0, 1]], [1, n]),
         _rows_as_y(spec),
     ]

@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from test_pass_quantize_weights import PRESETS, _blocked_unit, _lifted, _steps
 
-from foldline.frontend.arch import get_preset
-from foldline.frontend.export import export_model, parameter_target
-from foldline.frontend.model import build_model
-from foldline.frontend.quant import quantize
-from foldline.passes.manager import CompileUnit, run_pipeline
+from foldline.passes.manager import run_pipeline
 from foldline.passes.quantize_weights import QLINEAR
 from foldline.testing.golden import GOLDEN_TOL, golden_check
 
@@ -57,26 +52,10 @@ def test_llama_fuses_qkv_and_gate_up_per_layer():
     assert not again[0]["changed"], "a second run changes nothing"
 
 
-def _mixed_unit() -> CompileUnit:
-    """llama-tiny whose k projections are q8 blocks and every other weight q4 (a K-quant mix's situation)."""
-    cfg = get_preset("llama-tiny")
-    model = build_model(cfg, seed=0)
-    blocks = {}
-    for name, module in model.named_modules():
-        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-            fmt = "q8" if "embed" in name or name.endswith("k_proj") else "q4"
-            b = quantize(module.weight.detach().numpy(), fmt)
-            with torch.no_grad():
-                module.weight.copy_(torch.from_numpy(b.dequantize()))
-            blocks[parameter_target(f"{name}.weight")] = b
-    with torch.no_grad():
-        entries = export_model(model, batch=2, chunk=8)
-    return CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs,
-                       options={"weights": "auto"}, source_blocks=blocks)
-
-
 def test_siblings_with_different_block_formats_stay_apart():
-    unit = _mixed_unit()
+    # k projections held as q8 blocks, every other weight q4 (a K-quant mix's situation)
+    unit = _blocked_unit("llama-tiny",
+                         format_of=lambda name: "q8" if "embed" in name or name.endswith("k_proj") else "q4")
     after, report, pass_report = golden_check(unit, PASSES, _steps(unit.config))
     assert report.worst_logit_error < GOLDEN_TOL["float32"], report.summary()
     groups = list(pass_report[1]["details"]["groups"].values())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch.export.graph_signature import InputKind
@@ -18,14 +20,19 @@ PASS = "quantize-weights"
 PRESETS = ["llama-tiny", "gemma3-tiny", "qwen35-tiny", "ripple-tiny"]
 
 
-def _blocked_unit(preset: str, fmt: str = "q4", mode: str = "auto") -> CompileUnit:
-    """A preset whose 2-D weights hold exactly the dequantized values of their blocks (a GGUF's situation)."""
+def _blocked_unit(preset: str, fmt: str = "q4", mode: str = "auto",
+                  format_of: Callable[[str], str] | None = None) -> CompileUnit:
+    """A preset whose 2-D weights hold exactly the dequantized values of their blocks (a GGUF's situation).
+
+    format_of: module name -> block format (default: `fmt`, the embedding q8).
+    """
     cfg = get_preset(preset)
     model = build_model(cfg, seed=0)
     blocks = {}
     for name, module in model.named_modules():
         if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-            b = quantize(module.weight.detach().numpy(), fmt if "embed" not in name else "q8")
+            chosen = format_of(name) if format_of else (fmt if "embed" not in name else "q8")
+            b = quantize(module.weight.detach().numpy(), chosen)
             with torch.no_grad():
                 module.weight.copy_(torch.from_numpy(b.dequantize()))
             blocks[parameter_target(f"{name}.weight")] = b
