@@ -281,7 +281,7 @@ def lane_partials_matvec_mlir(spec: QLinearSpec, lanes: int = LANES) -> str:
     return _function(spec, lines)
 
 
-def horizontal_matvec_mlir(spec: QLinearSpec, cpu_tiles: bool = True) -> str:
+def horizontal_matvec_mlir(spec: QLinearSpec) -> str:
     """One activation row in one generic reading the codes, reduced horizontally at each vector step.
 
     The fallback for shapes the lane-partials kernel cannot tile (groups of 16
@@ -299,7 +299,7 @@ def horizontal_matvec_mlir(spec: QLinearSpec, cpu_tiles: bool = True) -> str:
     ]
     maps = (["affine_map<(d0, d1, d2) -> (d1, d2)>", "affine_map<(d0, d1, d2) -> (d0, d1, d2)>"]
             + ["affine_map<(d0, d1, d2) -> (d0, d1)>"] * len(scale_ins) + ["affine_map<(d0, d1, d2) -> (d0)>"])
-    attr = f" attrs = {{compilation_info = {_compilation_info(*_tiles(spec))}}}" if cpu_tiles else ""
+    attr = f" attrs = {{compilation_info = {_compilation_info(*_tiles(spec))}}}"
     _, _, w = _body(spec)
     lines += ["%zero = arith.constant 0.0 : f32"]
     lines += _dequantizing_reduction(

@@ -204,9 +204,9 @@ _cpu_task_created = False
 def _cpu_driver(threads: int | None) -> str:
     """The IREE driver for `threads` CPU threads: local-sync for 1 (runs on the caller's thread), else local-task."""
     global _cpu_task_threads, _cpu_task_created
-    if threads is None:
-        threads = _cpu_task_threads if _cpu_task_created else None
-    elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+    if threads is None and _cpu_task_created:
+        threads = _cpu_task_threads
+    elif threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise InputError(f"threads must be a positive integer, got {threads!r}")
     if threads == 1:
         return "local-sync"
