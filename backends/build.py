@@ -12,11 +12,13 @@ from pathlib import Path
 import iree.compiler as ireec
 import iree.runtime as rt
 
+from ..dtypes import FLOAT_DTYPES, DTypeError
 from ..frontend.export import export_model, parameter_target
 from ..frontend.sources import load_model
 from ..frontend.types import LoadedModel
 from ..passes.manager import CompileUnit, run_pipeline
-from ..runtime.bundle import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file, vmfb_info
+from ..runtime.bundle import FORMAT, FORMAT_VERSION, MANIFEST, seal_manifest, sha256_file, vmfb_info
+from .abi_declaration import declare_entry_points
 from .importer import import_programs, params_to_numpy
 from .inplace_state import ElideReport, elide_inplace_aliases
 from .quant_kernels import expand_qlinear_ops
@@ -30,6 +32,7 @@ def compile_torch_module(mlir: str, flags: list[str]) -> tuple[bytes, ElideRepor
     converted = ireec.compile_str(mlir, input_type="torch", extra_args=[*flags, "--compile-to=input"])
     text = converted.decode() if isinstance(converted, bytes) else converted
     edited, report = elide_inplace_aliases(text)
+    edited, _declared = declare_entry_points(edited)  # the runtime compares them with the manifest
     return ireec.compile_str(edited, extra_args=[*flags, "--compile-from=input"]), report
 
 
@@ -45,7 +48,8 @@ class BuildOptions:
     hadamard: str = "fold"  # fuse-hadamard mode: "fold" rotations into float weights, or keep them "online"
     weights: str = "auto"  # quantize-weights mode: auto (the checkpoint's blocks), f32, int8, int4
     group: int = 32  # quantization group for requantized weights
-    kv_dtype: str = "auto"  # attention cache element type: auto (default_kv_dtype), float32, float16
+    kv_dtype: str = "auto"  # attention cache element type: auto (default_kv_dtype), float32, float16, bfloat16
+    dtype: str = "auto"  # compute dtype: auto (default_compute_dtype), float32, float16, bfloat16
     kv_lengths: list[int] | None = None  # attention lengths with their own entry points; None: 256, 512, ...
 
 
@@ -56,7 +60,8 @@ FLOAT_CHUNK = 16
 QUANTIZED_CHUNK = 64
 
 
-KV_DTYPES = ("float32", "float16")
+KV_DTYPES = FLOAT_DTYPES
+COMPUTE_DTYPES = FLOAT_DTYPES
 
 
 def holds_quantized_weights(loaded: LoadedModel, weights: str) -> bool:
@@ -68,15 +73,53 @@ def default_chunk(loaded: LoadedModel, weights: str) -> int:
     return QUANTIZED_CHUNK if holds_quantized_weights(loaded, weights) else FLOAT_CHUNK
 
 
-def default_kv_dtype(loaded: LoadedModel, weights: str) -> str:
-    """The K/V cache type for --kv-dtype auto: float16 beside quantized weights, else the model's dtype.
+def default_kv_dtype(loaded: LoadedModel, weights: str, dtype: str | None = None) -> str:
+    """The K/V cache type for --kv-dtype auto: float16 beside quantized weights, else the compute
+    dtype (`dtype`; None: the model's).
 
     Half the cache bytes at no cost in decode speed (SmolLM2-135M at 8192 slots: 57.2 vs
     57.6 tok/s, docs/benchmarks.md), as llama.cpp does by default; the rounding (2^-11
     relative) is far below the weights' own. Float bundles keep their dtype, so they stay
     within fp32 tolerance of the eager reference.
     """
-    return loaded.config.auto_cache_dtype(holds_quantized_weights(loaded, weights))
+    cfg = loaded.config if dtype is None else loaded.config.replace(dtype=dtype)
+    return cfg.auto_cache_dtype(holds_quantized_weights(loaded, weights))
+
+
+def default_compute_dtype(loaded: LoadedModel, targets: list[Target]) -> str:
+    """The compute dtype for --dtype auto: float32, whatever the checkpoint stores.
+
+    A bf16 or f16 checkpoint widens to float32 exactly, so the bundle computes what
+    the checkpoint's weights say with float32 rounding: the safe choice on every
+    target. On llvm-cpu it is also the only one that works for bf16 (IREE 3.13
+    fails to compile bf16 arithmetic, see unsupported_compute_dtype); f16 compiles
+    there but rounds every activation to 11 bits, so it stays an explicit choice.
+    """
+    del loaded, targets  # one answer today; the signature is where a per-target choice goes
+    return "float32"
+
+
+def unsupported_compute_dtype(dtype: str, targets: list[Target]) -> str | None:
+    """Why `dtype` cannot be the compute dtype for one of `targets`, or None when it can."""
+    if dtype == "bfloat16" and any(t.device == "cpu" for t in targets):
+        return ("IREE 3.13's llvm-cpu backend fails to compile bfloat16 arithmetic "
+                "('arith.constant' op failed to verify); compute in float32 (--dtype f32 or auto: "
+                "bf16 weights widen to f32 exactly) and keep bf16 caches with --kv-dtype bf16")
+    return None
+
+
+def resolve_dtypes(loaded: LoadedModel, options: BuildOptions) -> tuple[str, str]:
+    """(compute dtype, K/V cache dtype) for a build; DTypeError for a choice that cannot work."""
+    dtype = default_compute_dtype(loaded, options.targets) if options.dtype == "auto" else options.dtype
+    if dtype not in COMPUTE_DTYPES:
+        raise DTypeError(f"compute dtype {dtype!r} is not supported; choose one of {', '.join(COMPUTE_DTYPES)}")
+    why = unsupported_compute_dtype(dtype, options.targets)
+    if why is not None:
+        raise DTypeError(f"compute dtype {dtype} is not available for this target: {why}")
+    kv_dtype = default_kv_dtype(loaded, options.weights, dtype) if options.kv_dtype == "auto" else options.kv_dtype
+    if kv_dtype not in KV_DTYPES:
+        raise DTypeError(f"K/V cache dtype {kv_dtype!r} is not supported; choose one of {', '.join(KV_DTYPES)}")
+    return dtype, kv_dtype
 
 
 def _versions() -> dict[str, str]:
@@ -91,11 +134,8 @@ def _versions() -> dict[str, str]:
 
 def compile_model(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, progress: Progress = print) -> Path:
     """Write a bundle for an already-loaded model; returns the bundle directory."""
-    kv_dtype = default_kv_dtype(loaded, options.weights) if options.kv_dtype == "auto" else options.kv_dtype
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"K/V cache dtype {kv_dtype!r} is not supported; choose one of {', '.join(KV_DTYPES)} "
-                         "(the runtime has no bfloat16 state buffers yet)")
-    with loaded.reconfigured(kv_dtype=kv_dtype if kv_dtype != loaded.config.dtype else None):
+    dtype, kv_dtype = resolve_dtypes(loaded, options)
+    with loaded.reconfigured(dtype=dtype, kv_dtype=kv_dtype if kv_dtype != dtype else None):
         return _compile(loaded, out_dir, options, progress)
 
 
@@ -106,7 +146,7 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
     t0 = time.time()
 
     chunk = options.chunk or default_chunk(loaded, options.weights)
-    progress(f"[1/4] exporting {cfg.name}: context {cfg.max_context} (K/V {cfg.cache_dtype}), "
+    progress(f"[1/4] exporting {cfg.name}: {cfg.dtype} compute, context {cfg.max_context} (K/V {cfg.cache_dtype}), "
              f"prefill chunk {chunk}, decode, batch {options.batch}")
     entries = export_model(loaded.module, options.batch, chunk)
     unit = CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs,
@@ -185,11 +225,13 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
                    "scope": "model", "count": len(params.tensors)},
         "modules": modules,
         "tokenizer": tokenizer_name,
+        "tokenizer_sha256": sha256_file(out / tokenizer_name) if tokenizer_name else None,
+        "tokenizer_size": (out / tokenizer_name).stat().st_size if tokenizer_name else None,
         "chat_template": loaded.chat_template,
         "passes": report,
         "versions": _versions(),
     }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    (out / MANIFEST).write_text(json.dumps(seal_manifest(manifest), indent=2))
     progress(f"bundle written to {out} in {time.time() - t0:.0f} s")
     return out
 

@@ -19,22 +19,14 @@ from iree.compiler import ir
 from iree.compiler.extras.fx_importer import FxImporter, FxImporterHooks
 from torch.export import ExportedProgram
 
+from ..dtypes import DTYPES
 from ..frontend import quant  # noqa: F401  (registers foldline::qlinear)
 from ..frontend.ops import DECOMPOSITIONS
 
 PARAM_SCOPE = "model"
 INLINE_LIMIT = 64  # tensors with at most this many elements stay inline constants
 
-_MLIR_ELEMENT = {
-    torch.float32: "f32",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.int8: "i8",
-    torch.uint8: "i8",
-    torch.int32: "i32",
-    torch.int64: "i64",
-    torch.bool: "i1",
-}
+_MLIR_ELEMENT = {getattr(torch, d.name): d.mlir for d in DTYPES.values()}
 
 
 @dataclass

@@ -17,18 +17,23 @@ Facts about IREE 3.13 that shape these presets (checked with iree-compile):
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
 from ..errors import FoldlineError
+from ..runtime.bundle import X86_LLVM_FEATURES, x86_isa_flags
 
-# x86 ISA extensions that LLVM may use when compiling for a named/host CPU;
+# x86 ISA extensions (cpuinfo spelling) that LLVM may use when compiling for a named/host CPU;
 # the runtime refuses a module whose recorded flags this CPU lacks.
-X86_ISA_FLAGS = (
-    "sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "bmi2",
-    "avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-    "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16",
-)
+X86_ISA_FLAGS = tuple(X86_LLVM_FEATURES.values())
+# The smallest module iree-compile resolves a CPU's target attributes for.
+_PROBE_MLIR = """
+func.func @probe(%a: tensor<4xf32>) -> tensor<4xf32> {
+  %0 = arith.addf %a, %a : tensor<4xf32>
+  return %0 : tensor<4xf32>
+}
+"""
 
 DEFAULT_VULKAN_TARGET = "host"
 DEFAULT_CUDA_ARCH = "sm_80"
@@ -78,12 +83,38 @@ def _host_isa_flags() -> list[str]:
     return [f for f in X86_ISA_FLAGS if f in have]
 
 
+@functools.cache
+def llvm_cpu_features(cpu: str, triple: str | None = None) -> str:
+    """LLVM's feature string for a named CPU (`+avx,+avx2,...`), as iree-compile resolves it.
+
+    Asks LLVM itself (about 0.1 s): no table of CPU names to keep up to date. An
+    unknown x86 CPU name is a TargetError listing the names LLVM accepts.
+    """
+    import iree.compiler as ireec
+
+    args = ["--iree-hal-target-backends=llvm-cpu", f"--iree-llvmcpu-target-cpu={cpu}", "--compile-to=preprocessing"]
+    if triple:
+        args.append(f"--iree-llvmcpu-target-triple={triple}")
+    try:
+        out = ireec.compile_str(_PROBE_MLIR, extra_args=args)
+    except ireec.CompilerToolError as e:
+        known = re.search(r"List of accepted CPUs: ([^\n]*)", str(e))
+        if known:
+            raise TargetError(f"unknown CPU {cpu!r} for {triple or host_arch()}; LLVM knows: {known.group(1)}") from e
+        raise TargetError(f"iree-compile cannot target CPU {cpu!r}: {str(e).strip().splitlines()[-1]}") from e
+    text = out.decode() if isinstance(out, bytes) else str(out)
+    found = re.search(r'cpu_features = "([^"]*)"', text)
+    return found.group(1) if found else ""
+
+
 def cpu_target(cpu: str = "host", triple: str | None = None) -> Target:
     """llvm-cpu for this machine (host), any CPU of the arch (generic), or a named LLVM CPU.
 
     The arch comes from the triple so the runtime can refuse a cross-compiled
-    module; x86 ISA flags are recorded only for `host`, the one case where LLVM
-    may use whatever this CPU has.
+    module. x86 ISA flags are recorded for every x86 CPU: `host` what this CPU
+    has, a named CPU (skylake-avx512, znver4, x86-64-v3, ...) what LLVM enables
+    for it, `generic` none (the x86-64 baseline); the runtime refuses a module
+    whose flags its CPU lacks instead of dying with SIGILL.
     """
     # Vectorized reductions: without it each reduction (the fused quantized matmuls above all)
     # lowers to a chain of scalar adds, 3.5-9x slower (backends/quant_kernels.py).
@@ -104,6 +135,8 @@ def cpu_target(cpu: str = "host", triple: str | None = None) -> Target:
         cpu_flags = _host_isa_flags() if arch == "x86_64" else []
     elif cpu != "generic":
         flags.append(f"--iree-llvmcpu-target-cpu={cpu}")
+        if arch == "x86_64":
+            cpu_flags = x86_isa_flags(llvm_cpu_features(cpu, triple))
     return Target("cpu", flags, f"llvm-cpu ({cpu}{', ' + triple if triple else ''})", arch, cpu_flags)
 
 

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..dtypes import FLOAT_DTYPES
 from ..errors import FoldlineError
 
 LAYER_KINDS = ("global", "local", "gdn")
@@ -190,14 +191,14 @@ class ModelConfig:
         need(self.attn_output_gate in ("none", "separate", "fused_q"), f"bad attn_output_gate {self.attn_output_gate!r}")
         need(self.norm_placement in ("pre", "peri"), f"bad norm_placement {self.norm_placement!r}")
         need(self.mlp_activation in ("silu", "gelu_tanh"), f"bad mlp_activation {self.mlp_activation!r}")
-        need(self.dtype in ("float32", "float16", "bfloat16"), f"bad dtype {self.dtype!r}")
+        need(self.dtype in FLOAT_DTYPES, f"bad dtype {self.dtype!r} (expected one of {FLOAT_DTYPES})")
         if "gdn" in self.layer_types:
             need(self.gdn_num_k_heads > 0 and self.gdn_num_v_heads % self.gdn_num_k_heads == 0,
                  "gdn_num_v_heads must be a positive multiple of gdn_num_k_heads")
             need(self.gdn_kv_mapping in ("blocked", "interleaved"), f"bad gdn_kv_mapping {self.gdn_kv_mapping!r}")
             need(self.gdn_norm_eps in ("plain", "scaled"), f"bad gdn_norm_eps {self.gdn_norm_eps!r}")
             need(self.gdn_l2norm in GDN_L2NORMS, f"bad gdn_l2norm {self.gdn_l2norm!r} (expected one of {GDN_L2NORMS})")
-        need(self.kv_dtype in (None, "float32", "float16", "bfloat16"), f"bad kv_dtype {self.kv_dtype!r}")
+        need(self.kv_dtype is None or self.kv_dtype in FLOAT_DTYPES, f"bad kv_dtype {self.kv_dtype!r}")
         need(self.max_context > 0, "max_context must be positive")
 
     # ---- (de)serialisation -----------------------------------------------

@@ -23,6 +23,11 @@ from ..errors import FoldlineError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # GGML_MAX_DIMS
+# Smallest encodings, to refuse counts the file cannot hold before looping over them:
+# a key (length + type + a 1-byte value), a tensor entry (name length + n_dims + type + offset).
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_BYTES = 8 + 4 + 4 + 8
 
 # Quantization types we load; each has a tested path through gguf.quants.dequantize.
 SUPPORTED_QUANTS = (
@@ -58,6 +63,8 @@ class MissingTensorError(GGUFError):
 # ---------------------------------------------------------------------------
 # Reading the file
 # ---------------------------------------------------------------------------
+
+_QUANT_TYPES = frozenset(int(q) for q in GGML_QUANT_SIZES)
 
 _SCALAR_DTYPES: dict[int, np.dtype] = {
     GGUFValueType.UINT8: np.dtype("<u1"),
@@ -102,12 +109,15 @@ class GGUFFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         with open(self.path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except ValueError as e:  # an empty file cannot be mapped
+                raise GGUFError(f"{self.path} is not a GGUF file: {e}") from e
         self._buf = memoryview(self._map)
         self._pos = 0
         try:
             self._parse()
-        except (IndexError, ValueError, UnicodeDecodeError) as e:
+        except (IndexError, ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested arrays
             if isinstance(e, GGUFError):
                 raise
             raise GGUFError(f"{self.path} is not a readable GGUF file: {e}") from e
@@ -127,8 +137,15 @@ class GGUFFile:
     def _u64(self) -> int:
         return int(self._read(np.dtype("<u8"))[0])
 
+    def _count(self, count: int, min_bytes: int, what: str) -> int:
+        """A count read from the file, refused when the bytes left cannot hold that many items."""
+        if count * min_bytes > len(self._buf) - self._pos:
+            raise GGUFError(f"{self.path}: {count} {what} cannot fit in the {len(self._buf) - self._pos} "
+                            f"bytes left at offset {self._pos}: corrupted or truncated")
+        return count
+
     def _string(self) -> str:
-        n = self._u64()
+        n = self._count(self._u64(), 1, "string bytes")
         raw = bytes(self._buf[self._pos : self._pos + n])
         self._pos += n
         return raw.decode("utf-8", errors="surrogateescape")
@@ -137,7 +154,9 @@ class GGUFFile:
         if vtype == GGUFValueType.STRING:
             return self._string()
         if vtype == GGUFValueType.ARRAY:
-            etype, count = self._u32(), self._u64()
+            etype = self._u32()
+            count = self._count(self._u64(), _SCALAR_DTYPES[etype].itemsize if etype in _SCALAR_DTYPES else 8,
+                                "array elements")
             if etype == GGUFValueType.STRING:
                 return [self._string() for _ in range(count)]
             if etype == GGUFValueType.ARRAY:
@@ -159,6 +178,7 @@ class GGUFFile:
         if self.version not in (2, 3):
             raise GGUFError(f"{self.path}: GGUF version {self.version} is not supported (big-endian or too new?)")
         n_tensors, n_kv = self._u64(), self._u64()
+        self._count(n_tensors * _MIN_TENSOR_BYTES + n_kv * _MIN_KV_BYTES, 1, "bytes of tensors and metadata")
         self.metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = self._string()
@@ -167,14 +187,42 @@ class GGUFFile:
         for _ in range(n_tensors):
             name = self._string()
             n_dims = self._u32()
+            if n_dims > MAX_DIMS:
+                raise GGUFError(f"{self.path}: tensor {name!r} has {n_dims} dimensions; GGUF allows at most {MAX_DIMS}")
             dims = [self._u64() for _ in range(n_dims)]
             qtype, offset = self._u32(), self._u64()
             infos.append((name, tuple(reversed(dims)), qtype, offset))
-        align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        align = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if type(align) is not int or align <= 0 or align & (align - 1):
+            raise GGUFError(f"{self.path}: general.alignment {align!r} is not a positive power of two")
         data_start = (self._pos + align - 1) // align * align
         self.tensors: dict[str, TensorInfo] = {
             name: TensorInfo(name, shape, qtype, data_start + off) for name, shape, qtype, off in infos
         }
+        if len(self.tensors) != len(infos):
+            raise GGUFError(f"{self.path}: the tensor directory lists a name twice")
+        self._check_extents(infos, align)
+
+    def _check_extents(self, infos: list[tuple[str, tuple[int, ...], int, int]], align: int) -> None:
+        """Every tensor lies inside the file, aligned, apart from the others: no read can leave the map."""
+        spans = []
+        for name, _shape, _qtype, off in infos:
+            info = self.tensors[name]
+            if off % align:
+                raise GGUFError(f"{self.path}: tensor {name!r} offset {off} is not a multiple of the alignment {align}")
+            known = info.qtype in _QUANT_TYPES
+            size = info.nbytes if known else 0  # an unknown type is refused when the tensor is read
+            if known and info.shape and info.shape[-1] % GGML_QUANT_SIZES[GGMLQuantizationType(info.qtype)][0]:
+                continue  # raw() names the row length that does not fit the block
+            if info.offset + size > len(self._buf):
+                what = "too large for the file" if size > len(self._buf) else "past the end of the file"
+                raise GGUFError(f"{self.path}: tensor {name!r} ({info.type_name}{list(info.shape)}, {size} bytes at "
+                                f"offset {info.offset}) lies {what} ({len(self._buf)} bytes): corrupted or truncated")
+            spans.append((info.offset, info.offset + size, name))
+        spans.sort()
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            if start < end:
+                raise GGUFError(f"{self.path}: the data of tensors {first!r} and {second!r} overlap")
 
     # -- access -------------------------------------------------------------
     @property
@@ -225,6 +273,8 @@ class GGUFFile:
         """The tensor as float32 in numpy order, e.g. [out, in] for a linear weight."""
         info = self.info(name)
         qtype = self._check_qtype(info)
+        if math.prod(info.shape) == 0:
+            return np.zeros(info.shape, dtype=np.float32)
         out = gguf_dequantize(self.raw(name), qtype)
         return np.array(out, dtype=np.float32, copy=True).reshape(info.shape)
 

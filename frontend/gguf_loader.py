@@ -9,6 +9,7 @@ the meta device, so peak memory stays near the size of the float32 model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,10 +38,48 @@ def _architecture(g: GGUFFile) -> Architecture:
 
 
 def config_from_file(g: GGUFFile, max_context: int | None = None) -> ModelConfig:
+    arch = _architecture(g)
+    _check_sizes_fit(g)
     try:
-        return _architecture(g).config_from_gguf(g, max_context)
+        cfg = arch.config_from_gguf(g, max_context)
+    except GGUFError:
+        raise
     except ConfigError as e:
         raise GGUFError(f"{g.path}: metadata describes an invalid model: {e}") from e
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
+        # A value of the wrong type or a zero where a count belongs (a damaged or hand-edited file).
+        raise GGUFError(f"{g.path}: metadata describes an invalid model: {type(e).__name__}: {e}") from e
+    return cfg
+
+
+# Hyperparameters that size the module: non-negative integers; when weights are loaded, none may
+# exceed the number of elements the file's tensors hold (every one of them spans some weight).
+MAX_LAYERS = 65536  # far above any model; a per-layer list of 2**32 entries would exhaust memory
+_SIZE_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
+              "attention.head_count_kv", "attention.key_length", "vocab_size", "ssm.state_size",
+              "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size", "ssm.conv_kernel")
+
+
+def _check_sizes_fit(g: GGUFFile, weights: bool = False) -> None:
+    """Refuse sizes that cannot be right before a module (or a per-layer list) is built from them.
+
+    weights: the file must also hold the weights (a load, not `foldline plan` on metadata).
+    """
+    elements = sum(math.prod(t.shape) for t in g.tensors.values())
+    for key in _SIZE_KEYS:
+        value = g.arch_key(key)
+        if value is None:
+            continue
+        for v in value if isinstance(value, list) else [value]:
+            if type(v) is not int or v < 0 or (weights and v > elements and key != "block_count"):
+                raise GGUFError(f"{g.path}: {g.architecture}.{key} = {value!r} is not a size this file's "
+                                f"{elements} tensor elements can back: corrupted or not a model file")
+    layers = g.arch_key("block_count")
+    limit = len(g.tensors) if weights else MAX_LAYERS
+    if isinstance(layers, int) and layers > limit:
+        raise GGUFError(f"{g.path}: {g.architecture}.block_count = {layers} is more than the "
+                        + (f"{limit} tensors the file holds" if weights else f"limit of {limit} layers")
+                        + ": corrupted or not a model file")
 
 
 def read_gguf_config(path: str | Path, max_context: int | None = None) -> ModelConfig:
@@ -72,7 +111,15 @@ def _iter_weights(g: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarr
         raise GGUFError(f"{g.path}: tensor {unexpected[0]!r} has no place in a {cfg.family} model "
                         f"({len(unexpected)} unexpected)")
     for param, tname in names.items():
-        yield param, arch.gguf_tensor_value(tname, g.dequantize(tname), cfg)
+        value = g.dequantize(tname)
+        try:
+            converted = arch.gguf_tensor_value(tname, value, cfg)
+        except GGUFError:
+            raise
+        except ValueError as e:  # a conversion (llama's row permutation) that the stored shape does not fit
+            raise GGUFError(f"{g.path}: tensor {tname!r} of shape {list(value.shape)} does not fit a "
+                            f"{cfg.family} model of this config: {e}") from e
+        yield param, converted
 
 
 def source_blocks(g: GGUFFile, cfg: ModelConfig, module: CausalLM) -> dict[str, QuantizedTensor]:
@@ -101,8 +148,12 @@ def source_blocks(g: GGUFFile, cfg: ModelConfig, module: CausalLM) -> dict[str, 
 
 def build_module(g: GGUFFile, cfg: ModelConfig) -> CausalLM:
     """The reference CausalLM with the file's weights, materialised one tensor at a time."""
-    with torch.device("meta"):
-        model = CausalLM(cfg)
+    _check_sizes_fit(g, weights=True)
+    try:
+        with torch.device("meta"):
+            model = CausalLM(cfg)
+    except RuntimeError as e:  # sizes whose products overflow (a damaged file); nothing is allocated
+        raise GGUFError(f"{g.path}: the metadata's sizes do not form a model: {e}") from e
     expected = dict(model.named_parameters())
     state: dict[str, torch.Tensor] = {}
     for param, w in _iter_weights(g, cfg):

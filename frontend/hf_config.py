@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..dtypes import FLOAT_DTYPES
 from .config import ConfigError, default_max_context
-from .types import TORCH_DTYPES
 
 _LAYER_KINDS = {"full_attention": "global", "sliding_attention": "local", "linear_attention": "gdn"}
 
@@ -26,8 +26,10 @@ def eos_ids(value: Any) -> tuple[int, ...]:
 
 
 def checkpoint_dtype(raw: dict[str, Any]) -> str:
+    """The dtype the checkpoint's weights are stored in (config.json `dtype`); the module is built
+    in it, and `foldline compile --dtype` picks the compute dtype from it (backends/build.py)."""
     name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    return name if name in TORCH_DTYPES else "float32"
+    return name if name in FLOAT_DTYPES else "float32"
 
 
 def rope_params(params: dict[str, Any] | None, default_theta: float, what: str) -> tuple[float, float]:

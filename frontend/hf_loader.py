@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .arch import BY_HF_MODEL_TYPE, architecture_of
 from .config import ModelConfig
 from .hf_config import HFLoadError
-from .model import CausalLM, build_model
+from .model import CausalLM
 from .types import TORCH_DTYPES, LoadedModel
 
 SUPPORTED_MODEL_TYPES = tuple(BY_HF_MODEL_TYPE)
@@ -28,9 +29,33 @@ SUPPORTED_MODEL_TYPES = tuple(BY_HF_MODEL_TYPE)
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except FileNotFoundError:
         raise HFLoadError(f"{path.parent}: no config.json (expected an HF model directory)") from None
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8 text, nested beyond reason
+        raise HFLoadError(f"{path} is not a JSON document: {type(e).__name__}: {e}") from None
+    if not isinstance(raw, dict):
+        raise HFLoadError(f"{path} holds a {type(raw).__name__}, not a JSON object of model settings")
+    return raw
+
+
+# Sizes read from config.json: positive integers when present. A per-layer list (and the module)
+# is built from num_hidden_layers, so it is also bounded, far above any real model.
+_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "max_position_embeddings")
+MAX_LAYERS = 65536
+
+
+def _check_sizes(raw: dict[str, Any], where: Path) -> None:
+    for key in (*_SIZE_KEYS, "head_dim"):
+        if key not in raw or (key == "head_dim" and raw[key] is None):
+            continue
+        value = raw[key]
+        if type(value) is not int or value <= 0:
+            raise HFLoadError(f"{where}: config.json {key} = {value!r} is not a positive integer")
+    if raw.get("num_hidden_layers", 0) > MAX_LAYERS:
+        raise HFLoadError(f"{where}: config.json num_hidden_layers = {raw['num_hidden_layers']} "
+                          f"is more than {MAX_LAYERS} layers: not a model foldline can build")
 
 
 def read_hf_config(path: str | Path, max_context: int | None = None) -> ModelConfig:
@@ -38,11 +63,21 @@ def read_hf_config(path: str | Path, max_context: int | None = None) -> ModelCon
     path = Path(path)
     raw = _read_json(path / "config.json")
     model_type = raw.get("model_type")
-    if model_type not in BY_HF_MODEL_TYPE:
+    if not isinstance(model_type, str) or model_type not in BY_HF_MODEL_TYPE:
         raise HFLoadError(
             f"{path}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    return BY_HF_MODEL_TYPE[model_type].config_from_hf(raw, path.name or str(path), max_context)
+    _check_sizes(raw, path)
+    try:
+        return BY_HF_MODEL_TYPE[model_type].config_from_hf(raw, path.name or str(path), max_context)
+    except HFLoadError:
+        raise
+    except KeyError as e:
+        raise HFLoadError(f"{path}: config.json lacks {e.args[0]!r}, which a {model_type} model needs") from None
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError) as e:
+        # A setting of the wrong type or value (ConfigError, a ValueError, names what it refuses).
+        raise HFLoadError(f"{path}: config.json does not describe a {model_type} model foldline can build: "
+                          f"{type(e).__name__}: {e}") from e
 
 
 # ---------------------------------------------------------------------------
@@ -87,7 +122,10 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise HFLoadError(f"{path}: no *.safetensors files (pickled .bin checkpoints are not read)")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        tensors.update(load_file(str(f)))
+        try:
+            tensors.update(load_file(str(f)))
+        except SafetensorError as e:  # truncated, or a header that lies about offsets, dtype or shape
+            raise HFLoadError(f"{f} is not a readable safetensors file: {e}") from e
     return tensors
 
 
@@ -120,7 +158,7 @@ def _assign(module: CausalLM, tensors: dict[str, torch.Tensor], where: Path) -> 
     if missing:
         raise HFLoadError(f"{where}: missing tensors for {missing[:8]}" + (" ..." if len(missing) > 8 else ""))
     dtype = TORCH_DTYPES[cfg.dtype]
-    module.load_state_dict({k: v.to(dtype) for k, v in mapped.items()}, strict=True)
+    module.load_state_dict({k: v.to(dtype) for k, v in mapped.items()}, strict=True, assign=True)
 
 
 def _tokenizer_files(path: Path) -> tuple[str | None, str | None]:
@@ -144,7 +182,13 @@ def load_hf_dir(path: str | Path, max_context: int | None = None) -> LoadedModel
     cfg = read_hf_config(path)
     if max_context is not None:
         cfg = cfg.replace(max_context=max_context)
-    module = build_model(cfg, seed=None)
+    # Built on the meta device: the config's sizes allocate nothing until the file's tensors,
+    # checked against them, are assigned (a config.json that lies about sizes cannot exhaust memory).
+    try:
+        with torch.device("meta"):
+            module = CausalLM(cfg)
+    except (RuntimeError, TypeError, OverflowError) as e:  # sizes whose products overflow
+        raise HFLoadError(f"{path}: config.json sizes do not form a model: {e}") from e
     _assign(module, _load_tensors(path), path)
     tokenizer_json, template = _tokenizer_files(path)
     return LoadedModel(cfg, module.eval(), tokenizer_json=tokenizer_json, chat_template=template,

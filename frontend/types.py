@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..dtypes import FLOAT_DTYPES, itemsize
 from .config import ModelConfig
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# The torch side of foldline.dtypes: canonical name -> torch dtype.
+TORCH_DTYPES = {name: getattr(torch, name) for name in FLOAT_DTYPES}
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class StateSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+        return math.prod(self.shape) * itemsize(self.dtype)
 
 
 @dataclass
@@ -62,18 +63,38 @@ class LoadedModel:
 
     @contextmanager
     def reconfigured(self, **changes: Any) -> Iterator[ModelConfig]:
-        """Compile-time config changes (kv_dtype, say) on the config and the module, undone on exit.
+        """Compile-time config changes (kv_dtype, dtype) on the config and the module, undone on exit.
 
         Every submodule holding the config (the model, its layers and mixers) sees the
         new one inside the block, so the module and `config` never disagree, and a
-        model loaded once can be compiled several ways.
+        model loaded once can be compiled several ways. A new `dtype` casts the
+        module's floating weights too; the original tensors come back on
+        exit, so a narrowing cast (float32 -> float16) loses nothing for later uses.
         """
         old, new = self.config, self.config.replace(**changes)
+        saved = self._cast(TORCH_DTYPES[new.dtype]) if new.dtype != old.dtype else None
         self._point(old, new)
         try:
             yield new
         finally:
             self._point(new, old)
+            if saved is not None:
+                self._uncast(saved)
+
+    def _cast(self, dtype: torch.dtype) -> list[tuple[nn.Parameter, Tensor]]:
+        """Cast every floating parameter to `dtype`; returns the originals. Buffers keep their
+        dtype (the Hadamard signs are float32 on purpose; the rest are built in the model's)."""
+        saved = []
+        for p in self.module.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                saved.append((p, p.data))
+                p.data = p.data.to(dtype)
+        return saved
+
+    @staticmethod
+    def _uncast(saved: list[tuple[nn.Parameter, Tensor]]) -> None:
+        for p, original in saved:
+            p.data = original
 
     def _point(self, old: ModelConfig, new: ModelConfig) -> None:
         for sub in self.module.modules():

@@ -1,8 +1,12 @@
 """The embedded runtime: numpy + iree.runtime (+ tokenizers for text). Never imports torch."""
 
+from .batch import Batch, RowError
 from .bundle import BundleError, Manifest
-from .model import ContextFullError, Model, Session, SessionStateError, Snapshot, TokenIdError
+from .checks import ContextFullError, SessionStateError, TokenIdError
+from .model import Model, Session, Snapshot
 from .sampling import Sampler
+from .session_file import SessionFileError
 
-__all__ = ["BundleError", "ContextFullError", "Manifest", "Model", "Sampler", "Session", "SessionStateError", "Snapshot",
-           "TokenIdError"]
+__all__ = ["Batch", "BundleError", "ContextFullError", "Manifest", "Model", "RowError", "Sampler", "Session",
+           "SessionStateError", "Snapshot",
+           "SessionFileError", "TokenIdError"]

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..dtypes import DTYPES, FLOAT_DTYPES, itemsize
 from ..errors import FoldlineError
 
 FORMAT = "foldline-bundle"
@@ -23,8 +25,30 @@ ELF_MACHINES = {3: "x86", 40: "arm", 62: "x86_64", 183: "aarch64", 243: "riscv"}
 # IREE executable format prefix/name -> what it runs on
 _FORMAT_RE = re.compile(rb"(embedded-elf-[a-z0-9_]+|system-elf-[a-z0-9_]+|vulkan-spirv-fb|cuda-nvptx-fb|rocm-hsaco-fb)")
 _PTX_TARGET_RE = re.compile(rb"\.target (sm_[0-9]+a?)")
-FORMAT_VERSION = 1
+# IREE keeps each executable's target attributes (as text) in the module: the LLVM CPU features
+# its code was compiled for, whatever the manifest says.
+_CPU_FEATURES_RE = re.compile(rb'cpu_features = "([^"]*)"')
+# Version 2: the manifest is sealed (manifest_sha256), tokenizer.json hashed, entry points declared.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
+SEAL_KEY = "manifest_sha256"
+# State buffer element types and their sizes in bytes: the one table the manifest rules use.
+STATE_DTYPES = {name: itemsize(name) for name in FLOAT_DTYPES}  # from foldline.dtypes
+# The same element types as MLIR spells them in an entry point's declaration.
+MLIR_DTYPES = {d.mlir: d.name for d in DTYPES.values() if d.name in (*FLOAT_DTYPES, "int64")}
+STATE_KINDS = ("global_kv", "local_kv", "gdn_recurrent", "gdn_conv")
+LAYER_TYPES = {"global": ("global_kv",), "local": ("local_kv",), "gdn": ("gdn_recurrent", "gdn_conv")}
+# LLVM x86 feature -> its /proc/cpuinfo flag: the ISA extensions a CPU module may rely on
+# (the runtime refuses a module that needs one this CPU lacks).
+X86_LLVM_FEATURES = {
+    "sse4.1": "sse4_1", "sse4.2": "sse4_2", "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c",
+    "bmi2": "bmi2", "avx512f": "avx512f", "avx512dq": "avx512dq", "avx512cd": "avx512cd",
+    "avx512bw": "avx512bw", "avx512vl": "avx512vl", "avx512vnni": "avx512_vnni", "avx512bf16": "avx512_bf16",
+    "avx512fp16": "avx512_fp16", "amx-tile": "amx_tile", "amx-int8": "amx_int8", "amx-bf16": "amx_bf16",
+    "avx512vbmi": "avx512vbmi", "avx512vbmi2": "avx512_vbmi2", "avx512ifma": "avx512ifma",
+    "avx512vpopcntdq": "avx512_vpopcntdq", "avx512bitalg": "avx512_bitalg", "avxvnni": "avx_vnni",
+    "gfni": "gfni", "vaes": "vaes", "vpclmulqdq": "vpclmulqdq",
+}
 
 
 class BundleError(FoldlineError, RuntimeError):
@@ -39,6 +63,20 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def x86_isa_flags(llvm_features: str) -> list[str]:
+    """The X86_LLVM_FEATURES an LLVM feature string enables, in cpuinfo spelling.
+
+    LLVM reads `+a,-a` left to right, the last word wins: a host CPU's string
+    lists its model's features, then what the CPU reports (e.g. `-amx-tile`).
+    """
+    enabled: dict[str, bool] = {}
+    for word in llvm_features.split(","):
+        word = word.strip()
+        if word[:1] in "+-" and word[1:] in X86_LLVM_FEATURES:
+            enabled[word[1:]] = word[0] == "+"
+    return [flag for name, flag in X86_LLVM_FEATURES.items() if enabled.get(name)]
+
+
 @dataclass
 class VmfbInfo:
     """What a compiled module says about where it runs, read from its bytes."""
@@ -46,6 +84,8 @@ class VmfbInfo:
     formats: list[str] = field(default_factory=list)  # e.g. embedded-elf-arm_64, cuda-nvptx-fb
     elf_machines: list[str] = field(default_factory=list)  # arch of each embedded ELF executable
     ptx_targets: list[str] = field(default_factory=list)  # e.g. sm_80
+    # X86_LLVM_FEATURES (cpuinfo spelling) some embedded executable was compiled to use
+    cpu_flags: list[str] = field(default_factory=list)
 
     @property
     def arches(self) -> set[str]:
@@ -62,6 +102,7 @@ def vmfb_info(path: str | Path) -> VmfbInfo:
     info = VmfbInfo()
     info.formats = sorted({m.decode() for m in _FORMAT_RE.findall(data)})
     info.ptx_targets = sorted({m.decode() for m in _PTX_TARGET_RE.findall(data)})
+    info.cpu_flags = sorted({f for m in _CPU_FEATURES_RE.findall(data) for f in x86_isa_flags(m.decode())})
     machines = set()
     start = data.find(b"\x7fELF")
     while start != -1:
@@ -105,15 +146,20 @@ class Manifest:
             raise BundleError(f"{path} is not valid JSON: {e}") from e
         except UnicodeDecodeError as e:
             raise BundleError(f"{path} is not text: {e}") from e
+        except RecursionError:
+            raise BundleError(f"{path} is nested too deeply to be a foldline bundle manifest") from None
         if not isinstance(data, dict):
             raise BundleError(f"{path} is not a JSON object: not a foldline bundle manifest")
         if data.get("format") != FORMAT:
             raise BundleError(f"{path} is not a foldline bundle manifest")
         if data.get("format_version") != FORMAT_VERSION:
             raise BundleError(
-                f"{path} has format version {data.get('format_version')}, this runtime reads {FORMAT_VERSION}"
+                f"{path} has format version {data.get('format_version')}, this runtime reads {FORMAT_VERSION}: "
+                "recompile with foldline compile"
             )
+        check_seal(path, data)
         _check_structure(path, data)
+        check_schema(path, data)
         manifest = cls(root, data)
         manifest.check_files_present()
         return manifest
@@ -225,11 +271,280 @@ class Manifest:
                 f"module {entry['file']} was compiled against other parameters than {params['file']}"
             )
 
+    def verify_tokenizer(self) -> None:
+        """tokenizer.json is the one written at compile time (sha256): an edited vocabulary would
+        decode the model's ids into other text without any error."""
+        name = self.data.get("tokenizer")
+        if name:
+            self.verify_file(name, self.data["tokenizer_sha256"], self.data.get("tokenizer_size"))
+
     def verify_params(self) -> None:
         """params.irpa is complete and unchanged since the build (sha256)."""
         params = self.data.get("params")
         if params:
             self.verify_file(params["file"], params["sha256"], params.get("size"))
+
+
+def manifest_digest(data: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of a manifest, its seal left out."""
+    body = {k: v for k, v in data.items() if k != SEAL_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def seal_manifest(data: dict[str, Any]) -> dict[str, Any]:
+    """Set `manifest_sha256` over the rest of the manifest (in place; returned for chaining).
+
+    Written by `foldline compile`; a test that edits a manifest on purpose seals
+    it again so the load reaches the check the test is about.
+    """
+    data[SEAL_KEY] = manifest_digest(data)
+    return data
+
+
+def check_seal(path: Path, data: dict[str, Any]) -> None:
+    """Refuse a manifest changed since compile time: an edited shape, vocab size or context
+    would otherwise reach IREE and fail there, or silently run with wrong buffers."""
+    seal = data.get(SEAL_KEY)
+    if not isinstance(seal, str):
+        raise BundleError(f"{path} has no {SEAL_KEY}: not written by foldline compile; recompile the bundle")
+    if seal != manifest_digest(data):
+        raise BundleError(f"{path} was edited or corrupted after compile: its content does not match its "
+                          f"{SEAL_KEY}; recompile the bundle with foldline compile")
+
+
+class _Rules:
+    """Typed checks of manifest fields; each failure names the field and the problem."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def fail(self, where: str, problem: str) -> BundleError:
+        return BundleError(f"{self.path}: {where}: {problem}")
+
+    def obj(self, value: Any, where: str) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(where, f"must be an object, got {type(value).__name__}")
+        return value
+
+    def key(self, obj: dict[str, Any], key: str, where: str) -> Any:
+        if key not in obj:
+            raise self.fail(f"{where}.{key}" if where else key, "is missing")
+        return obj[key]
+
+    def integer(self, value: Any, where: str, lo: int = 1, hi: int | None = None, optional: bool = False) -> int | None:
+        if value is None and optional:
+            return None
+        if type(value) is not int:
+            raise self.fail(where, f"must be an integer, got {value!r}")
+        if value < lo or (hi is not None and value > hi):
+            bound = f"between {lo} and {hi}" if hi is not None else ("positive" if lo == 1 else f">= {lo}")
+            raise self.fail(where, f"must be {bound}, got {value}")
+        return value
+
+    def string(self, value: Any, where: str, choices: Any = None, optional: bool = False) -> str | None:
+        if value is None and optional:
+            return None
+        if not isinstance(value, str):
+            raise self.fail(where, f"must be a string, got {value!r}")
+        if choices is not None and value not in choices:
+            raise self.fail(where, f"unknown value {value!r}; expected one of {', '.join(choices)}")
+        return value
+
+    def filename(self, value: Any, where: str) -> str:
+        name = self.string(value, where)
+        if not name or "/" in name or "\\" in name or name in (".", ".."):
+            raise self.fail(where, f"must name a file inside the bundle, got {name!r}")
+        return name
+
+    def sha256(self, value: Any, where: str) -> str:
+        if not (isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value)):
+            raise self.fail(where, f"must be a sha256 hex digest, got {value!r}")
+        return value
+
+    def array(self, value: Any, where: str) -> list[Any]:
+        if not isinstance(value, list):
+            raise self.fail(where, f"must be a list, got {value!r}")
+        return value
+
+    def shape(self, value: Any, where: str) -> list[int]:
+        dims = self.array(value, where)
+        if not dims or any(type(d) is not int or d < 1 for d in dims):
+            raise self.fail(where, f"must be a list of positive integers, got {value!r}")
+        return dims
+
+
+def check_schema(path: Path, data: dict[str, Any]) -> None:
+    """Every field the runtime reads has its type and range, and the sizes agree with each other.
+
+    The state buffers must have the shapes the model's layout implies (frontend
+    StateSpec, passes/state_layout): global caches [batch, kv heads, max_context,
+    head_dim], local ones the same or a ring of sliding_window slots, GDN state
+    [batch, v heads, v dim, k dim] and its conv window [batch, channels, kernel-1].
+    """
+    r = _Rules(path)
+    cfg = r.obj(r.key(data, "model", ""), "model")
+    vocab = r.integer(r.key(cfg, "vocab_size", "model"), "model.vocab_size")
+    context = r.integer(r.key(cfg, "max_context", "model"), "model.max_context")
+    layer_types = r.array(r.key(cfg, "layer_types", "model"), "model.layer_types")
+    if not layer_types:
+        raise r.fail("model.layer_types", "must list at least one layer")
+    for i, kind in enumerate(layer_types):
+        r.string(kind, f"model.layer_types[{i}]", LAYER_TYPES)
+    dtype = r.string(r.key(cfg, "dtype", "model"), "model.dtype", STATE_DTYPES)
+    cache_dtype = r.string(cfg.get("kv_dtype"), "model.kv_dtype", STATE_DTYPES, optional=True) or dtype
+    for key in ("num_kv_heads", "head_dim"):
+        r.integer(cfg.get(key), f"model.{key}")
+    r.integer(cfg.get("sliding_window", 0), "model.sliding_window", lo=0)
+    for key in ("gdn_num_k_heads", "gdn_num_v_heads", "gdn_head_k_dim", "gdn_head_v_dim", "gdn_conv_kernel"):
+        r.integer(cfg.get(key, 0), f"model.{key}", lo=0)
+    r.integer(cfg.get("bos_token_id"), "model.bos_token_id", lo=0, hi=vocab - 1, optional=True)
+    for i, eos in enumerate(r.array(cfg.get("eos_token_ids", []), "model.eos_token_ids")):
+        r.integer(eos, f"model.eos_token_ids[{i}]", lo=0, hi=vocab - 1)
+
+    batch = r.integer(data["batch"], "batch")
+    r.integer(data["prefill_chunk"], "prefill_chunk", hi=context)
+    lengths = r.array(data.get("kv_lengths", []), "kv_lengths")
+    for i, n in enumerate(lengths):
+        r.integer(n, f"kv_lengths[{i}]", hi=context - 1)
+    if lengths != sorted(set(lengths)):
+        raise r.fail("kv_lengths", f"must be ascending without repeats, got {lengths}")
+
+    state = r.array(data["state"], "state")
+    if not state:
+        raise r.fail("state", "lists no buffer")
+    names: set[str] = set()
+    total = 0
+    for i, entry in enumerate(state):
+        where = f"state[{i}]"
+        entry = r.obj(entry, where)
+        name = r.string(r.key(entry, "name", where), f"{where}.name")
+        if name in names:
+            raise r.fail(f"{where}.name", f"{name!r} is listed twice")
+        names.add(name)
+        shape = r.shape(r.key(entry, "shape", where), f"{where}.shape")
+        sdtype = r.string(r.key(entry, "dtype", where), f"{where}.dtype", STATE_DTYPES)
+        nbytes = r.integer(r.key(entry, "nbytes", where), f"{where}.nbytes")
+        if nbytes != math.prod(shape) * STATE_DTYPES[sdtype]:
+            raise r.fail(f"{where}.nbytes", f"{nbytes} is not prod({shape}) * {STATE_DTYPES[sdtype]} bytes "
+                         f"of {sdtype} = {math.prod(shape) * STATE_DTYPES[sdtype]}")
+        total += nbytes
+        kind = r.string(r.key(entry, "kind", where), f"{where}.kind", STATE_KINDS)
+        layers = r.array(r.key(entry, "layers", where), f"{where}.layers")
+        if not layers:
+            raise r.fail(f"{where}.layers", "names no layer")
+        for j, layer in enumerate(layers):
+            r.integer(layer, f"{where}.layers[{j}]", lo=0, hi=len(layer_types) - 1)
+            if kind not in LAYER_TYPES[layer_types[layer]]:
+                raise r.fail(f"{where}.kind", f"{kind} buffer for layer {layer}, a {layer_types[layer]} layer")
+        expected = _layout(cfg, kind, batch, context, cache_dtype, dtype)
+        if expected is not None:
+            want_shapes, want_dtype, meaning = expected
+            if shape not in want_shapes:
+                raise r.fail(f"{where}.shape", f"{shape} does not match a {kind} buffer of this model: "
+                             f"{' or '.join(map(str, want_shapes))} ({meaning})")
+            if sdtype != want_dtype:
+                raise r.fail(f"{where}.dtype", f"{sdtype}; a {kind} buffer of this model is {want_dtype}")
+    if "state_bytes" in data and data["state_bytes"] != total:
+        raise r.fail("state_bytes", f"{data['state_bytes']!r} is not the sum of the buffers' nbytes, {total}")
+
+    for device, entry in data["modules"].items():
+        where = f"modules.{device}"
+        r.filename(entry["file"], f"{where}.file")
+        r.sha256(entry["sha256"], f"{where}.sha256")
+        r.integer(entry.get("size"), f"{where}.size", optional=True)
+        if entry.get("params_sha256") is not None:
+            r.sha256(entry["params_sha256"], f"{where}.params_sha256")
+        r.string(entry.get("arch"), f"{where}.arch", optional=True)
+        for j, flag in enumerate(r.array(entry.get("cpu_flags", []), f"{where}.cpu_flags")):
+            r.string(flag, f"{where}.cpu_flags[{j}]")
+    params = data.get("params")
+    if params is not None:
+        r.filename(params["file"], "params.file")
+        r.sha256(params["sha256"], "params.sha256")
+        r.integer(params.get("size"), "params.size", optional=True)
+    tokenizer = data.get("tokenizer")
+    if tokenizer is not None:
+        r.filename(tokenizer, "tokenizer")
+        r.sha256(data.get("tokenizer_sha256"), "tokenizer_sha256")
+        r.integer(data.get("tokenizer_size"), "tokenizer_size", lo=0, optional=True)
+
+
+def _layout(cfg: dict[str, Any], kind: str, batch: int, context: int, cache_dtype: str,
+            dtype: str) -> tuple[list[list[int]], str, str] | None:
+    """The shapes a state buffer of `kind` may have for this config, its dtype, and what the dims mean."""
+    heads, head_dim = cfg["num_kv_heads"], cfg["head_dim"]
+    if kind == "global_kv":
+        return [[batch, heads, context, head_dim]], cache_dtype, "batch, num_kv_heads, max_context, head_dim"
+    if kind == "local_kv":
+        window = cfg.get("sliding_window", 0)
+        slots = [context] + ([window] if 0 < window < context else [])
+        return ([[batch, heads, n, head_dim] for n in slots], cache_dtype,
+                "batch, num_kv_heads, max_context or a ring of sliding_window slots, head_dim")
+    g = {k: cfg.get(k, 0) for k in ("gdn_num_k_heads", "gdn_num_v_heads", "gdn_head_k_dim", "gdn_head_v_dim",
+                                     "gdn_conv_kernel")}
+    if kind == "gdn_recurrent":
+        return ([[batch, g["gdn_num_v_heads"], g["gdn_head_v_dim"], g["gdn_head_k_dim"]]], "float32",
+                "batch, gdn_num_v_heads, gdn_head_v_dim, gdn_head_k_dim")
+    if kind == "gdn_conv":
+        channels = 2 * g["gdn_num_k_heads"] * g["gdn_head_k_dim"] + g["gdn_num_v_heads"] * g["gdn_head_v_dim"]
+        return ([[batch, channels, g["gdn_conv_kernel"] - 1]], dtype, "batch, conv channels, gdn_conv_kernel - 1")
+    return None
+
+
+DECLARATION_KEY = "iree.abi.declaration"
+_INPUT_RE = re.compile(r"%input(\d+): tensor<([^>]*)>")
+
+
+def declared_inputs(declaration: str) -> list[tuple[list[int], str]]:
+    """(shape, dtype) of each tensor input of an entry point's `iree.abi.declaration`, in order.
+
+    The declaration reads `sync func @decode(%input0: tensor<1x1xi64>, ...) -> (...)`;
+    only its inputs are parsed, never its outputs.
+    """
+    head = declaration.split(") -> ", 1)[0]
+    out = []
+    for _index, spec in _INPUT_RE.findall(head):
+        *dims, elem = spec.split("x")
+        out.append(([int(d) for d in dims if d.isdigit()], MLIR_DTYPES.get(elem, elem)))
+    return out
+
+
+def entry_point_inputs(manifest: Manifest) -> dict[str, list[tuple[list[int], str, str]]]:
+    """entry point -> (shape, dtype, what) of each input the runtime passes it, from the manifest."""
+    b, c = manifest.batch, manifest.prefill_chunk
+    state = [(list(s.shape), s.dtype, f"state buffer {s.name!r}") for s in manifest.state]
+    prefill = [([b, c], "int64", "tokens"), ([b], "int64", "start_pos"), ([b], "int64", "n_valid"), *state]
+    decode = [([b, 1], "int64", "tokens"), ([b], "int64", "pos"), *state]
+    out = {"prefill": prefill, "decode": decode}
+    for n in manifest.kv_lengths:
+        out[f"prefill_{n}"], out[f"decode_{n}"] = prefill, decode
+    return out
+
+
+def check_entry_points(manifest: Manifest, device: str, reflection: Any) -> None:
+    """The compiled module takes the buffers the manifest lists, checked before the first call.
+
+    `reflection(name)` gives an entry point's reflection dict, or None when the module
+    lacks it. A mismatch would otherwise surface as a raw IREE shape error mid-call.
+    """
+    vmfb = manifest.modules[device]["file"]
+    for name, want in entry_point_inputs(manifest).items():
+        info = reflection(name)
+        if info is None:
+            raise BundleError(f"{vmfb} has no entry point {name!r}, which the manifest implies: "
+                              "the module is from another build; recompile the bundle")
+        declaration = info.get(DECLARATION_KEY)
+        if not declaration:
+            raise BundleError(f"{vmfb}: entry point {name!r} declares no signature; recompile with foldline compile")
+        have = declared_inputs(declaration)
+        if len(have) != len(want):
+            raise BundleError(f"{vmfb}: {name} takes {len(have)} inputs, the manifest implies {len(want)} "
+                              f"({len(manifest.state)} state buffers): module and manifest are from different builds")
+        for (shape, dtype), (want_shape, want_dtype, what) in zip(have, want):
+            if (shape, dtype) != (want_shape, want_dtype):
+                raise BundleError(f"{vmfb}: {name} takes {what} as {dtype}{shape}; the manifest says "
+                                  f"{want_dtype}{want_shape}: module and manifest are from different builds")
 
 
 def _check_structure(path: Path, data: Any) -> None:

@@ -53,10 +53,15 @@ def render_chat_template(template: str, messages: list[dict[str, str]], add_gene
 def apply_chat_template(model: Any, user_text: str, system: str | None = None,
                         add_generation_prompt: bool = True) -> str:
     """The prompt text for one user turn (plus an optional system turn) of a loaded Model."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user_text}]
+    return chat_prompt(model, messages, add_generation_prompt)
+
+
+def chat_prompt(model: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    """The prompt text for a whole conversation (role/content messages) of a loaded Model."""
     template = model.manifest.data.get("chat_template")
     if not template:
         raise BundleError(f"bundle {model.manifest.root} has no chat template; prompt it without --chat")
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user_text}]
     return render_chat_template(
         template,
         messages,

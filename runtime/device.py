@@ -20,7 +20,7 @@ import iree.runtime as rt
 import numpy as np
 
 from ..errors import InputError
-from .bundle import BundleError, Manifest, vmfb_info
+from .bundle import BundleError, Manifest, check_entry_points, vmfb_info
 
 # foldline device name -> IREE HAL driver
 DRIVERS = {"cpu": "local-task", "vulkan": "vulkan", "cuda": "cuda"}
@@ -76,14 +76,24 @@ def check_host_compatible(module: dict[str, Any], device: str) -> None:
 
 
 def check_vmfb_arch(vmfb: Path) -> None:
-    """Refuse a CPU module whose embedded executables are for another arch, whatever the manifest says."""
-    arches = vmfb_info(vmfb).arches
+    """Refuse a CPU module whose embedded executables are for another arch or need CPU features
+    this machine lacks, whatever the manifest says: the module's own target attributes decide."""
+    info = vmfb_info(vmfb)
+    arches = info.arches
     here = host_arch()
     if arches and here not in arches:
         raise BundleError(
             f"{vmfb} holds executables for {', '.join(sorted(arches))}; this machine is {here}: "
             "the module was cross-compiled or copied from another bundle"
         )
+    have = host_cpu_features()
+    if info.cpu_flags and have is not None:
+        missing = [f for f in info.cpu_flags if f not in have]
+        if missing:
+            raise BundleError(
+                f"{vmfb} was compiled for CPU features this machine lacks: {', '.join(missing)}; "
+                "recompile with --cpu generic, or with --cpu host on this machine"
+            )
 
 
 def available_devices(device: str) -> list[str]:
@@ -177,6 +187,20 @@ class DeviceContext:
         except RuntimeError:
             return self.zeros(array.shape, array.dtype)
 
+    def fill_zero_range(self, array: rt.DeviceArray, offset: int, length: int) -> rt.DeviceArray:
+        """Zero `length` bytes of `array` from byte `offset` (one batch row of a state buffer).
+
+        In place where the device allows; otherwise a fresh buffer with that range zeroed.
+        """
+        buffer = array._buffer_view.get_buffer()
+        try:
+            buffer.fill_zero(offset, length)
+            return array
+        except RuntimeError:  # not host-fillable here (some Vulkan drivers): round trip through the host
+            host = self.to_host(array)
+            host.reshape(-1).view(np.uint8)[offset : offset + length] = 0
+            return self.upload(host)
+
     def to_host(self, array: rt.DeviceArray) -> np.ndarray:
         """An owned host copy; safe on drivers that cannot import or map host memory."""
         # DeviceArray.to_host would import a numpy allocation into the device
@@ -236,6 +260,12 @@ def _create_config(device: str, threads: int | None = None) -> rt.Config:
         raise BundleError(f"device {device!r} is not available here: {e}") from e
 
 
+def _reflection(module: rt.VmModule, name: str) -> dict[str, str] | None:
+    """An exported function's reflection attributes, or None when the module lacks the function."""
+    function = module.lookup_function(name)
+    return None if function is None else dict(function.reflection)
+
+
 def open_device(manifest: Manifest, device: str, verify: bool = True, threads: int | None = None) -> DeviceContext:
     """Create the device, load params + module for it; clear errors for what is missing.
 
@@ -257,6 +287,7 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
     if verify:
         manifest.verify_module(device)
         manifest.verify_params()
+        manifest.verify_tokenizer()
     if threads is not None and device != "cpu":
         raise InputError(f"threads applies to the cpu device, not {device!r}")
     config = _create_config(device, threads)
@@ -273,7 +304,12 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
     modules.append(rt.create_hal_module(instance, config.device))
     vmfb = manifest.root / entry["file"]
     try:
-        modules.append(rt.VmModule.mmap(instance, str(vmfb)))
+        vm_module = rt.VmModule.mmap(instance, str(vmfb))
+    except Exception as e:
+        raise BundleError(f"could not load {vmfb} on {device}: {e}") from e
+    check_entry_points(manifest, device, lambda name: _reflection(vm_module, name))
+    modules.append(vm_module)
+    try:
         loaded = rt.load_vm_modules(*modules, config=config)
     except Exception as e:
         raise BundleError(f"could not load {vmfb} on {device}: {e}") from e

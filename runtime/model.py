@@ -15,25 +15,17 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import FoldlineError, InputError
+from ..dtypes import DTYPES
+from .batch import Batch
 from .bundle import BundleError, Manifest
+from .checks import SessionStateError, TokenIdError, check_ids
 from .device import DeviceContext, open_device
 from .sampling import Sampler
+from .session_file import BufferLayout, bundle_identity, load_session_file, save_session_file
 from .streaming import stream_pieces
 
-NP_DTYPES = {"float32": np.float32, "float16": np.float16}
-
-
-class ContextFullError(FoldlineError, RuntimeError):
-    """The session has no room for more tokens."""
-
-
-class TokenIdError(InputError):
-    """A token id that is not an integer in [0, vocab_size)."""
-
-
-class SessionStateError(FoldlineError, RuntimeError):
-    """A closed model or session, a session left broken by a failed call, or a snapshot that does not fit."""
+# Host dtypes of the state buffers (bfloat16 -> ml_dtypes.bfloat16), from the shared table.
+NP_DTYPES = {name: d.numpy for name, d in DTYPES.items()}
 
 
 @dataclass
@@ -57,6 +49,7 @@ class Model:
         self.vocab_size = manifest.vocab_size
         self.max_context = manifest.max_context
         self.chunk = manifest.prefill_chunk
+        self.batch_size = manifest.batch
         self.kv_lengths = manifest.kv_lengths
         self.eos_token_ids = tuple(self.config.get("eos_token_ids", ()))
         self._tokenizer = None
@@ -71,8 +64,6 @@ class Model:
         first CPU load; asking for another one later is an error.
         """
         manifest = Manifest.load(bundle_dir)
-        if manifest.batch != 1:
-            raise BundleError(f"this runtime drives batch-1 bundles; {bundle_dir} has batch {manifest.batch}")
         ctx = open_device(manifest, device, verify=verify, threads=threads)
         return cls(manifest, ctx)
 
@@ -108,7 +99,28 @@ class Model:
         return self._tokenizer
 
     def session(self) -> Session:
+        """One sequence (on a batched bundle: row 0, the other rows idle)."""
         return Session(self)
+
+    def batch(self) -> Batch:
+        """All rows of the bundle (`foldline compile --batch N`), advanced together (runtime/batch.py)."""
+        return Batch(self)
+
+    def state_layout(self) -> list[BufferLayout]:
+        """Name, shape and host dtype of each state buffer, in the module's argument order."""
+        return [BufferLayout(s.name, tuple(s.shape), np.dtype(NP_DTYPES[s.dtype])) for s in self.manifest.state]
+
+    def identity(self) -> dict:
+        """What a saved session must share with this bundle: model config and parameter hashes."""
+        params = self.manifest.data.get("params")
+        return bundle_identity(self.config, params["sha256"] if params else None)
+
+    def session_from(self, path: str | Path) -> Session:
+        """A new session resumed from a file written by `Session.save` with this bundle."""
+        saved = load_session_file(path, self.identity(), self.state_layout(), self.max_context)
+        session = Session(self)
+        session.restore(Snapshot(saved.position, saved.buffers, saved.tokens))
+        return session
 
     def entry_point(self, entry: str, end: int) -> str:
         """The entry point for a chunk whose positions end below `end`: the shortest attention length.
@@ -140,7 +152,7 @@ class Session:
 
     def __init__(self, model: Model):
         self.model = model
-        self.buffers = [model.ctx.zeros(s.shape, NP_DTYPES[s.dtype]) for s in model.manifest.state]
+        self.buffers = [model.ctx.zeros(s.shape, s.dtype) for s in model.state_layout()]
         self.position = 0
         self.tokens: list[int] = []
         self.broken: str | None = None  # why the state no longer matches position/tokens
@@ -175,18 +187,7 @@ class Session:
 
     def _check_ids(self, ids: Sequence[int]) -> np.ndarray:
         self._check_usable()
-        arr = np.asarray(ids)
-        if arr.dtype == object or (arr.size and arr.dtype.kind not in "iu"):
-            raise TokenIdError(f"token ids must be integers, got {arr.dtype} values such as {arr.reshape(-1)[0]!r}")
-        arr = arr.astype(np.int64).reshape(-1)
-        bad = arr[(arr < 0) | (arr >= self.model.vocab_size)]
-        if bad.size:
-            raise TokenIdError(f"token id {int(bad[0])} is out of range for vocabulary size {self.model.vocab_size}")
-        if self.position + arr.size > self.model.max_context:
-            raise ContextFullError(
-                f"context full: {self.position} tokens held + {arr.size} new > max_context {self.model.max_context}"
-            )
-        return arr
+        return check_ids(ids, self.model.vocab_size, self.position, self.model.max_context)
 
     def _call(self, entry: str, inputs: list[np.ndarray]) -> np.ndarray:
         """One module call; a failure leaves the session marked broken (its state may be half written)."""
@@ -196,6 +197,12 @@ class Session:
         except BaseException as e:
             self.broken = f"{entry} failed at position {self.position}: {type(e).__name__}: {e}"
             raise
+
+    def _row_positions(self) -> np.ndarray:
+        """Row 0 at the session's position; the idle rows of a batched bundle at 0 (their state is unused)."""
+        positions = np.zeros(self.model.batch_size, np.int64)
+        positions[0] = self.position
+        return positions
 
     # ---- steps -------------------------------------------------------------
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
@@ -207,21 +214,27 @@ class Session:
         logits = None
         for off in range(0, arr.size, chunk):
             piece = arr[off : off + chunk]
-            tokens = np.zeros((1, chunk), dtype=np.int64)
+            rows = self.model.batch_size
+            tokens = np.zeros((rows, chunk), dtype=np.int64)
             tokens[0, : piece.size] = piece
+            n_valid = np.zeros(rows, np.int64)  # other rows of a batched bundle take nothing
+            n_valid[0] = piece.size
             logits = self._call(
                 self.model.entry_point("prefill", self.position + piece.size),
-                [tokens, np.array([self.position], np.int64), np.array([piece.size], np.int64)],
-            )
+                [tokens, self._row_positions(), n_valid],
+            )[0]
             self.position += piece.size
             self.tokens.extend(int(t) for t in piece)
         return logits.reshape(-1)
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one token; returns the next-token logits."""
+        if isinstance(token, (list, tuple, np.ndarray)) and np.ndim(token) != 0:
+            raise TokenIdError(f"decode takes one token id, got a sequence of {len(token)}; use prefill for several")
         arr = self._check_ids([token])
-        out = self._call(self.model.entry_point("decode", self.position + 1),
-                         [arr.reshape(1, 1), np.array([self.position], np.int64)])
+        tokens = np.zeros((self.model.batch_size, 1), np.int64)
+        tokens[0, 0] = arr[0]
+        out = self._call(self.model.entry_point("decode", self.position + 1), [tokens, self._row_positions()])[0]
         self.position += 1
         self.tokens.append(int(arr[0]))
         return out.reshape(-1)
@@ -285,6 +298,16 @@ class Session:
         self._check_usable()
         return Snapshot(self.position, [self.ctx.to_host(b) for b in self.buffers], list(self.tokens))
 
+    def save(self, path: str | Path) -> Path:
+        """Store the session (state buffers, position, tokens) in `path`; `Model.session_from` resumes it.
+
+        The file is written beside `path` and renamed over it, so an interrupted
+        save leaves any earlier file intact.
+        """
+        snap = self.snapshot()
+        return save_session_file(path, self.model.identity(), self.model.state_layout(), snap.buffers,
+                                 snap.position, snap.tokens)
+
     def restore(self, snap: Snapshot) -> None:
         """Put the session back to `snap` (a broken session included); refuses a snapshot of another model."""
         if self.closed:
@@ -292,8 +315,8 @@ class Session:
         state = self.model.manifest.state
         if len(snap.buffers) != len(state):
             raise SessionStateError(f"the snapshot has {len(snap.buffers)} state buffers; this model has {len(state)}")
-        for spec, buf in zip(state, snap.buffers):
-            want = (tuple(spec.shape), np.dtype(NP_DTYPES[spec.dtype]))
+        for spec, buf in zip(self.model.state_layout(), snap.buffers):
+            want = (spec.shape, spec.dtype)
             if (tuple(buf.shape), buf.dtype) != want:
                 raise SessionStateError(f"snapshot buffer {spec.name!r} is {buf.dtype}{list(buf.shape)}; "
                                         f"this model's is {want[1]}{list(want[0])}")

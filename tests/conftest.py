@@ -10,7 +10,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def bundle_factory(tmp_path_factory) -> Callable[..., Path]:
-    """compile(spec, target="cpu", passes=None, chunk=16, key=None) -> bundle dir, cached per session."""
+    """compile(spec, target="cpu", passes=None, chunk=16, ..., batch=1) -> bundle dir, cached per session."""
     from foldline.backends.build import BuildOptions, compile_model
     from foldline.backends.targets import make_target
     from foldline.frontend.sources import load_model
@@ -19,13 +19,13 @@ def bundle_factory(tmp_path_factory) -> Callable[..., Path]:
 
     def compile_bundle(spec: str, target: str = "cpu", passes: tuple[str, ...] | None = None,
                        chunk: int = 16, max_context: int | None = None, kv_lengths: tuple[int, ...] | None = None,
-                       kv_dtype: str = "auto") -> Path:
-        key = (spec, target, passes, chunk, max_context, kv_lengths, kv_dtype)
+                       kv_dtype: str = "auto", batch: int = 1) -> Path:
+        key = (spec, target, passes, chunk, max_context, kv_lengths, kv_dtype, batch)
         if key not in cache:
             out = tmp_path_factory.mktemp(spec.replace("/", "_")) / "bundle"
             loaded = load_model(spec, max_context=max_context)
             options = BuildOptions(targets=[make_target(target)], passes=list(passes) if passes is not None else None,
-                                   chunk=chunk, kv_dtype=kv_dtype,
+                                   chunk=chunk, kv_dtype=kv_dtype, batch=batch,
                                    kv_lengths=list(kv_lengths) if kv_lengths is not None else None)
             compile_model(loaded, out, options, progress=lambda _msg: None)
             cache[key] = out

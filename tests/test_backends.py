@@ -7,14 +7,16 @@ from pathlib import Path
 import pytest
 
 from foldline.backends.targets import (
+    X86_ISA_FLAGS,
     TargetError,
     cpu_target,
     cuda_target,
+    llvm_cpu_features,
     make_target,
     vulkan_target,
     vulkan_target_for_device,
 )
-from foldline.runtime.bundle import BundleError
+from foldline.runtime.bundle import BundleError, x86_isa_flags
 from foldline.runtime.device import (
     check_host_compatible,
     host_arch,
@@ -50,6 +52,30 @@ def test_cpu_cross_target_records_triple_arch_and_no_x86_flags():
     generic = cpu_target("generic", "arm64-apple-darwin")
     assert generic.arch == "aarch64"
     assert not any(f.startswith("--iree-llvmcpu-target-cpu") for f in generic.flags)
+
+
+@pytest.mark.parametrize("cpu, has, lacks", [
+    ("x86-64-v3", {"avx2", "fma", "f16c", "bmi2"}, {"avx512f"}),
+    ("skylake-avx512", {"avx2", "avx512f", "avx512bw", "avx512vl"}, {"avx512_bf16", "amx_tile"}),
+    ("znver4", {"avx512f", "avx512_bf16", "avx512_vnni"}, {"amx_tile", "avx512_fp16"}),
+    ("sapphirerapids", {"avx512_fp16", "amx_tile", "amx_int8", "amx_bf16"}, set()),
+])
+def test_cpu_named_x86_records_the_features_llvm_enables(cpu, has, lacks):
+    """A module for a named CPU may use its whole ISA: the runtime must know it to refuse a smaller CPU."""
+    t = cpu_target(cpu, "x86_64-unknown-linux-gnu")
+    assert f"--iree-llvmcpu-target-cpu={cpu}" in t.flags
+    assert has <= set(t.cpu_flags) and not lacks & set(t.cpu_flags)
+    assert set(t.cpu_flags) <= set(X86_ISA_FLAGS)
+
+
+def test_cpu_generic_records_only_the_x86_64_baseline():
+    assert cpu_target("generic", "x86_64-unknown-linux-gnu").cpu_flags == []
+    assert x86_isa_flags(llvm_cpu_features("generic", "x86_64-unknown-linux-gnu")) == []
+
+
+def test_unknown_x86_cpu_name_lists_the_known_ones():
+    with pytest.raises(TargetError, match=r"unknown CPU 'skylake-avx513' .* LLVM knows: .*skylake-avx512.*znver4"):
+        cpu_target("skylake-avx513", "x86_64-unknown-linux-gnu")
 
 
 def test_cpu_host_with_foreign_triple_is_refused():

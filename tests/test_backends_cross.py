@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from foldline.runtime import BundleError, Model
-from foldline.runtime.bundle import vmfb_info
+from foldline.runtime.bundle import seal_manifest, vmfb_info
 from foldline.runtime.device import available_devices, host_arch
 
 pytestmark = pytest.mark.slow
@@ -54,7 +54,7 @@ def test_aarch64_vmfb_is_refused_even_when_the_manifest_claims_this_arch(aarch64
     shutil.copytree(aarch64_bundle, bundle)
     manifest = json.loads((bundle / "manifest.json").read_text())
     manifest["modules"]["cpu"]["arch"] = host_arch()
-    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    (bundle / "manifest.json").write_text(json.dumps(seal_manifest(manifest)))
     with pytest.raises(BundleError, match=f"holds executables for aarch64; this machine is {host_arch()}"):
         Model.load(bundle, device="cpu")
 

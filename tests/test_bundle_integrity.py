@@ -13,6 +13,7 @@ import pytest
 
 from foldline.backends.targets import X86_ISA_FLAGS
 from foldline.runtime import BundleError, Manifest, Model
+from foldline.runtime.bundle import FORMAT_VERSION, seal_manifest, sha256_file
 from foldline.runtime.device import host_cpu_features
 
 pytestmark = pytest.mark.slow
@@ -30,8 +31,9 @@ def _manifest(bundle: Path) -> dict:
     return json.loads((bundle / "manifest.json").read_text())
 
 
-def _write_manifest(bundle: Path, data: dict) -> None:
-    (bundle / "manifest.json").write_text(json.dumps(data, indent=2))
+def _write_manifest(bundle: Path, data: dict, seal: bool = True) -> None:
+    """Write an edited manifest, sealed again (seal=True) so the load reaches the check under test."""
+    (bundle / "manifest.json").write_text(json.dumps(seal_manifest(data) if seal else data, indent=2))
 
 
 def test_intact_copy_loads_and_runs(bundle):
@@ -133,6 +135,96 @@ def test_manifest_with_wrong_structure(bundle, edit, message):
     _write_manifest(bundle, data)
     with pytest.raises(BundleError, match=message):
         Manifest.load(bundle)
+
+
+def _set_context(data: dict, context: int) -> None:
+    """max_context and every cache length changed together: a manifest the rules accept."""
+    data["model"]["max_context"] = context
+    for s in data["state"]:
+        s["shape"][2] = context
+        s["nbytes"] = s["nbytes"] // 128 * context
+    data["state_bytes"] = sum(s["nbytes"] for s in data["state"])
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: d["state"][0]["shape"].__setitem__(2, 64),
+    lambda d: d["model"].update(vocab_size=1024),
+    lambda d: d["model"].update(max_context=256),
+    lambda d: d.update(prefill_chunk=32),
+    lambda d: _set_context(d, 64),
+], ids=["state-shape", "vocab-size", "max-context", "chunk", "consistent-context"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_edited_manifest_is_refused(bundle, edit, verify):
+    """Any hand edit breaks the seal, checked at every load (even without hashing the files)."""
+    data = _manifest(bundle)
+    edit(data)
+    _write_manifest(bundle, data, seal=False)
+    with pytest.raises(BundleError, match="manifest.json was edited or corrupted after compile"):
+        Model.load(bundle, device="cpu", verify=verify)
+
+
+def test_resealed_manifest_with_other_state_shapes_is_refused_by_the_module_signature(bundle):
+    """Consistent with itself and sealed, but not what the module was compiled for: refused before any call."""
+    data = _manifest(bundle)
+    assert data["model"]["max_context"] == 128
+    _set_context(data, 64)
+    _write_manifest(bundle, data)
+    Manifest.load(bundle)  # the manifest alone is valid
+    with pytest.raises(BundleError, match=r"model.cpu.vmfb: prefill takes state buffer 'layer0.k' as "
+                                          r"float32\[1, 2, 128, 16\]; the manifest says float32\[1, 2, 64, 16\]"):
+        Model.load(bundle, device="cpu", verify=False)
+
+
+def test_resealed_manifest_with_another_chunk_is_refused_by_the_module_signature(bundle):
+    data = _manifest(bundle)
+    data["prefill_chunk"] = 32
+    _write_manifest(bundle, data)
+    with pytest.raises(BundleError, match=r"prefill takes tokens as int64\[1, 16\]; the manifest says int64\[1, 32\]"):
+        Model.load(bundle, device="cpu")
+
+
+def test_resealed_schema_violation_is_named(bundle):
+    data = _manifest(bundle)
+    data["state"][1]["nbytes"] = 1
+    _write_manifest(bundle, data)
+    with pytest.raises(BundleError, match=r"state\[1\].nbytes: 1 is not prod\(\[1, 2, 128, 16\]\) \* 4"):
+        Model.load(bundle, device="cpu")
+
+
+def test_compiled_module_declares_its_entry_points(bundle):
+    """The compiler puts the signature the runtime checks into the module."""
+    import iree.runtime as rt
+
+    from foldline.runtime.bundle import declared_inputs
+
+    module = rt.VmModule.mmap(rt.VmInstance(), str(bundle / "model.cpu.vmfb"))
+    declaration = module.lookup_function("decode").reflection["iree.abi.declaration"]
+    assert declared_inputs(declaration) == [([1, 1], "int64"), ([1], "int64")] + [([1, 2, 128, 16], "float32")] * 6
+
+
+def test_older_format_version_says_recompile(bundle):
+    data = _manifest(bundle)
+    data["format_version"] = FORMAT_VERSION - 1
+    data.pop("manifest_sha256")
+    _write_manifest(bundle, data, seal=False)
+    with pytest.raises(BundleError, match=f"has format version {FORMAT_VERSION - 1}, this runtime reads "
+                                          f"{FORMAT_VERSION}: recompile with foldline compile"):
+        Model.load(bundle, device="cpu")
+
+
+def test_tampered_tokenizer_is_refused_on_verify(bundle):
+    """Same size, one vocabulary entry changed: only its sha256 tells."""
+    tokenizer = bundle / "tokenizer.json"
+    tokenizer.write_text(json.dumps({"model": {"vocab": {"hello": 0, "world": 1}}}))
+    data = _manifest(bundle)
+    data.update(tokenizer="tokenizer.json", tokenizer_sha256=sha256_file(tokenizer),
+                tokenizer_size=tokenizer.stat().st_size)
+    _write_manifest(bundle, data)
+    Model.load(bundle, device="cpu").close()
+    tokenizer.write_text(tokenizer.read_text().replace("world", "wOrld"))
+    with pytest.raises(BundleError, match="tokenizer.json does not match the manifest's sha256"):
+        Model.load(bundle, device="cpu")
+    Model.load(bundle, device="cpu", verify=False).close()  # hashing is what verify buys
 
 
 def test_manifest_that_is_not_an_object(bundle):

@@ -86,11 +86,14 @@ def _randomize(model, family: str, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
 
 
-def make_hf_dir(family: str, root: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
+def make_hf_dir(family: str, root: Path, seed: int = 0,
+                dtype: torch.dtype = torch.float32) -> tuple[Path, torch.nn.Module]:
+    """A saved tiny HF checkpoint (config.json `dtype` follows `dtype`) and the model in that dtype."""
     torch.manual_seed(seed)
     model = BUILDERS[family](seed).float().eval()
     _randomize(model, family, seed)
-    out = root / f"hf-{family}"
+    model = model.to(dtype)
+    out = root / (f"hf-{family}" if dtype == torch.float32 else f"hf-{family}-{str(dtype).split('.')[-1]}")
     model.save_pretrained(out)
     return out, model
 

@@ -176,8 +176,9 @@ def test_compiled_length_variants_match_eager(bundle_factory, preset, kv_dtype):
 
 def test_unsupported_kv_dtype_is_a_clear_error(tmp_path):
     from foldline.backends.build import BuildOptions, compile_model
+    from foldline.errors import FoldlineError
     from foldline.frontend.sources import load_model
 
-    with pytest.raises(ValueError, match="bfloat16.*not supported"):
-        compile_model(load_model("llama-tiny"), tmp_path / "b", BuildOptions(kv_dtype="bfloat16"))
+    with pytest.raises(FoldlineError, match="K/V cache dtype 'float64' is not supported"):
+        compile_model(load_model("llama-tiny"), tmp_path / "b", BuildOptions(kv_dtype="float64"))
     assert not (tmp_path / "b").exists()

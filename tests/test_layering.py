@@ -5,7 +5,8 @@ dodges a cycle at run time is still a cycle in the design.
 
 Stage order: tools -> backends -> passes -> frontend. `runtime` stands apart
 (an edge app installs it without the compiler), so it imports no compiler
-stage; `testing` (golden harness, parity runner, fixture generators) may use
+stage; `server` (the HTTP front of `foldline serve`) builds on the runtime
+alone; `testing` (golden harness, parity runner, fixture generators) may use
 any stage, and no product stage imports it except the CLI.
 """
 
@@ -15,11 +16,12 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("frontend", "passes", "backends", "runtime", "tools", "testing")
+PACKAGES = ("frontend", "passes", "backends", "runtime", "server", "tools", "testing")
 
 # stage -> stages it must never import
 FORBIDDEN = {
-    "runtime": {"frontend", "passes", "backends", "tools", "testing"},
+    "runtime": {"frontend", "passes", "backends", "server", "tools", "testing"},
+    "server": {"frontend", "passes", "backends", "tools", "testing"},
     "frontend": {"passes", "backends", "tools", "testing"},
     "passes": {"backends", "tools", "testing"},
     "backends": {"tools", "testing"},

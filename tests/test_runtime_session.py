@@ -196,11 +196,15 @@ def test_internal_error_shows_its_traceback_exit_1(bundle, capsys, monkeypatch):
 
 def test_every_user_facing_error_class_is_a_foldline_error():
     from foldline.backends.targets import TargetError
+    from foldline.dtypes import DTypeError
     from foldline.frontend.config import ConfigError
     from foldline.frontend.gguf_file import GGUFError, MissingTensorError, UnsupportedQuantError
-    from foldline.runtime import BundleError, ContextFullError
+    from foldline.runtime import BundleError, ContextFullError, RowError, SessionFileError
+    from foldline.runtime.scheduler import QueueFullError
+    from foldline.server.protocol import ApiError
 
     for cls in (TargetError, ConfigError, GGUFError, MissingTensorError, UnsupportedQuantError, BundleError,
-                ContextFullError, TokenIdError, SessionStateError, InputError):
+                ContextFullError, TokenIdError, SessionStateError, SessionFileError, InputError, RowError,
+                QueueFullError, DTypeError, ApiError):
         assert issubclass(cls, FoldlineError), cls
     assert not issubclass(KeyError, FoldlineError)

@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
     p.add_argument("--held", default=None, metavar="N,N,...",
                    help="instead: decode tok/s with N tokens already held, for each N (e.g. 128,1024,4096,8192): "
                         "prefill N tokens, then decode --new-tokens (default 32 here)")
+    p.add_argument("--streams", default=None, metavar="N,N,...",
+                   help="instead: aggregate decode tok/s with N concurrent streams through the serving scheduler "
+                        "(a bundle compiled with --batch; e.g. 1,4,8; prompt 32 and 64 new tokens unless given)")
     p.add_argument("--device", default="cpu", choices=["cpu", "vulkan", "cuda"])
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
@@ -151,6 +154,8 @@ def run(args) -> int:
     manifest = Manifest.load(args.bundle)
     if args.held is not None:
         return run_held(args, manifest)
+    if args.streams is not None:
+        return run_streams(args, manifest)
     if args.prompt_len < 1 or args.new_tokens < 0:
         raise CliError("--prompt-len must be >= 1 and --new-tokens >= 0")
     if args.prompt_len + args.new_tokens > manifest.max_context:
@@ -209,6 +214,21 @@ def _parse_held(text: str, max_context: int, new_tokens: int) -> list[int]:
     if new_tokens < 1 or new_tokens >= max_context:
         raise CliError(f"--new-tokens must be between 1 and max_context {max_context} with --held")
     return held
+
+
+def run_streams(args, manifest) -> int:
+    """Concurrent streams on the rows of a batched bundle (tools/bench_streams.py)."""
+    from .bench_streams import bench_streams, parse_streams, print_streams
+
+    streams = parse_streams(args.streams, manifest.batch)
+    prompt_len = args.prompt_len if args.prompt_len != 128 else 32
+    new_tokens = args.new_tokens if args.new_tokens != 128 else 64
+    results = bench_streams(str(args.bundle), args.device, streams, prompt_len, new_tokens, args.seed)
+    print_streams(manifest.config.get("name", args.bundle), results, prompt_len, new_tokens)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"streams": results}, f, indent=2)
+    return 0
 
 
 def run_held(args, manifest) -> int:

@@ -23,6 +23,7 @@ COMMANDS = {
     "passes": "passes_cmd",
     "bench": "bench_cmd",
     "inspect": "inspect_cmd",
+    "serve": "serve_cmd",
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..dtypes import canonical
 from .cli import CliError
 
 
@@ -21,11 +22,16 @@ def add_parser(sub) -> None:
     p.add_argument("--cuda-arch", default="sm_80", help="CUDA SM architecture, e.g. sm_80 (default; runs on Ampere and newer), sm_86, sm_89")
     p.add_argument("--chunk", type=int, default=None,
                    help="static prefill chunk length (default: 64 with quantized weights, else 16)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="rows per call: sequences the runtime advances together (default 1)")
     p.add_argument("--max-context", type=int, default=None,
                    help="context length the bundle supports (default: the model's trained context, at most 8192)")
-    p.add_argument("--kv-dtype", choices=["auto", "f32", "f16"], default="auto",
+    p.add_argument("--dtype", choices=["auto", "f32", "f16", "bf16"], default="auto",
+                   help="compute dtype (default auto: f32 on every target; a bf16 or f16 checkpoint widens "
+                        "to f32 exactly); bf16 is refused for --target cpu, which cannot compile it")
+    p.add_argument("--kv-dtype", choices=["auto", "f32", "f16", "bf16"], default="auto",
                    help="attention K/V cache element type (default auto: f16 beside quantized weights, "
-                        "else the model's dtype); f16 halves the caches")
+                        "else the compute dtype); f16 and bf16 halve the caches")
     p.add_argument("--kv-lengths", default=None, metavar="L,L,...",
                    help="attention lengths below max-context that get their own entry points "
                         "(default: 256, 512, 1024, ...; 'none' for max-context only)")
@@ -42,9 +48,6 @@ def add_parser(sub) -> None:
                         "checkpoint has none)")
     p.add_argument("--group", type=int, default=32, help="group size for --weights int8/int4 (default 32)")
     p.set_defaults(func=run)
-
-
-KV_DTYPES = {"f32": "float32", "f16": "float16"}
 
 
 def _parse_lengths(text: str | None) -> list[int] | None:
@@ -72,17 +75,21 @@ def run(args) -> int:
     ]
     names = [n for n in args.passes.split(",") if n] if args.passes is not None else None
     pipeline = resolve_pipeline(names, args.no_pass)
+    if args.batch < 1:
+        raise CliError(f"--batch must be at least 1, got {args.batch}")
     options = BuildOptions(
         targets=targets,
         passes=pipeline,
         chunk=args.chunk,
+        batch=args.batch,
         max_context=args.max_context,
         dump_after={name: Path(d) for name, d in args.dump_after},
         keep_mlir=args.keep_mlir,
         hadamard=args.hadamard,
         weights=args.weights,
         group=args.group,
-        kv_dtype=KV_DTYPES.get(args.kv_dtype, args.kv_dtype),
+        kv_dtype="auto" if args.kv_dtype == "auto" else canonical(args.kv_dtype),
+        dtype="auto" if args.dtype == "auto" else canonical(args.dtype),
         kv_lengths=_parse_lengths(args.kv_lengths),
     )
     compile_spec(args.model, args.output, options)

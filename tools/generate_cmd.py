@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -28,6 +29,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-verify", action="store_true", help="skip the bundle hash check at load")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: one per physical core; 1 runs on the calling thread)")
+    p.add_argument("--session", default=None, metavar="FILE",
+                   help="continue the conversation saved in FILE (if it exists) and save it there afterwards")
     p.set_defaults(func=run)
 
 
@@ -42,8 +45,15 @@ def run(args) -> int:
     from ..runtime import Model, Sampler
 
     model = Model.load(args.bundle, device=args.device, verify=not args.no_verify, threads=args.threads)
-    session = model.session()
-    sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
+    resume = args.session is not None and Path(args.session).exists()
+    session = model.session_from(args.session) if resume else model.session()
+    base_sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
+    sampled: list[int] = []
+
+    def sampler(logits: np.ndarray) -> int:
+        sampled.append(base_sampler(logits))
+        return sampled[-1]
+
     logits_log: list[np.ndarray] = []
     on_logits = logits_log.append if args.logits_out else None
     t0 = time.perf_counter()
@@ -61,7 +71,7 @@ def run(args) -> int:
             from ..runtime.chat import apply_chat_template
 
             prompt = apply_chat_template(model, prompt)
-        ids = model.encode(prompt, add_bos=not args.chat)
+        ids = model.encode(prompt, add_bos=not args.chat and session.position == 0)
         counted = []
 
         def count(logits):
@@ -75,7 +85,17 @@ def run(args) -> int:
         n = len(counted)
         sys.stdout.write("\n")
     dt = time.perf_counter() - t0
+    if args.session is not None:
+        _save_session(session, sampled, args.session)
     print(f"[{n} tokens in {dt:.2f} s: {n / dt:.1f} tokens/s incl. prefill of {len(ids)}]", file=sys.stderr)
     if args.logits_out:
         np.save(args.logits_out, np.stack(logits_log).astype(np.float32))
     return 0
+
+
+def _save_session(session, sampled: list[int], path: str) -> None:
+    """Feed the last sampled token (the state lacks it) and save: the file holds every token so far."""
+    if sampled and session.position < session.model.max_context:
+        session.decode(sampled[-1])
+    session.save(path)
+    print(f"[session saved to {path}: {session.position} tokens]", file=sys.stderr)

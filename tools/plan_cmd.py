@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-DTYPES = {"f32": "float32", "fp32": "float32", "float32": "float32",
-          "f16": "float16", "fp16": "float16", "float16": "float16",
-          "bf16": "bfloat16", "bfloat16": "bfloat16"}
+from ..dtypes import ALIASES as DTYPES
 
 
 def fmt_bytes(n: int) -> str:
@@ -29,7 +27,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="state memory the runtime allocates for MODEL at a context length")
     p.add_argument("model", help="preset name, shipped model name, .gguf file or HF directory")
     p.add_argument("--context", type=int, default=None, help="context length in positions (default: the config's)")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="compute dtype (default: the config's)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="compute dtype (default: as compile's auto, float32; a planning-only config's own)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", *sorted(DTYPES)],
                    help="K/V cache dtype (default auto, as compile: f16 for block-quantized GGUF weights, "
                         "else the compute dtype)")
@@ -47,6 +45,8 @@ def run(args) -> int:
     cfg = resolve_config(args.model)
     if args.dtype is not None:
         cfg = cfg.replace(dtype=DTYPES[args.dtype])
+    elif not cfg.planning_only:
+        cfg = cfg.replace(dtype="float32")  # what `compile --dtype auto` builds (backends/build.py)
     if args.kv_dtype != "auto":
         cfg = cfg.replace(kv_dtype=DTYPES[args.kv_dtype])
     elif not cfg.planning_only:

@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..backends.build import BuildOptions, compile_model
+    from ..backends.build import BuildOptions, compile_model, resolve_dtypes
     from ..backends.targets import make_target
     from ..frontend.sources import load_model
     from ..passes.manager import resolve_pipeline
@@ -48,7 +48,9 @@ def run(args) -> int:
         rng = np.random.default_rng(args.seed)
         prompt = rng.integers(0, loaded.config.vocab_size, size=args.prompt_len).tolist()
         steps = min(args.steps, loaded.config.max_context - args.prompt_len - 1)
-        report = run_parity(loaded.module, bundle, prompt, steps)
+        dtype, kv_dtype = resolve_dtypes(loaded, options)  # the eager reference computes as the bundle does
+        with loaded.reconfigured(dtype=dtype, kv_dtype=kv_dtype if kv_dtype != dtype else None):
+            report = run_parity(loaded.module, bundle, prompt, steps)
     tol = args.tol if args.tol is not None else SCALED_TOL_FP32
     print(f"verify {args.model} on {args.target}: {report.summary()} (tolerance {tol:.0e})")
     if not report.ok(tol):

@@ -1,0 +1,147 @@
+"""Many sequences through one module call: the rows of a batched bundle.
+
+A bundle compiled with `--batch N` takes N rows per call, each with its own
+position and, in a prefill chunk, its own number of valid tokens. `Batch` owns
+the N rows of state and advances any subset of them in one call:
+
+- every fed row takes one token (decode) or up to `chunk` tokens (prefill);
+- when every open row takes exactly one token, the call is `decode` (the cheap
+  entry point); free rows ride along on a pad token at position 0, which only
+  touches their own, unused state;
+- otherwise the call is `prefill`, and open rows that take nothing get
+  n_valid = 0, which leaves their state untouched (the module's padding rules,
+  docs/architecture.md), so a long prompt can be fed chunk by chunk between
+  the decode steps of the other rows.
+
+Opening a row zeroes its slice of every state buffer in place: the other rows'
+state is never touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+from .checks import ContextFullError, SessionStateError, check_ids
+
+
+class RowError(InputError):
+    """A row that does not exist, is not open, or is given more tokens than a call takes."""
+
+
+class Batch:
+    """The rows of a batched bundle; one call advances any subset of them.
+
+    Not for use from two threads at once (the scheduler drives it from one);
+    its calls take the model's lock, so sessions of the same model may run
+    beside it.
+    """
+
+    def __init__(self, model: Any):
+        self.model = model  # a runtime Model (not imported: model.py builds batches)
+        self.rows = model.batch_size
+        layout = model.state_layout()
+        self.buffers = [model.ctx.zeros(s.shape, s.dtype) for s in layout]
+        self._row_bytes = [int(np.prod(s.shape[1:], dtype=np.int64)) * s.dtype.itemsize for s in layout]
+        self.positions = [0] * self.rows
+        self.tokens: list[list[int]] = [[] for _ in range(self.rows)]
+        self.open = [False] * self.rows
+        self.broken: str | None = None
+        self.closed = False
+
+    # ---- rows ----------------------------------------------------------------
+    def free_rows(self) -> list[int]:
+        return [r for r in range(self.rows) if not self.open[r]]
+
+    def open_row(self, row: int | None = None) -> int:
+        """Start a new sequence on `row` (default: the lowest free one) with zeroed state; returns the row."""
+        self._check_usable()
+        if row is None:
+            free = self.free_rows()
+            if not free:
+                raise RowError(f"all {self.rows} rows are in use")
+            row = free[0]
+        self._check_row(row)
+        self.buffers = [self.model.ctx.fill_zero_range(buf, row * nbytes, nbytes)
+                        for buf, nbytes in zip(self.buffers, self._row_bytes)]
+        self.positions[row], self.tokens[row], self.open[row] = 0, [], True
+        return row
+
+    def release(self, row: int) -> None:
+        """End the sequence on `row`; its state is garbage until the row is opened again."""
+        self._check_row(row)
+        self.open[row] = False
+
+    # ---- steps ---------------------------------------------------------------
+    def step(self, feeds: Mapping[int, Sequence[int]]) -> dict[int, np.ndarray]:
+        """Feed each listed open row its tokens in one module call; returns each fed row's next-token logits."""
+        self._check_usable()
+        if not feeds:
+            raise RowError("a step needs at least one row with tokens")
+        checked: dict[int, np.ndarray] = {}
+        for row, ids in feeds.items():
+            self._check_row(row)
+            if not self.open[row]:
+                raise RowError(f"row {row} is not open; open_row() it first")
+            checked[row] = check_ids(ids, self.model.vocab_size, self.positions[row], self.model.max_context)
+            if checked[row].size == 0:
+                raise RowError(f"row {row} was given no tokens")
+            if checked[row].size > self.model.chunk:
+                raise RowError(f"row {row} was given {checked[row].size} tokens; a call takes at most "
+                               f"{self.model.chunk} (the prefill chunk): feed the rest in later steps")
+        open_rows = [r for r in range(self.rows) if self.open[r]]
+        is_decode = all(r in checked and checked[r].size == 1 for r in open_rows)
+        width = 1 if is_decode else self.model.chunk
+        tokens = np.zeros((self.rows, width), np.int64)
+        start = np.zeros(self.rows, np.int64)
+        n_valid = np.zeros(self.rows, np.int64)
+        for r in open_rows:
+            if r not in checked and self.positions[r] >= self.model.max_context:
+                raise ContextFullError(f"row {r} holds a full context; release it before feeding other rows "
+                                       "(a row that takes no tokens still needs one free slot)")
+            start[r] = self.positions[r]
+        for r, ids in checked.items():
+            tokens[r, : ids.size] = ids
+            n_valid[r] = ids.size
+        end = max(int(start[r] + max(n_valid[r], 1)) for r in open_rows)
+        if is_decode:
+            entry, inputs = self.model.entry_point("decode", end), [tokens, start]
+        else:
+            entry, inputs = self.model.entry_point("prefill", end), [tokens, start, n_valid]
+        try:
+            with self.model.lock:
+                logits = self.model.ctx.call(entry, inputs, self.buffers)
+        except BaseException as e:
+            self.broken = f"{entry} failed: {type(e).__name__}: {e}"
+            raise
+        out = {}
+        for r, ids in checked.items():
+            self.positions[r] += ids.size
+            self.tokens[r].extend(int(t) for t in ids)
+            out[r] = logits[r].reshape(-1)
+        return out
+
+    # ---- lifetime ------------------------------------------------------------
+    def close(self) -> None:
+        self.buffers, self.closed = [], True
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_usable(self) -> None:
+        if self.closed:
+            raise SessionStateError("this batch is closed")
+        if self.broken is not None:
+            raise SessionStateError(f"this batch is broken ({self.broken}); its rows' state is undefined")
+        if self.model.closed:
+            raise SessionStateError(f"the model {self.model.manifest.root} is closed")
+
+    def _check_row(self, row: int) -> None:
+        if type(row) is not int or not 0 <= row < self.rows:
+            raise RowError(f"row {row!r} does not exist; this bundle has rows 0..{self.rows - 1}")

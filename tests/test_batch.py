@@ -1,0 +1,250 @@
+"""Batched bundles: rows at different positions match eager at batch N and N separate batch-1 runs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+
+from foldline.frontend.model import new_state
+from foldline.frontend.sources import load_model
+from foldline.runtime import ContextFullError, Model, RowError, TokenIdError
+
+pytestmark = pytest.mark.slow
+
+ROWS = 2
+# a sliding-window model (rings wrap within the run) and a gated-delta-net one (recurrent + conv state)
+PRESETS = ["gemma3-tiny", "qwen35-tiny"]
+
+
+class RecordingBatch:
+    """A Batch whose module calls are recorded, so the eager reference can replay exactly the same calls."""
+
+    def __init__(self, model: Model):
+        self.batch = model.batch()
+        self.calls: list[tuple[str, list[np.ndarray]] | tuple[str, int]] = []
+        real_call = model.ctx.call
+
+        def record(entry, inputs, state):
+            self.calls.append((entry, [a.copy() for a in inputs]))
+            return real_call(entry, inputs, state)
+
+        model.ctx.call = record
+
+    def open_row(self, row: int) -> int:
+        self.calls.append(("open", row))
+        return self.batch.open_row(row)
+
+
+def replay_eager(preset: str, calls: list, rows: int) -> list[np.ndarray]:
+    """The reference module at batch `rows` fed the recorded calls; logits [rows, V] per module call."""
+    module = load_model(preset).module
+    state = new_state(module.cfg, rows)
+    out = []
+    with torch.no_grad():
+        for entry, inputs in calls:
+            if entry == "open":
+                for t in state:
+                    t[inputs].zero_()
+                continue
+            tokens, start = torch.from_numpy(inputs[0]), torch.from_numpy(inputs[1])
+            n_valid = torch.from_numpy(inputs[2]) if entry.startswith("prefill") else torch.ones(rows, dtype=torch.int64)
+            out.append(module(tokens, start, n_valid, *state).numpy())
+    return out
+
+
+def drive(batch: RecordingBatch, prompts: Sequence[list[int]], decode_steps: int,
+          chunk: int) -> tuple[dict, list[dict[int, np.ndarray]]]:
+    """Row 0 starts alone; row 1 joins while row 0 decodes, then is replaced by a new sequence midway.
+
+    Returns per sequence the token groups fed and the logits after each group,
+    and per step the logits of each fed row.
+    """
+    b = batch.batch
+    seqs: dict[str, dict] = {}
+
+    def feed(name: str, row: int, groups: dict[int, list[int]], logits: dict[int, np.ndarray]) -> None:
+        seqs[name]["groups"].append(groups[row])
+        seqs[name]["logits"].append(logits[row])
+
+    rows = {0: "a"}
+    batch.open_row(0)
+    seqs["a"] = {"groups": [], "logits": []}
+    pending = {"a": list(prompts[0])}
+    step, per_step = 0, []
+    while step < decode_steps:
+        if step == 3:  # a second sequence joins mid-run, with a long prompt fed in chunks
+            batch.open_row(1)
+            rows[1], seqs["b"], pending["b"] = "b", {"groups": [], "logits": []}, list(prompts[1])
+        if step == decode_steps // 2:  # row 1 is released and reused by a third sequence
+            b.release(1)
+            batch.open_row(1)
+            rows[1], seqs["c"], pending["c"] = "c", {"groups": [], "logits": []}, list(prompts[2])
+        groups = {}
+        for row, name in rows.items():
+            if pending[name]:
+                groups[row], pending[name] = pending[name][:chunk], pending[name][chunk:]
+            else:
+                groups[row] = [int(np.argmax(seqs[name]["logits"][-1]))]
+        logits = b.step(groups)
+        per_step.append(logits)
+        for row, name in rows.items():
+            feed(name, row, groups, logits)
+        step += 1
+    return seqs, per_step
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_rows_match_eager_and_single_runs(bundle_factory, preset):
+    model = Model.load(bundle_factory(preset, batch=ROWS))
+    assert model.batch_size == ROWS
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, model.vocab_size, size=n).tolist() for n in (20, 2 * model.chunk + 3, 7)]
+    batch = RecordingBatch(model)
+    seqs, per_step = drive(batch, prompts, decode_steps=40, chunk=model.chunk)
+    calls = [c for c in batch.calls if c[0] != "open"]
+    assert len(calls) == len(per_step), "one module call per step"
+    entries = [entry for entry, _ in calls]
+    assert "decode" in entries and "prefill" in entries, "both entry points were exercised"
+    assert any(inputs[1][0] != inputs[1][1] for _, inputs in calls), "rows sat at different positions"
+
+    # the reference module at batch ROWS, replaying the same calls (and row resets)
+    eager = replay_eager(preset, batch.calls, ROWS)
+    for step, (logits, want) in enumerate(zip(per_step, eager)):
+        for row, got in logits.items():
+            np.testing.assert_allclose(got, want[row], rtol=0, atol=1e-4 * max(1.0, float(np.abs(want[row]).max())),
+                                       err_msg=f"{preset} step {step} row {row}")
+
+    # N separate batch-1 runs of each sequence, on a batch-1 bundle
+    single = Model.load(bundle_factory(preset))
+    for name, seq in seqs.items():
+        session = single.session()
+        for group, got in zip(seq["groups"], seq["logits"]):
+            want = session.prefill(group) if len(group) > 1 else session.decode(group[0])
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * max(1.0, float(np.abs(want).max())),
+                                       err_msg=f"{preset} sequence {name}")
+            assert int(np.argmax(got)) == int(np.argmax(want))
+
+
+def test_rows_are_checked_and_kept_apart(bundle_factory):
+    model = Model.load(bundle_factory("gemma3-tiny", batch=ROWS))
+    batch = model.batch()
+    with pytest.raises(RowError, match="not open"):
+        batch.step({0: [1]})
+    row = batch.open_row()
+    assert row == 0 and batch.free_rows() == [1]
+    batch.step({0: [5, 6, 7]})
+    before = [model.ctx.to_host(b)[0].copy() for b in batch.buffers]
+    batch.open_row(1)  # zeroes row 1 only
+    after = [model.ctx.to_host(b) for b in batch.buffers]
+    for b0, a in zip(before, after):
+        assert np.array_equal(b0, a[0]), "opening a row never touches another row's state"
+        assert not a[1].any()
+    for bad, error in (({2: [1]}, RowError), ({0: list(range(model.chunk + 1))}, RowError),
+                       ({0: [model.vocab_size]}, TokenIdError), ({0: [1.5]}, TokenIdError), ({}, RowError),
+                       ({0: [1] * model.max_context}, ContextFullError)):
+        with pytest.raises(error):
+            batch.step(bad)
+    assert batch.positions == [3, 0] and batch.tokens[0] == [5, 6, 7], "a refused step changes nothing"
+    with pytest.raises(RowError):
+        batch.open_row()  # no free row
+    # fill row 1 to the context limit: feeding it more is refused; it must be released to let row 0 prefill
+    for _ in range(model.max_context // model.chunk):
+        batch.step({1: [1] * model.chunk})
+    with pytest.raises(ContextFullError):
+        batch.step({1: [1]})
+    with pytest.raises(ContextFullError, match="release it"):
+        batch.step({0: [1, 2]})
+    batch.release(1)
+    assert batch.step({0: [1, 2]})[0].shape == (model.vocab_size,)
+
+
+def test_a_session_on_a_batched_bundle_is_a_single_sequence(bundle_factory):
+    batched, single = Model.load(bundle_factory("gemma3-tiny", batch=ROWS)), Model.load(bundle_factory("gemma3-tiny"))
+    prompt = list(range(1, 24))
+    with batched.session() as a, single.session() as b:
+        got, want = a.prefill(prompt), b.prefill(prompt)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * max(1.0, float(np.abs(want).max())))
+        np.testing.assert_allclose(a.decode(3), b.decode(3), rtol=0, atol=1e-4 * max(1.0, float(np.abs(want).max())))
+        assert a.position == b.position == len(prompt) + 1
+
+
+def _wait(predicate, timeout: float = 120.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_scheduler_runs_more_requests_than_rows(bundle_factory):
+    import threading
+
+    from foldline.runtime import Sampler
+    from foldline.runtime.scheduler import QueueFullError, Request, Scheduler
+
+    model = Model.load(bundle_factory("gemma3-tiny", batch=ROWS))
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, model.vocab_size, size=n).tolist() for n in (3, 40, 9, 17, 1)]
+    alone = []
+    for p in prompts:
+        with model.session() as s:
+            alone.append(list(s.generate_ids(p, 10, Sampler(), stop_ids=())))
+
+    outputs: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    done = threading.Event()
+
+    def make(i: int, prompt: list[int], n: int = 10) -> Request:
+        outputs[i] = []
+
+        def finish(reason: str, error: str | None) -> None:
+            reasons[i] = error or reason
+            if len(reasons) == len(outputs):
+                done.set()
+        return Request(prompt, n, outputs[i].append, finish)
+
+    scheduler = Scheduler(model, max_queue=len(prompts)).start()
+    try:
+        for i, p in enumerate(prompts):  # 5 requests on 2 rows: three wait, then take freed rows
+            scheduler.submit(make(i, p))
+        assert done.wait(300)
+        assert [outputs[i] for i in range(len(prompts))] == alone
+        assert set(reasons.values()) == {"length"}
+        assert scheduler.load == (0, 0)
+
+        # a full queue is refused; a cancelled request frees its row
+        scheduler.max_queue = 0
+        done.clear()
+        outputs.clear()
+        reasons.clear()
+        long = [make(10 + i, prompts[i], n=model.max_context) for i in range(ROWS)]
+        for r in long:
+            scheduler.submit(r)
+        _wait(lambda: scheduler.load == (ROWS, 0))
+        with pytest.raises(QueueFullError, match="busy"):
+            scheduler.submit(Request(prompts[0], 2, lambda _t: None, lambda _r, _e: None))
+        for r in long:
+            r.cancel()
+        assert done.wait(120) and set(reasons.values()) == {"cancelled"}
+        _wait(lambda: scheduler.load == (0, 0))
+
+        # a module call that fails ends the running requests with an error; the next ones run on fresh rows
+        done.clear()
+        outputs.clear()
+        reasons.clear()
+        real_call = model.ctx.call
+        model.ctx.call = lambda *a: (_ for _ in ()).throw(RuntimeError("device lost"))
+        scheduler.submit(make(20, prompts[0]))
+        assert done.wait(120) and "device lost" in reasons[20]
+        model.ctx.call = real_call
+        done.clear()
+        scheduler.submit(make(21, prompts[2]))
+        assert done.wait(120) and outputs[21] == alone[2]
+        with pytest.raises(ContextFullError):
+            scheduler.submit(Request(list(range(1, model.max_context + 1)), 2, lambda _t: None, lambda _r, _e: None))
+    finally:
+        scheduler.stop()

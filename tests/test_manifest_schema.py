@@ -1,0 +1,266 @@
+"""The manifest rules, its seal, the entry-point declarations and the CPU features of a module.
+
+No model compile here: manifests are built from preset configs with the same
+layout functions the compiler uses, and the one compiled module is a four-element add.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from foldline.frontend.arch import PRESETS, get_preset
+from foldline.passes.state_layout import planned_state_specs, reference_state_specs
+from foldline.runtime.bundle import (
+    FORMAT,
+    FORMAT_VERSION,
+    BundleError,
+    Manifest,
+    check_entry_points,
+    check_schema,
+    check_seal,
+    declared_inputs,
+    manifest_digest,
+    seal_manifest,
+    vmfb_info,
+    x86_isa_flags,
+)
+
+PATH = Path("bundle/manifest.json")
+HEX = "ab" * 32
+TINY_MLIR = """
+func.func @add(%a: tensor<4xf32>, %b: tensor<4xf32>) -> tensor<4xf32> {
+  %0 = arith.addf %a, %b : tensor<4xf32>
+  return %0 : tensor<4xf32>
+}
+"""
+
+
+def manifest_for(preset: str, batch: int = 1, chunk: int = 16, compact: bool = True,
+                 kv_lengths: list[int] | None = None) -> dict[str, Any]:
+    """A sealed manifest as `foldline compile` writes it for `preset` (the state from passes/state_layout)."""
+    cfg = get_preset(preset)
+    specs = (planned_state_specs if compact else reference_state_specs)(cfg, batch)
+    data = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "source": f"preset:{preset}",
+        "model": cfg.to_dict(), "batch": batch, "prefill_chunk": chunk, "kv_lengths": kv_lengths or [],
+        "state": [{"name": s.name, "shape": list(s.shape), "dtype": s.dtype, "nbytes": s.nbytes,
+                   "layers": [s.layer], "kind": s.kind} for s in specs],
+        "state_bytes": sum(s.nbytes for s in specs),
+        "params": {"file": "params.irpa", "sha256": HEX, "size": 10},
+        "modules": {"cpu": {"file": "model.cpu.vmfb", "sha256": HEX, "size": 10, "params_sha256": HEX,
+                            "arch": "x86_64", "cpu_flags": []}},
+        "tokenizer": None, "tokenizer_sha256": None,
+    }
+    return seal_manifest(data)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("compact", [True, False])
+def test_every_preset_layout_passes_the_rules(preset, compact):
+    """Ring or full local caches, GDN state, f16 caches: what the compiler writes is accepted."""
+    data = manifest_for(preset, compact=compact)
+    check_seal(PATH, data)
+    check_schema(PATH, data)
+
+
+def test_a_sealed_manifest_loads_from_disk(tmp_path):
+    data = manifest_for("llama-tiny")
+    for name in ("params.irpa", "model.cpu.vmfb"):
+        (tmp_path / name).write_bytes(b"x" * 10)
+    (tmp_path / "manifest.json").write_text(json.dumps(data, indent=2))
+    assert Manifest.load(tmp_path).max_context == get_preset("llama-tiny").max_context
+
+
+def _state(data: dict, i: int = 0) -> dict:
+    return data["state"][i]
+
+
+def _set_shape(data: dict, shape: list[int]) -> None:
+    """A state shape edited with its nbytes kept consistent, so only the layout rule can object."""
+    s = _state(data)
+    s["shape"] = shape
+    s["nbytes"] = math.prod(shape) * 4
+    data["state_bytes"] = sum(b["nbytes"] for b in data["state"])
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(batch="1"), r"batch: must be an integer, got '1'"),
+    (lambda d: d.update(batch=0), r"batch: must be positive, got 0"),
+    (lambda d: d["model"].update(vocab_size=-5), r"model.vocab_size: must be positive, got -5"),
+    (lambda d: d["model"].update(max_context=2.5), r"model.max_context: must be an integer, got 2.5"),
+    (lambda d: d["model"].update(layer_types=["global", "mystery", "global"]),
+     r"model.layer_types\[1\]: unknown value 'mystery'"),
+    (lambda d: d["model"].update(dtype="float8"), r"model.dtype: unknown value 'float8'"),
+    (lambda d: d["model"].update(eos_token_ids=[512]), r"model.eos_token_ids\[0\]: must be between 0 and 511"),
+    (lambda d: d.update(prefill_chunk=4096), r"prefill_chunk: must be between 1 and 128, got 4096"),
+    (lambda d: d.update(kv_lengths=[64, 32]), r"kv_lengths: must be ascending"),
+    (lambda d: d.update(state=[]), r"state: lists no buffer"),
+    (lambda d: _state(d).update(dtype="int3"), r"state\[0\].dtype: unknown value 'int3'"),
+    (lambda d: _state(d).update(shape=[1, -2, 128, 16]), r"state\[0\].shape: must be a list of positive integers"),
+    (lambda d: _state(d).update(shape="1x2"), r"state\[0\].shape: must be a list"),
+    (lambda d: _state(d).update(nbytes=_state(d)["nbytes"] + 4), r"state\[0\].nbytes: 16388 is not prod"),
+    (lambda d: _state(d).update(kind="kv"), r"state\[0\].kind: unknown value 'kv'"),
+    (lambda d: _state(d).update(layers=[3]), r"state\[0\].layers\[0\]: must be between 0 and 2, got 3"),
+    (lambda d: _state(d).update(kind="gdn_conv"), r"state\[0\].kind: gdn_conv buffer for layer 0, a global layer"),
+    (lambda d: _state(d, 1).update(name="layer0.k"), r"state\[1\].name: 'layer0.k' is listed twice"),
+    (lambda d: _set_shape(d, [1, 2, 64, 16]), r"state\[0\].shape: \[1, 2, 64, 16\] does not match a global_kv "
+                                              r"buffer of this model: \[1, 2, 128, 16\] \(batch, num_kv_heads, "
+                                              r"max_context, head_dim\)"),
+    (lambda d: _state(d).update(dtype="float16", nbytes=_state(d)["nbytes"] // 2),
+     r"state\[0\].dtype: float16; a global_kv buffer of this model is float32"),
+    (lambda d: d.update(state_bytes=1), r"state_bytes: 1 is not the sum"),
+    (lambda d: d["modules"]["cpu"].update(file="../../etc/passwd"), r"modules.cpu.file: must name a file inside"),
+    (lambda d: d["modules"]["cpu"].update(sha256="abc"), r"modules.cpu.sha256: must be a sha256 hex digest"),
+    (lambda d: d["modules"]["cpu"].update(size=-1), r"modules.cpu.size: must be positive"),
+    (lambda d: d.update(tokenizer="tokenizer.json"), r"tokenizer_sha256: must be a sha256 hex digest, got None"),
+])
+def test_schema_violations_name_the_field(edit, message):
+    data = manifest_for("llama-tiny")
+    edit(data)
+    with pytest.raises(BundleError, match=message):
+        check_schema(PATH, data)
+
+
+def test_layouts_of_local_and_gdn_buffers_are_checked():
+    """A ring must hold sliding_window slots; a GDN state its heads x dims; a conv window kernel - 1."""
+    gemma = manifest_for("gemma3-tiny")
+    local = next(s for s in gemma["state"] if s["kind"] == "local_kv")
+    local["shape"][2] += 1
+    local["nbytes"] = math.prod(local["shape"]) * 4
+    gemma["state_bytes"] = sum(b["nbytes"] for b in gemma["state"])
+    with pytest.raises(BundleError, match=r"does not match a local_kv buffer .* or a ring of sliding_window"):
+        check_schema(PATH, gemma)
+    for kind, dim in (("gdn_recurrent", 1), ("gdn_conv", 2)):
+        qwen = manifest_for("qwen35-tiny")
+        buf = next(s for s in qwen["state"] if s["kind"] == kind)
+        buf["shape"][dim] += 1
+        buf["nbytes"] = math.prod(buf["shape"]) * {"float32": 4, "float16": 2, "bfloat16": 2}[buf["dtype"]]
+        qwen["state_bytes"] = sum(b["nbytes"] for b in qwen["state"])
+        with pytest.raises(BundleError, match=f"does not match a {kind} buffer"):
+            check_schema(PATH, qwen)
+
+
+# ---- the seal ---------------------------------------------------------------------------------
+
+def test_seal_covers_every_field_and_ignores_key_order():
+    data = manifest_for("llama-tiny")
+    reordered = json.loads(json.dumps(dict(reversed(list(data.items())))))
+    assert manifest_digest(reordered) == data["manifest_sha256"]
+    check_seal(PATH, reordered)
+    for edit in (lambda d: d.update(prefill_chunk=32), lambda d: d["model"].update(vocab_size=1024),
+                 lambda d: d["model"].update(max_context=64), lambda d: _state(d)["shape"].__setitem__(2, 64)):
+        edited = copy.deepcopy(data)
+        edit(edited)
+        with pytest.raises(BundleError, match="was edited or corrupted after compile"):
+            check_seal(PATH, edited)
+
+
+def test_unsealed_manifest_is_refused():
+    data = manifest_for("llama-tiny")
+    del data["manifest_sha256"]
+    with pytest.raises(BundleError, match="has no manifest_sha256: not written by foldline compile"):
+        check_seal(PATH, data)
+
+
+# ---- entry-point declarations -----------------------------------------------------------------
+
+DECODE = ("sync func @decode(%input0: tensor<1x1xi64>, %input1: tensor<1xi64>, %input2: tensor<1x2x128x16xf32>, "
+          "%input3: tensor<1x2x128x16xf16>) -> (%output0: tensor<1x512xf32>)")
+
+
+def test_declared_inputs_are_parsed_without_the_outputs():
+    assert declared_inputs(DECODE) == [([1, 1], "int64"), ([1], "int64"), ([1, 2, 128, 16], "float32"),
+                                       ([1, 2, 128, 16], "float16")]
+
+
+class _FakeManifest:
+    """The fields check_entry_points reads, from a manifest dict (no files needed)."""
+
+    def __init__(self, data: dict):
+        self._m = Manifest(PATH.parent, data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._m, name)
+
+
+def _declarations(data: dict) -> dict[str, dict[str, str]]:
+    """The declarations a module compiled for `data` carries."""
+    b, c = data["batch"], data["prefill_chunk"]
+    elem = {"float32": "f32", "float16": "f16"}
+    state = [f"{'x'.join(map(str, s['shape']))}x{elem[s['dtype']]}" for s in data["state"]]
+
+    def decl(name: str, types: list[str]) -> dict[str, str]:
+        args = ", ".join(f"%input{i}: tensor<{t}>" for i, t in enumerate([*types, *state]))
+        return {"iree.abi.declaration": f"sync func @{name}({args}) -> (%output0: tensor<{b}x512xf32>)"}
+
+    prefill, decode = [f"{b}x{c}xi64", f"{b}xi64", f"{b}xi64"], [f"{b}x1xi64", f"{b}xi64"]
+    out = {"prefill": decl("prefill", prefill), "decode": decl("decode", decode)}
+    for n in data.get("kv_lengths", []):
+        out[f"prefill_{n}"], out[f"decode_{n}"] = decl(f"prefill_{n}", prefill), decl(f"decode_{n}", decode)
+    return out
+
+
+def test_entry_points_matching_the_manifest_pass_and_mismatches_are_named():
+    data = manifest_for("llama-tiny", kv_lengths=[64])
+    module = _declarations(data)
+    check_entry_points(_FakeManifest(data), "cpu", module.get)
+
+    edited = copy.deepcopy(data)
+    _set_shape(edited, [1, 2, 64, 16])
+    with pytest.raises(BundleError, match=r"prefill takes state buffer 'layer0.k' as float32\[1, 2, 128, 16\]; "
+                                          r"the manifest says float32\[1, 2, 64, 16\]: module and manifest"):
+        check_entry_points(_FakeManifest(edited), "cpu", module.get)
+
+    fewer = copy.deepcopy(data)
+    fewer["state"] = fewer["state"][:-1]
+    with pytest.raises(BundleError, match=r"prefill takes 9 inputs, the manifest implies 8 \(5 state buffers\)"):
+        check_entry_points(_FakeManifest(fewer), "cpu", module.get)
+
+    chunk = copy.deepcopy(data)
+    chunk["prefill_chunk"] = 32
+    with pytest.raises(BundleError, match=r"prefill takes tokens as int64\[1, 16\]; the manifest says int64\[1, 32\]"):
+        check_entry_points(_FakeManifest(chunk), "cpu", module.get)
+
+    lengths = copy.deepcopy(data)
+    lengths["kv_lengths"] = [64, 96]
+    with pytest.raises(BundleError, match="has no entry point 'prefill_96'"):
+        check_entry_points(_FakeManifest(lengths), "cpu", module.get)
+
+    with pytest.raises(BundleError, match="declares no signature"):
+        check_entry_points(_FakeManifest(data), "cpu", lambda name: {})
+
+
+# ---- CPU features -----------------------------------------------------------------------------
+
+def test_llvm_feature_strings_map_to_cpuinfo_flags_last_word_wins():
+    assert x86_isa_flags("+avx,+avx2,+sse4.1,+avx512vnni,+amx-tile,-amx-tile,+cx8") == \
+        ["sse4_1", "avx", "avx2", "avx512_vnni"]
+    assert x86_isa_flags("") == []
+
+
+def test_a_module_records_the_cpu_features_it_was_compiled_for(tmp_path, monkeypatch):
+    """The vmfb keeps its executables' target attributes: the runtime reads them, not only the manifest."""
+    import iree.compiler as ireec
+
+    from foldline.runtime import device
+    from foldline.runtime.device import check_vmfb_arch, host_arch
+
+    if host_arch() != "x86_64":
+        pytest.skip("x86 CPU features")
+    vmfb = tmp_path / "m.vmfb"
+    vmfb.write_bytes(ireec.compile_str(TINY_MLIR, extra_args=[
+        "--iree-hal-target-backends=llvm-cpu", "--iree-llvmcpu-target-cpu=skylake-avx512"]))
+    flags = vmfb_info(vmfb).cpu_flags
+    assert {"avx2", "avx512f", "avx512bw"} <= set(flags) and "amx_tile" not in flags
+    monkeypatch.setattr(device, "host_cpu_features", lambda: {"sse4_1", "sse4_2", "avx", "avx2", "fma"})
+    with pytest.raises(BundleError, match="m.vmfb was compiled for CPU features this machine lacks: .*avx512f"):
+        check_vmfb_arch(vmfb)
+    monkeypatch.setattr(device, "host_cpu_features", lambda: set(flags))
+    check_vmfb_arch(vmfb)
+

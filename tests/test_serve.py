@@ -1,0 +1,207 @@
+"""`foldline serve` with the real `openai` client on a real shipped model, batched over 4 rows."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.realmodel]
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+MODEL = "smollm2-135m"
+ROWS = 4
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "def fibonacci(n):",
+    "Water boils at",
+    "The three primary colors are red, yellow and",
+    "In 1969, the first humans to walk on the Moon were",
+    "A haiku about autumn:\n",
+    "The largest planet in our solar system is Jupiter. The smallest planet",
+]
+
+
+class RunningServer:
+    """uvicorn on a socket bound to a free port of 127.0.0.1, in a thread; stopped by close()."""
+
+    def __init__(self, served):
+        from foldline.server.app import create_app
+
+        self.served = served
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(create_app(served), log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def bundle(bundle_factory):
+    return bundle_factory(MODEL, batch=ROWS, max_context=256)
+
+
+@pytest.fixture(scope="module")
+def server(bundle) -> Iterator[RunningServer]:
+    from foldline.runtime import Model
+    from foldline.server.app import ServedModel
+
+    served = ServedModel(Model.load(bundle), MODEL)
+    running = RunningServer(served)
+    yield running
+    running.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=300, max_retries=0)
+
+
+def _generate_cli(bundle, prompt: str, n: int, capsys, chat: bool = False) -> str:
+    from foldline.tools.cli import main
+
+    assert main(["generate", str(bundle), "--prompt", prompt, "--max-new-tokens", str(n), *(["--chat"] if chat else [])]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("\n")
+    return out[:-1]
+
+
+def _complete(client, prompt: str, n: int = 12) -> str:
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0).choices[0].text
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = httpx.get(f"{server.url}/health", timeout=30).json()
+    assert health["status"] == "ok" and health["rows"] == ROWS
+
+
+def test_completions_equal_foldline_generate(client, bundle, capsys):
+    prompt = PROMPTS[0]
+    want = _generate_cli(bundle, prompt, 12, capsys)
+    result = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert result.choices[0].text == want
+    assert result.choices[0].finish_reason == "length"
+    assert result.usage.completion_tokens == 12 and result.usage.prompt_tokens > 4
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_equal_foldline_generate(client, bundle, capsys):
+    question = "What is the capital of France?"
+    want = _generate_cli(bundle, question, 16, capsys, chat=True)
+    messages = [{"role": "user", "content": question}]
+    result = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert result.choices[0].message.content == want and result.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_stop_strings_are_never_sent(client):
+    full = _complete(client, PROMPTS[4], 16)
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert stop.strip(), "the test needs a stop string inside the answer"
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_concurrent_clients_get_their_own_tokens(client, server):
+    alone = [_complete(client, p, 16) for p in PROMPTS]
+    steps_before = server.served.scheduler.steps
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: _complete(client, p, 16), PROMPTS))
+    assert together == alone
+    # 8 clients on 4 rows: the rows were shared, so the run took fewer calls than 8 separate ones
+    assert server.served.scheduler.steps - steps_before < sum(1 for _ in PROMPTS) * 16
+    assert server.served.scheduler.load == (0, 0)
+
+
+def test_a_client_that_disconnects_frees_its_row(client, server):
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120,
+                      json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 200, "stream": True}) as response:
+        data = []
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                data.append(line)
+            if len(data) == 2:
+                break
+        assert server.served.scheduler.load[0] == 1, "the request is running when the client leaves"
+    deadline = time.monotonic() + 60
+    while server.served.scheduler.load != (0, 0):
+        assert time.monotonic() < deadline, "the row was not freed"
+        time.sleep(0.1)
+    assert _complete(client, PROMPTS[0], 4)
+
+
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(client, server):
+    post = lambda body, **kw: httpx.post(f"{server.url}/v1/completions", timeout=60, **kw)  # noqa: E731
+    r = post(None, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=-3)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="word " * 400, max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=7)
+    with pytest.raises(openai.BadRequestError, match="token id"):
+        client.completions.create(model=MODEL, prompt=[1, 10**9], max_tokens=2)
+    r = httpx.get(f"{server.url}/v1/nothing", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+    # too many at once: every row busy and no queue -> 503
+    scheduler = server.served.scheduler
+    scheduler.max_queue = 0
+    streams = []
+    try:
+        for prompt in PROMPTS[:ROWS]:
+            s = client.completions.create(model=MODEL, prompt=prompt, max_tokens=200, stream=True, temperature=0)
+            streams.append(s)
+            next(iter(s))  # running
+        assert scheduler.load[0] == ROWS
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
+    finally:
+        scheduler.max_queue = 64
+        for s in streams:
+            s.close()
+    deadline = time.monotonic() + 60
+    while scheduler.load != (0, 0):
+        assert time.monotonic() < deadline, "closed streams did not free their rows"
+        time.sleep(0.1)
+    assert _complete(client, PROMPTS[0], 12) == _complete(client, PROMPTS[0], 12)
