@@ -17,7 +17,9 @@ replaces each one with a `util.call` to a generated `util.func`:
   copy of the weight exists, and each decode step reads only the quantized
   bytes (tests/test_quant_compile.py checks the dispatches). Why this form,
   and what IREE does with the alternatives: docs/quantization.md;
-- prefill chunks (M > 1) on CPU, and every call on GPU targets:
+- decode of a batched bundle (2 to 8 rows) on CPU: `multirow_lane_partials_mlir`,
+  the same form with a row dimension, the codes read once for all rows;
+- prefill chunks (more rows) on CPU, and every call on GPU targets:
   `dequantize_matmul_mlir`, the weight dequantized into a float tile once per
   call and multiplied by all M rows. On SmolLM2 this took 7.8 CPU ms per
   prefill token against 30.9 for the fused form at M = 16 (llama.cpp: 7.4); the
@@ -93,6 +95,8 @@ class QLinearSpec:
 LANES = 16
 ROWS_PER_STEP = 2
 ROWS_PER_WORKGROUP = 32
+# Activation rows the fused form takes (decode of a bundle compiled with --batch up to this).
+MAX_FUSED_ROWS = 8
 
 
 def _lanes(spec: QLinearSpec) -> int | None:
@@ -205,6 +209,21 @@ def fused_matvec_mlir(spec: QLinearSpec) -> str:
     return lane_partials_matvec_mlir(spec, lanes) if lanes else horizontal_matvec_mlir(spec)
 
 
+def fuses_rows(spec: QLinearSpec) -> bool:
+    """Whether a CPU call of this shape reads the codes in its reduction instead of dequantizing a float tile.
+
+    One row (decode), or up to MAX_FUSED_ROWS rows (decode of a batched
+    bundle) where the lane-partials form applies; longer prefill chunks
+    dequantize once per call and run a matmul.
+    """
+    return spec.m == 1 or (spec.m <= MAX_FUSED_ROWS and _lanes(spec) is not None)
+
+
+def fused_rows_mlir(spec: QLinearSpec) -> str:
+    """The fused decode kernel for spec.m rows: one row, or a few rows sharing each dequantized code."""
+    return fused_matvec_mlir(spec) if spec.m == 1 else multirow_lane_partials_mlir(spec)
+
+
 def _dequantizing_reduction(result: str, spec: QLinearSpec, maps: list[str], iterators: list[str], out_t: str,
                             ins: list[str], ins_t: list[str], attr: str, product: list[str]) -> list[str]:
     """`result = linalg.generic`, zero-initialised: its body dequantizes one code into %w (`_body`), the
@@ -276,6 +295,59 @@ def lane_partials_matvec_mlir(spec: QLinearSpec, lanes: int = LANES) -> str:
         "      linalg.yield %t : f32",
         f"}} -> {out_t}",
         "%y2 = " + _reshape("expand", "%acc", out_t, y2_t, [[0, 1]], [1, n]),
+        _rows_as_y(spec),
+    ]
+    return _function(spec, lines)
+
+
+def multirow_lane_partials_mlir(spec: QLinearSpec) -> str:
+    """The lane-partials kernel for M > 1 activation rows (decode of a batched bundle).
+
+    Iteration (m, r, l | g, j): every row m of a tile keeps its own LANES
+    partial sums for output row r, and the codes of (r, g, j) are read once for
+    all M rows. Dequantizing a float tile instead writes an f32 copy of the
+    weight on every call: for SmolLM2's 49152 x 576 Q8_0 head at batch 8 that
+    copy alone took 22 of the 81 ms decode step. M is never 1 here (IREE's
+    unit-dim folding would drop the tiles; one row takes the kernel above).
+    """
+    lanes = _lanes(spec)
+    m, n, k, g, gs = spec.m, spec.n, spec.k, spec.groups, spec.group
+    if not 1 < m <= MAX_FUSED_ROWS or lanes is None:
+        raise QuantKernelError(f"the multi-row kernel takes 2..{MAX_FUSED_ROWS} rows in groups of whole lanes, "
+                               f"got {m} rows, group {gs}")
+    js = gs // lanes
+    if spec.fmt == "q4":
+        packed_t, q_t = _tensor((n, g, js, lanes // 2), "i8"), _tensor((n, g, js, lanes), "i4")
+        lines = ["%c4 = " + _reshape("expand", "%codes", _codes_t(spec), packed_t, [[0], [1, 2, 3]], [n, g, js, lanes // 2]),
+                 f"%qw = flow.tensor.bitcast %c4 : {packed_t} -> {q_t}"]
+    else:
+        q_t = _tensor((n, g, js, lanes), "i8")
+        lines = ["%qw = " + _reshape("expand", "%codes", _codes_t(spec), q_t, [[0], [1, 2, 3]], [n, g, js, lanes])]
+    scale_ins = ["%scales"] + (["%mins"] if spec.has_min else [])
+    x2_t, xv_t, part_t, y2_t = (_tensor(sh, "f32") for sh in ((m, k), (m, g, js, lanes), (m, n, lanes), (m, n)))
+    lines += [_x_as_rows(spec),
+              "%xv = " + _reshape("expand", "%x2", x2_t, xv_t, [[0], [1, 2, 3]], [m, g, js, lanes])]
+    maps = (["affine_map<(b, r, l, g, j) -> (b, g, j, l)>", "affine_map<(b, r, l, g, j) -> (r, g, j, l)>"]
+            + ["affine_map<(b, r, l, g, j) -> (r, g)>"] * len(scale_ins) + ["affine_map<(b, r, l, g, j) -> (b, r, l)>"])
+    rows = ROWS_PER_STEP if m * ROWS_PER_STEP <= 4 and n % ROWS_PER_STEP == 0 else 1
+    info = _compilation_info([m, min(ROWS_PER_WORKGROUP, n), 0, 0, 0], [m, rows, lanes, 0, 0], [0, 0, 0, 1, 1])
+    _, _, w = _body(spec)
+    lines += ["%zero = arith.constant 0.0 : f32"]
+    lines += _dequantizing_reduction(
+        "%part", spec, maps, ["parallel", "parallel", "parallel", "reduction", "reduction"], part_t,
+        ["%xv", "%qw", *scale_ins], [xv_t, q_t, *([_scales_t(spec)] * len(scale_ins))],
+        f" attrs = {{compilation_info = {info}}}",
+        ["%z = arith.constant 0.0 : f32", f"%p = math.fma %a, {w}, %z : f32"])
+    lines += [
+        f"%empty = tensor.empty() : {y2_t}",
+        f"%init = linalg.fill ins(%zero : f32) outs(%empty : {y2_t}) -> {y2_t}",
+        "%y2 = linalg.generic {indexing_maps = [affine_map<(b, r, l) -> (b, r, l)>, affine_map<(b, r, l) -> (b, r)>], "
+        'iterator_types = ["parallel", "parallel", "reduction"]}',
+        f"    ins(%part : {part_t}) outs(%init : {y2_t}) {{",
+        "  ^bb0(%v: f32, %o: f32):",
+        "      %t = arith.addf %o, %v : f32",
+        "      linalg.yield %t : f32",
+        f"}} -> {y2_t}",
         _rows_as_y(spec),
     ]
     return _function(spec, lines)
@@ -446,7 +518,6 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool) -> tuple[str, int]:
             op.erase()
             kernels[spec.name] = spec
         for spec in kernels.values():
-            fused = cpu_tiles and spec.m == 1
-            text = fused_matvec_mlir(spec) if fused else dequantize_matmul_mlir(spec)
+            text = fused_rows_mlir(spec) if cpu_tiles and fuses_rows(spec) else dequantize_matmul_mlir(spec)
             ir.InsertionPoint(module.body).insert(ir.Operation.parse(text))
         return str(module), len(found)

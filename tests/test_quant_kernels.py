@@ -73,3 +73,42 @@ def test_decode_kernel_matches_numpy_and_keeps_its_tiles(spec, tmp_path):
         y = ctx.modules.module["main"](*args).to_host()
         assert y.shape == ref.shape
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+MULTIROW_CASES = [
+    qk.QLinearSpec("q4", 32, "f16", True, (8, 1, 256), 96),  # batch-8 decode, Q4_1 blocks
+    qk.QLinearSpec("q8", 32, "f16", False, (2, 128), 160),  # batch-2 decode, Q8_0
+    qk.QLinearSpec("q8", 16, "f32", False, (3, 96), 64),  # Q6_K: groups of 16, 8 lanes
+]
+
+
+@pytest.mark.parametrize("spec", MULTIROW_CASES, ids=lambda s: s.name)
+def test_multirow_decode_kernel_matches_numpy_and_keeps_its_tiles(spec, tmp_path):
+    """Decode of a batched bundle: every row exact, the codes read in the reduction (no float weight tile)."""
+    import iree.compiler as ireec
+    import iree.runtime as rt
+
+    assert qk.fuses_rows(spec)
+    text = qk.fused_rows_mlir(spec)
+    dump = tmp_path / "dump"
+    vmfb = ireec.compile_str(_module(spec, text), extra_args=[*cpu_target("generic").flags,
+                                                             f"--iree-hal-dump-executable-files-to={dump}"])
+    configured = "\n".join(p.read_text() for p in dump.glob("configured_*.mlir"))
+    assert f"vector_common_parallel = [{spec.m}, " in configured and "vector_reduction = [0, 0, 0, 1, 1]" in configured
+    assert "tensor<" + f"{spec.n}x{spec.k}xf32" not in text, "no float copy of the weight"
+    config = rt.Config("local-task")
+    ctx = rt.SystemContext(config=config)
+    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+    for seed in range(2):
+        args, ref = _inputs(spec, np.random.default_rng(seed))
+        y = ctx.modules.module["main"](*args).to_host()
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_which_calls_fuse():
+    assert qk.fuses_rows(qk.QLinearSpec("q4", 32, "f16", True, (1, 1, 256), 96))
+    assert qk.fuses_rows(qk.QLinearSpec("q4", 32, "f16", True, (1, 1, 32), 96)), "one row: the horizontal form"
+    assert not qk.fuses_rows(qk.QLinearSpec("q4", 32, "f16", True, (2, 32), 96)), "no lanes for several rows"
+    assert not qk.fuses_rows(qk.QLinearSpec("q4", 32, "f16", True, (1, 64, 256), 96)), "prefill chunks dequantize"
+    with pytest.raises(qk.QuantKernelError):
+        qk.multirow_lane_partials_mlir(qk.QLinearSpec("q4", 32, "f16", True, (1, 256), 96))
