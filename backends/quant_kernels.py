@@ -172,6 +172,17 @@ def _codes_by_group(spec: QLinearSpec) -> tuple[list[str], str]:
     return ["%qw = " + _reshape("expand", "%codes", _codes_t(spec), q_t, [[0], [1, 2]], [n, g, gs])], q_t
 
 
+def _codes_by_lane(spec: QLinearSpec, lanes: int) -> tuple[list[str], str]:
+    """Lines making %qw, the codes as [N, G, j, lanes] (q4: bitcast to i4, no data movement), and its type."""
+    n, g, js = spec.n, spec.groups, spec.group // lanes
+    if spec.fmt == "q4":
+        packed_t, q_t = _tensor((n, g, js, lanes // 2), "i8"), _tensor((n, g, js, lanes), "i4")
+        return ["%c4 = " + _reshape("expand", "%codes", _codes_t(spec), packed_t, [[0], [1, 2, 3]], [n, g, js, lanes // 2]),
+                f"%qw = flow.tensor.bitcast %c4 : {packed_t} -> {q_t}"], q_t
+    q_t = _tensor((n, g, js, lanes), "i8")
+    return ["%qw = " + _reshape("expand", "%codes", _codes_t(spec), q_t, [[0], [1, 2, 3]], [n, g, js, lanes])], q_t
+
+
 def _x_as_rows(spec: QLinearSpec) -> str:
     """%x2: the activation x [..., K] as [M, K]."""
     lead, x_t, x2_t = len(spec.x_shape) - 1, _tensor(spec.x_shape, "f32"), _tensor((spec.m, spec.k), "f32")
@@ -260,13 +271,7 @@ def lane_partials_matvec_mlir(spec: QLinearSpec, lanes: int = LANES) -> str:
         raise QuantKernelError(f"the fused kernel takes one activation row, got {spec.m}")
     n, k, g, gs = spec.n, spec.k, spec.groups, spec.group
     js = gs // lanes
-    if spec.fmt == "q4":
-        packed_t, q_t = _tensor((n, g, js, lanes // 2), "i8"), _tensor((n, g, js, lanes), "i4")
-        lines = ["%c4 = " + _reshape("expand", "%codes", _codes_t(spec), packed_t, [[0], [1, 2, 3]], [n, g, js, lanes // 2]),
-                 f"%qw = flow.tensor.bitcast %c4 : {packed_t} -> {q_t}"]
-    else:
-        q_t = _tensor((n, g, js, lanes), "i8")
-        lines = ["%qw = " + _reshape("expand", "%codes", _codes_t(spec), q_t, [[0], [1, 2, 3]], [n, g, js, lanes])]
+    lines, q_t = _codes_by_lane(spec, lanes)
     scale_ins = ["%scales"] + (["%mins"] if spec.has_min else [])
     x1_t, xv_t, part_t, out_t, y2_t = (_tensor(sh, "f32") for sh in ((k,), (g, js, lanes), (n, lanes), (n,), (1, n)))
     lines += [_x_as_rows(spec),
@@ -316,13 +321,7 @@ def multirow_lane_partials_mlir(spec: QLinearSpec) -> str:
         raise QuantKernelError(f"the multi-row kernel takes 2..{MAX_FUSED_ROWS} rows in groups of whole lanes, "
                                f"got {m} rows, group {gs}")
     js = gs // lanes
-    if spec.fmt == "q4":
-        packed_t, q_t = _tensor((n, g, js, lanes // 2), "i8"), _tensor((n, g, js, lanes), "i4")
-        lines = ["%c4 = " + _reshape("expand", "%codes", _codes_t(spec), packed_t, [[0], [1, 2, 3]], [n, g, js, lanes // 2]),
-                 f"%qw = flow.tensor.bitcast %c4 : {packed_t} -> {q_t}"]
-    else:
-        q_t = _tensor((n, g, js, lanes), "i8")
-        lines = ["%qw = " + _reshape("expand", "%codes", _codes_t(spec), q_t, [[0], [1, 2, 3]], [n, g, js, lanes])]
+    lines, q_t = _codes_by_lane(spec, lanes)
     scale_ins = ["%scales"] + (["%mins"] if spec.has_min else [])
     x2_t, xv_t, part_t, y2_t = (_tensor(sh, "f32") for sh in ((m, k), (m, g, js, lanes), (m, n, lanes), (m, n)))
     lines += [_x_as_rows(spec),

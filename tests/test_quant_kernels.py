@@ -40,6 +40,25 @@ def _inputs(spec: qk.QLinearSpec, rng: np.random.Generator):
     return args, ref.reshape(*spec.x_shape[:-1], n)
 
 
+def _compile_and_check(spec: qk.QLinearSpec, text: str, tmp_path, seeds: int) -> str:
+    """Compile the kernel for a generic CPU, check it against numpy on random inputs; returns the configured IR."""
+    import iree.compiler as ireec
+    import iree.runtime as rt
+
+    dump = tmp_path / "dump"
+    vmfb = ireec.compile_str(_module(spec, text), extra_args=[*cpu_target("generic").flags,
+                                                             f"--iree-hal-dump-executable-files-to={dump}"])
+    config = rt.Config("local-task")
+    ctx = rt.SystemContext(config=config)
+    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+    for seed in range(seeds):
+        args, ref = _inputs(spec, np.random.default_rng(seed))
+        y = ctx.modules.module["main"](*args).to_host()
+        assert y.shape == ref.shape
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    return "\n".join(p.read_text() for p in dump.glob("configured_*.mlir"))
+
+
 CASES = [
     qk.QLinearSpec("q4", 32, "f16", True, (1, 1, 256), 96),  # Q4_0 / Q4_1 blocks
     qk.QLinearSpec("q4", 32, "f32", True, (1, 128), 64),  # Q4_K
@@ -51,28 +70,14 @@ CASES = [
 
 @pytest.mark.parametrize("spec", CASES, ids=lambda s: s.name)
 def test_decode_kernel_matches_numpy_and_keeps_its_tiles(spec, tmp_path):
-    import iree.compiler as ireec
-    import iree.runtime as rt
-
     text = qk.fused_matvec_mlir(spec)
     lanes = qk._lanes(spec)
     assert (lanes is None) == (spec.groups < 2)
-    dump = tmp_path / "dump"
-    vmfb = ireec.compile_str(_module(spec, text), extra_args=[*cpu_target("generic").flags,
-                                                             f"--iree-hal-dump-executable-files-to={dump}"])
-    configured = "\n".join(p.read_text() for p in dump.glob("configured_*.mlir"))
+    configured = _compile_and_check(spec, text, tmp_path, seeds=3)
     if lanes:
         # IREE keeps the tiles only while no operand has a unit dimension (docs/quantization.md)
         assert f"vector_common_parallel = [{qk.ROWS_PER_STEP}, {lanes}, 0, 0]" in configured
         assert "vector_reduction = [0, 0, 1, 1]" in configured
-    config = rt.Config("local-task")
-    ctx = rt.SystemContext(config=config)
-    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
-    for seed in range(3):
-        args, ref = _inputs(spec, np.random.default_rng(seed))
-        y = ctx.modules.module["main"](*args).to_host()
-        assert y.shape == ref.shape
-        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 MULTIROW_CASES = [
@@ -85,24 +90,11 @@ MULTIROW_CASES = [
 @pytest.mark.parametrize("spec", MULTIROW_CASES, ids=lambda s: s.name)
 def test_multirow_decode_kernel_matches_numpy_and_keeps_its_tiles(spec, tmp_path):
     """Decode of a batched bundle: every row exact, the codes read in the reduction (no float weight tile)."""
-    import iree.compiler as ireec
-    import iree.runtime as rt
-
     assert qk.fuses_rows(spec)
     text = qk.fused_rows_mlir(spec)
-    dump = tmp_path / "dump"
-    vmfb = ireec.compile_str(_module(spec, text), extra_args=[*cpu_target("generic").flags,
-                                                             f"--iree-hal-dump-executable-files-to={dump}"])
-    configured = "\n".join(p.read_text() for p in dump.glob("configured_*.mlir"))
-    assert f"vector_common_parallel = [{spec.m}, " in configured and "vector_reduction = [0, 0, 0, 1, 1]" in configured
     assert "tensor<" + f"{spec.n}x{spec.k}xf32" not in text, "no float copy of the weight"
-    config = rt.Config("local-task")
-    ctx = rt.SystemContext(config=config)
-    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
-    for seed in range(2):
-        args, ref = _inputs(spec, np.random.default_rng(seed))
-        y = ctx.modules.module["main"](*args).to_host()
-        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    configured = _compile_and_check(spec, text, tmp_path, seeds=2)
+    assert f"vector_common_parallel = [{spec.m}, " in configured and "vector_reduction = [0, 0, 0, 1, 1]" in configured
 
 
 def test_which_calls_fuse():
