@@ -25,6 +25,7 @@ from torch import nn
 
 from ..frontend import hadamard as H
 from ..frontend.arch import get_preset
+from ..frontend.config import ModelConfig
 from ..frontend.gguf_file import GGUFFile
 from ..frontend.model import CausalLM, build_model
 from ..frontend.shipped import SHIPPED_MODELS, locate_shipped
@@ -49,6 +50,32 @@ def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+
+# our parameter names -> llama.cpp's, per layer
+LLAMA_LAYER_NAMES = {
+    "input_norm.weight": "attn_norm.weight", "mixer.q_proj.weight": "attn_q.weight",
+    "mixer.k_proj.weight": "attn_k.weight", "mixer.v_proj.weight": "attn_v.weight",
+    "mixer.o_proj.weight": "attn_output.weight", "mlp_norm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def llama_gguf_tensors(params: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """A llama model's parameters under llama.cpp's GGUF names, Q/K rows permuted as its converter does."""
+    tensors = {TABLE_NAME: params["embed_tokens.weight"], "output_norm.weight": params["norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        tensors[HEAD_NAME] = params["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        for src, dst in LLAMA_LAYER_NAMES.items():
+            t = params[f"layers.{i}.{src}"]
+            if dst == "attn_q.weight":
+                t = permute_rope_rows(t, cfg.num_heads)
+            elif dst == "attn_k.weight":
+                t = permute_rope_rows(t, cfg.num_kv_heads)
+            tensors[f"blk.{i}.{dst}"] = t
+    return tensors
+
 def write_llama_gguf(model: CausalLM, path: str | Path) -> Path:
     """An unrotated llama-family CausalLM (e.g. the seeded llama-tiny preset) as an F32 GGUF file."""
     cfg = model.cfg
@@ -69,24 +96,7 @@ def write_llama_gguf(model: CausalLM, path: str | Path) -> Path:
     w.add_float32(a + "rope.freq_base", float(cfg.rope_theta_global))
     w.add_uint32(a + "rope.dimension_count", cfg.rope_for("global")[1])
     params = {n: p.detach().float().numpy() for n, p in model.named_parameters()}
-    tensors = {TABLE_NAME: params["embed_tokens.weight"], "output_norm.weight": params["norm.weight"]}
-    if not cfg.tie_word_embeddings:
-        tensors[HEAD_NAME] = params["lm_head.weight"]
-    layer_map = {
-        "input_norm.weight": "attn_norm.weight", "mixer.q_proj.weight": "attn_q.weight",
-        "mixer.k_proj.weight": "attn_k.weight", "mixer.v_proj.weight": "attn_v.weight",
-        "mixer.o_proj.weight": "attn_output.weight", "mlp_norm.weight": "ffn_norm.weight",
-        "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-        "mlp.down_proj.weight": "ffn_down.weight",
-    }
-    for i in range(cfg.num_layers):
-        for src, dst in layer_map.items():
-            t = params[f"layers.{i}.{src}"]
-            if dst == "attn_q.weight":
-                t = permute_rope_rows(t, cfg.num_heads)
-            elif dst == "attn_k.weight":
-                t = permute_rope_rows(t, cfg.num_kv_heads)
-            tensors[f"blk.{i}.{dst}"] = t
+    tensors = llama_gguf_tensors(params, cfg)
     for name, t in tensors.items():
         w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
     _finish(w)

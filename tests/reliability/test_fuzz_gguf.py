@@ -30,7 +30,7 @@ from foldline.frontend.gguf_file import GGUFError, GGUFFile
 from foldline.frontend.gguf_loader import load_gguf, read_gguf_config
 from foldline.frontend.model import build_model
 from foldline.frontend.sources import holds_block_quantized_weights
-from foldline.testing.rotated_gguf import permute_rope_rows
+from foldline.testing.rotated_gguf import llama_gguf_tensors
 
 # ---- a small valid file -------------------------------------------------------------------------
 
@@ -54,20 +54,8 @@ def write_base(path: Path, matrix_type: Q, seed: int = 0) -> Path:
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_array("fuzz.numbers", [1, 2, 3])
     w.add_array("fuzz.words", ["a", "bc"])
-    tensors = {"token_embd.weight": params["embed_tokens.weight"], "output_norm.weight": params["norm.weight"]}
-    names = {"input_norm.weight": "attn_norm.weight", "mixer.q_proj.weight": "attn_q.weight",
-             "mixer.k_proj.weight": "attn_k.weight", "mixer.v_proj.weight": "attn_v.weight",
-             "mixer.o_proj.weight": "attn_output.weight", "mlp_norm.weight": "ffn_norm.weight",
-             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-             "mlp.down_proj.weight": "ffn_down.weight"}
-    for i in range(cfg.num_layers):
-        for ours, theirs in names.items():
-            t = params[f"layers.{i}.{ours}"]
-            if theirs == "attn_q.weight":
-                t = permute_rope_rows(t, cfg.num_heads)
-            elif theirs == "attn_k.weight":
-                t = permute_rope_rows(t, cfg.num_kv_heads)
-            tensors[f"blk.{i}.{theirs}"] = t
+    assert cfg.tie_word_embeddings
+    tensors = llama_gguf_tensors(params, cfg)
     for name, t in tensors.items():
         t = np.ascontiguousarray(t, dtype=np.float32)
         if t.ndim == 2 and matrix_type == Q.F16:
