@@ -18,7 +18,6 @@ at submit (`QueueFullError`), which the server turns into HTTP 503.
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,7 +49,6 @@ class Request:
     on_finish: Callable[[str, str | None], None]
     sampler: Sampler = field(default_factory=Sampler)
     stop_ids: frozenset[int] = frozenset()
-    id: int = field(default_factory=itertools.count().__next__)
     cancelled: threading.Event = field(default_factory=threading.Event)
     # set by the scheduler
     row: int | None = None
