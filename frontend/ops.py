@@ -54,14 +54,16 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, kv_m
     """
     n_kv = k.shape[1]
     qg = _group_query(q, n_kv, kv_mapping).to(torch.float32)  # [B, Hkv, rep, C, D]
-    kf, vf = k.to(torch.float32), v.to(torch.float32)
     mask = allowed[:, None, None]  # [B, 1, 1, C, L]
     if q.shape[2] == 1:
-        scores = (qg * kf[:, :, None]).sum(-1, keepdim=True).transpose(-1, -2) * scale  # [B, Hkv, rep, 1, L]
+        # k and v keep the cache dtype: type promotion widens them inside the products' bodies,
+        # where IREE fuses the widening into the reductions (an explicit .to() is a dispatch of its own)
+        scores = (qg * k[:, :, None]).sum(-1, keepdim=True).transpose(-1, -2) * scale  # [B, Hkv, rep, 1, L]
         scores = torch.where(mask, scores, torch.full_like(scores, MASK_VALUE))
         probs = torch.softmax(scores, dim=-1)
-        out = (probs.transpose(-1, -2) * vf[:, :, None]).sum(-2, keepdim=True)  # [B, Hkv, rep, 1, D]
+        out = (probs.transpose(-1, -2) * v[:, :, None]).sum(-2, keepdim=True)  # [B, Hkv, rep, 1, D]
     else:
+        kf, vf = k.to(torch.float32), v.to(torch.float32)
         scores = torch.matmul(qg, kf[:, :, None].transpose(-1, -2)) * scale
         scores = torch.where(mask, scores, torch.full_like(scores, MASK_VALUE))
         probs = torch.softmax(scores, dim=-1)
