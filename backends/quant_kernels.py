@@ -4,21 +4,20 @@ The importer keeps `foldline::qlinear` out of the aten decompositions, so it
 reaches MLIR as `torch.operator "torch.foldline.qlinear"`. `expand_qlinear_ops`
 replaces each one with a `util.call` to a generated `util.func`:
 
-- decode (one activation row) on CPU: `fused_matvec_mlir`, a generic that
-  reads the narrow codes and dequantizes one element at a time in its body,
-  keeping 16 partial sums per output row in a vector register (the lane is a
-  parallel dimension), then a small generic adding the lanes:
+- decode (1 to MAX_FUSED_ROWS activation rows) on CPU: `half_group_mlir`, a
+  generic that reads the narrow codes in its reduction, one lane per pair of
+  codes (b, b + g/2) of a group, keeping one partial sum per lane and output
+  row in vector registers, then a small generic adding the lanes:
 
-      q4 codes (i8 param [N, K/2]) -> expand [N, G, j, 8] -> flow.tensor.bitcast -> i4 [N, G, j, 16]
-      part[n, l] += fma(x[g, j, l], scale[n, g] * float(q[n, g, j, l]) (+ min[n, g]), 0)
+      q4 bytes [N, K/2] -> [N, G, g/2] (byte b: code b low nibble, code b + g/2 high)
+      part[n, l] += s[n, g] * (xa[g, l] * lo + xb[g, l] * hi) (+ min[n, g] * (xa + xb))
       y[n] = sum_l part[n, l]
 
   There is no separate dequantization op to hoist or materialise: no float
   copy of the weight exists, and each decode step reads only the quantized
-  bytes (tests/test_quant_compile.py checks the dispatches). Why this form,
-  and what IREE does with the alternatives: docs/quantization.md;
-- decode of a batched bundle (2 to 8 rows) on CPU: `multirow_lane_partials_mlir`,
-  the same form with a row dimension, the codes read once for all rows;
+  bytes (tests/test_quant_compile.py checks the dispatches). With several
+  rows (decode of a batched bundle) the codes are read once for all of them.
+  Why this form, and what IREE does with the alternatives: docs/quantization.md;
 - prefill chunks (more rows) on CPU, and every call on GPU targets:
   `dequantize_matmul_mlir`, the weight dequantized into a float tile once per
   call and multiplied by all M rows. On SmolLM2 this took 7.8 CPU ms per
@@ -90,28 +89,25 @@ class QLinearSpec:
                 f"_{dims}_n{self.n}")
 
 
-# The decode kernel keeps LANES partial sums per output row in one vector register and
-# reduces them once at the end; ROWS rows per vector step give independent add chains.
-LANES = 16
+# The decode kernel keeps one partial sum per half-group lane and output row in vector
+# registers; ROWS_PER_STEP rows per vector step give independent add chains.
 ROWS_PER_STEP = 2
 ROWS_PER_WORKGROUP = 32
 # Activation rows the fused form takes (decode of a bundle compiled with --batch up to this).
 MAX_FUSED_ROWS = 8
 
 
-def _lanes(spec: QLinearSpec) -> int | None:
-    """Lanes for the lane-partials kernel, or None where its dims would be unit (IREE then drops the tiles)."""
-    for lanes in (LANES, 8):
-        if spec.group % lanes == 0 and spec.group // lanes >= 2 and spec.groups >= 2:
-            return lanes
-    return None
+def _half_lanes(spec: QLinearSpec) -> int | None:
+    """Lanes of the half-group kernel (group / 2), or None where a dim would be unit (IREE then drops the tiles)."""
+    lanes = spec.group // 2
+    return lanes if spec.group % 2 == 0 and lanes >= 2 and spec.groups >= 2 else None
 
 
 def _tiles(spec: QLinearSpec) -> tuple[list[int], list[int], list[int]]:
     """(distribution, vector_common_parallel, vector_reduction) of the horizontal-reduction kernel (M = 1)."""
     g = spec.groups
     gt = 2 if g % 2 == 0 else (3 if g % 3 == 0 else 1)
-    return [min(32, spec.n), 0, 0], [1, 0, 0], [0, gt, spec.group]
+    return [min(32, spec.n), 0, 0, 0], [1, 0, 0, 0], [0, gt, spec.group // 2, 2]
 
 
 def _compilation_info(distribution: list[int], parallel: list[int], reduction: list[int]) -> str:
@@ -161,26 +157,26 @@ def _scales_t(spec: QLinearSpec) -> str:
     return _tensor((spec.n, spec.groups), spec.scale_type)
 
 
-def _codes_by_group(spec: QLinearSpec) -> tuple[list[str], str]:
-    """Lines making %qw, the codes as [N, G, g] (q4: bitcast to i4, no data movement), and its type."""
-    n, g, gs = spec.n, spec.groups, spec.group
+def _codes_by_half(spec: QLinearSpec) -> tuple[list[str], str]:
+    """Lines making %qw, code h * g/2 + b of each group at index (b, h) (q4) or (h, b) (q8), and its type.
+
+    q4: the bytes bitcast to i4 (no data movement), [N, G, g/2, 2]: byte b's
+    low nibble at h = 0, its high one at h = 1, ggml's order (frontend/quant.py).
+    q8: the codes as they lie, [N, G, 2, g/2]. `_code_map` reads either one.
+    """
+    n, g, half = spec.n, spec.groups, spec.group // 2
     if spec.fmt == "q4":
-        packed_t, q_t = _tensor((n, g, gs // 2), "i8"), _tensor((n, g, gs), "i4")
-        return ["%c3 = " + _reshape("expand", "%codes", _codes_t(spec), packed_t, [[0], [1, 2]], [n, g, gs // 2]),
+        packed_t, q_t = _tensor((n, g, half), "i8"), _tensor((n, g, half, 2), "i4")
+        return ["%c3 = " + _reshape("expand", "%codes", _codes_t(spec), packed_t, [[0], [1, 2]], [n, g, half]),
                 f"%qw = flow.tensor.bitcast %c3 : {packed_t} -> {q_t}"], q_t
-    q_t = _tensor((n, g, gs), "i8")
-    return ["%qw = " + _reshape("expand", "%codes", _codes_t(spec), q_t, [[0], [1, 2]], [n, g, gs])], q_t
+    q_t = _tensor((n, g, 2, half), "i8")
+    return ["%qw = " + _reshape("expand", "%codes", _codes_t(spec), q_t, [[0], [1, 2, 3]], [n, g, 2, half])], q_t
 
 
-def _codes_by_lane(spec: QLinearSpec, lanes: int) -> tuple[list[str], str]:
-    """Lines making %qw, the codes as [N, G, j, lanes] (q4: bitcast to i4, no data movement), and its type."""
-    n, g, js = spec.n, spec.groups, spec.group // lanes
-    if spec.fmt == "q4":
-        packed_t, q_t = _tensor((n, g, js, lanes // 2), "i8"), _tensor((n, g, js, lanes), "i4")
-        return ["%c4 = " + _reshape("expand", "%codes", _codes_t(spec), packed_t, [[0], [1, 2, 3]], [n, g, js, lanes // 2]),
-                f"%qw = flow.tensor.bitcast %c4 : {packed_t} -> {q_t}"], q_t
-    q_t = _tensor((n, g, js, lanes), "i8")
-    return ["%qw = " + _reshape("expand", "%codes", _codes_t(spec), q_t, [[0], [1, 2, 3]], [n, g, js, lanes])], q_t
+def _code_map(spec: QLinearSpec, dims: str, row: str, group: str, b: str, h: str) -> str:
+    """The indexing map reading code (row, group, h * g/2 + b) from `_codes_by_half`'s %qw."""
+    index = f"{row}, {group}, {b}, {h}" if spec.fmt == "q4" else f"{row}, {group}, {h}, {b}"
+    return f"affine_map<({dims}) -> ({index})>"
 
 
 def _x_as_rows(spec: QLinearSpec) -> str:
@@ -215,24 +211,156 @@ def _function(spec: QLinearSpec, lines: list[str]) -> str:
 
 
 def fused_matvec_mlir(spec: QLinearSpec) -> str:
-    """The decode kernel for one activation row: lane partials where the shape allows, else horizontal sums."""
-    lanes = _lanes(spec)
-    return lane_partials_matvec_mlir(spec, lanes) if lanes else horizontal_matvec_mlir(spec)
+    """The decode kernel for one activation row: half-group lanes where the shape allows, else horizontal sums."""
+    return half_group_mlir(spec) if _half_lanes(spec) else horizontal_matvec_mlir(spec)
 
 
 def fuses_rows(spec: QLinearSpec) -> bool:
     """Whether a CPU call of this shape reads the codes in its reduction instead of dequantizing a float tile.
 
     One row (decode), or up to MAX_FUSED_ROWS rows (decode of a batched
-    bundle) where the lane-partials form applies; longer prefill chunks
+    bundle) where the half-group form applies; longer prefill chunks
     dequantize once per call and run a matmul.
     """
-    return spec.m == 1 or (spec.m <= MAX_FUSED_ROWS and _lanes(spec) is not None)
+    return spec.m == 1 or (spec.m <= MAX_FUSED_ROWS and _half_lanes(spec) is not None)
 
 
 def fused_rows_mlir(spec: QLinearSpec) -> str:
-    """The fused decode kernel for spec.m rows: one row, or a few rows sharing each dequantized code."""
-    return fused_matvec_mlir(spec) if spec.m == 1 else multirow_lane_partials_mlir(spec)
+    """The fused decode kernel for spec.m rows: one row, or a few rows sharing each code read."""
+    return fused_matvec_mlir(spec) if spec.m == 1 else half_group_mlir(spec)
+
+
+def _half_code_inputs(spec: QLinearSpec, dims: str) -> tuple[list[str], list[str], list[str], list[str], list[str]]:
+    """(lines, operands, types, maps, body lines) giving the half-group body %lo and %hi: codes b and b + g/2.
+
+    q4: one byte read, split into its two nibbles. q8: the two half-group
+    slices of the codes, each a contiguous run of g/2 bytes.
+    """
+    n, g, half = spec.n, spec.groups, spec.group // 2
+    row_map = f"affine_map<({dims}) -> (r, g, l)>"
+    if spec.fmt == "q4":
+        b_t = _tensor((n, g, half), "i8")
+        lines = ["%qb = " + _reshape("expand", "%codes", _codes_t(spec), b_t, [[0], [1, 2]], [n, g, half])]
+        body = ["%c15 = arith.constant 15 : i8", "%c4 = arith.constant 4 : i8",
+                "%lo8 = arith.andi %b0, %c15 : i8", "%hi8 = arith.shrui %b0, %c4 : i8",
+                "%lo = arith.uitofp %lo8 : i8 to f32", "%hi = arith.uitofp %hi8 : i8 to f32"]
+        return lines, ["%qb"], [b_t], [row_map], body
+    c4_t, h_t = _tensor((n, g, 2, half), "i8"), _tensor((n, g, half), "i8")
+    lines = ["%c4 = " + _reshape("expand", "%codes", _codes_t(spec), c4_t, [[0], [1, 2, 3]], [n, g, 2, half])]
+    for h in (0, 1):
+        lines.append(f"%q{h} = tensor.extract_slice %c4[0, 0, {h}, 0] [{n}, {g}, 1, {half}] [1, 1, 1, 1] "
+                     f": {c4_t} to {h_t}")
+    body = ["%lo = arith.sitofp %b0 : i8 to f32", "%hi = arith.sitofp %b1 : i8 to f32"]
+    return lines, ["%q0", "%q1"], [h_t, h_t], [row_map, row_map], body
+
+
+def half_group_mlir(spec: QLinearSpec) -> str:
+    """Decode (1 to MAX_FUSED_ROWS activation rows) reading each code once, with one lane per half-group pair.
+
+    Each group of g codes is two halves of g/2: lane l takes codes l and
+    l + g/2, which meet x[l] and x[l + g/2], two contiguous vectors (for q4 one
+    byte holds both codes: ggml's nibble order). The body sums the pair
+    unscaled, then scales once: out[r, l] += s * (xa * qa + xb * qb) (+ min *
+    (xa + xb)), so a vector step is elementwise over the lanes and the partial
+    sums stay in registers for the whole row; a small generic adds the lanes.
+    Against the form that scaled each code (w = s * q + m, then x * w) this
+    takes ~15-25% less time per call on this machine's kernels.
+
+    IREE 3.13 constraints the form keeps: the accumulator is combined by an
+    `addf` (a `math.fma` on %out is not a reduction the vectorizer recognises:
+    the op stays scalar); the products are `math.fma` (a mulf+addf body is
+    recognised as a contraction and lowered lane by lane); no operand has a
+    unit dimension (IREE's unit-dim folding rebuilds the generic without its
+    compilation_info, and drops the tiles). With M > 1 rows (batched decode),
+    every row keeps its own partial sums and the codes are read once for all.
+    """
+    lanes = _half_lanes(spec)
+    m, n, k, g = spec.m, spec.n, spec.k, spec.groups
+    if lanes is None or not 1 <= m <= MAX_FUSED_ROWS:
+        raise QuantKernelError(f"the half-group kernel takes 1..{MAX_FUSED_ROWS} rows and two or more groups of "
+                               f"an even size, got {m} rows, group {spec.group}, {g} groups")
+    multi = m > 1
+    dims = "b, r, l, g" if multi else "r, l, g"
+    lines, code_ins, code_ts, code_maps, unpack = _half_code_inputs(spec, dims)
+    xv_shape, xh_shape = ((m, g, 2, lanes), (m, g, lanes)) if multi else ((g, 2, lanes), (g, lanes))
+    xv_t, xh_t = _tensor(xv_shape, "f32"), _tensor(xh_shape, "f32")
+    x2_t = _tensor((m, k), "f32")
+    lines.append(_x_as_rows(spec))
+    if multi:
+        lines.append("%xv = " + _reshape("expand", "%x2", x2_t, xv_t, [[0], [1, 2, 3]], list(xv_shape)))
+    else:
+        lines += ["%x1 = " + _reshape("collapse", "%x2", x2_t, _tensor((k,), "f32"), [[0, 1]], []),
+                  "%xv = " + _reshape("expand", "%x1", _tensor((k,), "f32"), xv_t, [[0, 1, 2]], list(xv_shape))]
+    lead = "0, " if multi else ""
+    sizes = f"{m}, " if multi else ""
+    for name, h in (("%xa", 0), ("%xb", 1)):
+        ones = "1, " if multi else ""
+        lines.append(f"{name} = tensor.extract_slice %xv[{lead}0, {h}, 0] [{sizes}{g}, 1, {lanes}] [{ones}1, 1, 1] "
+                     f": {xv_t} to {xh_t}")
+    x_map = f"affine_map<({dims}) -> ({'b, ' if multi else ''}g, l)>"
+    scale_ins = ["%scales"] + (["%mins"] if spec.has_min else [])
+    part_shape = (m, n, lanes) if multi else (n, lanes)
+    part_t = _tensor(part_shape, "f32")
+    maps = ([x_map, x_map, *code_maps] + [f"affine_map<({dims}) -> (r, g)>"] * len(scale_ins)
+            + [f"affine_map<({dims}) -> ({'b, ' if multi else ''}r, l)>"])
+    rows = ROWS_PER_STEP if n % ROWS_PER_STEP == 0 and m * ROWS_PER_STEP <= 4 else 1
+    if multi:
+        info = _compilation_info([m, min(ROWS_PER_WORKGROUP, n), 0, 0], [m, rows, lanes, 0], [0, 0, 0, 1])
+    else:
+        info = _compilation_info([min(ROWS_PER_WORKGROUP, n), 0, 0], [rows, lanes, 0], [0, 0, 1])
+    st = spec.scale_type
+
+    def widened(v: str, out: str) -> list[str]:
+        return [f"{out} = arith.extf {v} : f16 to f32"] if st == "f16" else [f"{out} = arith.addf {v}, %zf : f32"]
+
+    body = ["%zf = arith.constant 0.0 : f32", *unpack, *widened("%s", "%sf"),
+            "%pa = math.fma %xa_, %lo, %zf : f32", "%p = math.fma %xb_, %hi, %pa : f32"]
+    if spec.has_min:
+        body += [*widened("%mn", "%mf"), "%xs = arith.addf %xa_, %xb_ : f32", "%mx = math.fma %mf, %xs, %zf : f32",
+                 "%t = math.fma %sf, %p, %mx : f32"]
+    else:
+        body.append("%t = math.fma %sf, %p, %zf : f32")
+    code_args = ["%b0: i8"] if spec.fmt == "q4" else ["%b0: i8", "%b1: i8"]
+    bargs = ", ".join(["%xa_: f32", "%xb_: f32", *code_args, f"%s: {st}"] + ([f"%mn: {st}"] if spec.has_min else []))
+    kinds = ", ".join(['"parallel"'] * (len(part_shape)) + ['"reduction"'])
+    ins = ["%xa", "%xb", *code_ins, *scale_ins]
+    ins_t = [xh_t, xh_t, *code_ts, *([_scales_t(spec)] * len(scale_ins))]
+    y2_t = _tensor((m, n), "f32")
+    lines += [
+        "%zero = arith.constant 0.0 : f32",
+        f"%part_empty = tensor.empty() : {part_t}",
+        f"%part_init = linalg.fill ins(%zero : f32) outs(%part_empty : {part_t}) -> {part_t}",
+        f"%part = linalg.generic {{indexing_maps = [{', '.join(maps)}], iterator_types = [{kinds}]}}",
+        f"    ins({', '.join(ins)} : {', '.join(ins_t)}) outs(%part_init : {part_t}) "
+        f"attrs = {{compilation_info = {info}}} {{",
+        f"  ^bb0({bargs}, %out: f32):",
+        *[f"      {line}" for line in body],
+        "      %r = arith.addf %out, %t : f32",
+        "      linalg.yield %r : f32",
+        f"}} -> {part_t}",
+    ]
+    out_shape = (m, n) if multi else (n,)
+    out_t = _tensor(out_shape, "f32")
+    sum_dims = "b, r, l" if multi else "r, l"
+    sum_kinds = ", ".join(['"parallel"'] * len(out_shape) + ['"reduction"'])
+    lines += [
+        f"%empty = tensor.empty() : {out_t}",
+        f"%init = linalg.fill ins(%zero : f32) outs(%empty : {out_t}) -> {out_t}",
+        f"%acc = linalg.generic {{indexing_maps = [affine_map<({sum_dims}) -> ({sum_dims})>, "
+        f"affine_map<({sum_dims}) -> ({sum_dims.rsplit(', ', 1)[0]})>], "
+        f"iterator_types = [{sum_kinds}]}}",
+        f"    ins(%part : {part_t}) outs(%init : {out_t}) {{",
+        "  ^bb0(%v: f32, %o: f32):",
+        "      %u = arith.addf %o, %v : f32",
+        "      linalg.yield %u : f32",
+        f"}} -> {out_t}",
+    ]
+    if multi:
+        lines.append(f"%y2 = tensor.cast %acc : {out_t} to {y2_t}")
+    else:
+        lines.append("%y2 = " + _reshape("expand", "%acc", out_t, y2_t, [[0, 1]], [1, n]))
+    lines.append(_rows_as_y(spec))
+    return _function(spec, lines)
 
 
 def _dequantizing_reduction(result: str, spec: QLinearSpec, maps: list[str], iterators: list[str], out_t: str,
@@ -254,127 +382,30 @@ def _dequantizing_reduction(result: str, spec: QLinearSpec, maps: list[str], ite
     ]
 
 
-def lane_partials_matvec_mlir(spec: QLinearSpec, lanes: int = LANES) -> str:
-    """One activation row through LANES partial sums per output row, then one sum over the lanes.
-
-    The reduction over K is split as (g, j, l), l the LANES codes one vector
-    load brings; l is a parallel dimension of the first generic, so each vector
-    step is elementwise: widen the codes, scale (+ min), multiply by x and add
-    into a register that lives across the whole row. No horizontal reduction
-    runs inside the loop (the form below needs one per step, and its chain of
-    dependent adds bounded the speed). The products are written as
-    `math.fma(x, w, 0)`: a plain mulf+addf body is recognised as a contraction
-    and lowered lane by lane. No operand may have a unit dimension: IREE's
-    unit-dim folding rebuilds the generic without its compilation_info.
-    """
-    if spec.m != 1:
-        raise QuantKernelError(f"the fused kernel takes one activation row, got {spec.m}")
-    n, k, g, gs = spec.n, spec.k, spec.groups, spec.group
-    js = gs // lanes
-    lines, q_t = _codes_by_lane(spec, lanes)
-    scale_ins = ["%scales"] + (["%mins"] if spec.has_min else [])
-    x1_t, xv_t, part_t, out_t, y2_t = (_tensor(sh, "f32") for sh in ((k,), (g, js, lanes), (n, lanes), (n,), (1, n)))
-    lines += [_x_as_rows(spec),
-              "%x1 = " + _reshape("collapse", "%x2", _tensor((1, k), "f32"), x1_t, [[0, 1]], []),
-              "%xv = " + _reshape("expand", "%x1", x1_t, xv_t, [[0, 1, 2]], [g, js, lanes])]
-    # iteration (row, lane | group, step): parallel dims first, reductions innermost, as IREE keeps them
-    maps = (["affine_map<(r, l, g, j) -> (g, j, l)>", "affine_map<(r, l, g, j) -> (r, g, j, l)>"]
-            + ["affine_map<(r, l, g, j) -> (r, g)>"] * len(scale_ins) + ["affine_map<(r, l, g, j) -> (r, l)>"])
-    rows = ROWS_PER_STEP if n % ROWS_PER_STEP == 0 else 1
-    info = _compilation_info([min(ROWS_PER_WORKGROUP, n), 0, 0, 0], [rows, lanes, 0, 0], [0, 0, 1, 1])
-    _, _, w = _body(spec)
-    lines += ["%zero = arith.constant 0.0 : f32"]
-    lines += _dequantizing_reduction(
-        "%part", spec, maps, ["parallel", "parallel", "reduction", "reduction"], part_t,
-        ["%xv", "%qw", *scale_ins], [xv_t, q_t, *([_scales_t(spec)] * len(scale_ins))],
-        f" attrs = {{compilation_info = {info}}}",
-        ["%z = arith.constant 0.0 : f32", f"%p = math.fma %a, {w}, %z : f32"])
-    lines += [
-        f"%empty = tensor.empty() : {out_t}",
-        f"%init = linalg.fill ins(%zero : f32) outs(%empty : {out_t}) -> {out_t}",
-        "%acc = linalg.generic {indexing_maps = [affine_map<(r, l) -> (r, l)>, affine_map<(r, l) -> (r)>], "
-        'iterator_types = ["parallel", "reduction"]}',
-        f"    ins(%part : {part_t}) outs(%init : {out_t}) {{",
-        "  ^bb0(%v: f32, %o: f32):",
-        "      %t = arith.addf %o, %v : f32",
-        "      linalg.yield %t : f32",
-        f"}} -> {out_t}",
-        "%y2 = " + _reshape("expand", "%acc", out_t, y2_t, [[0, 1]], [1, n]),
-        _rows_as_y(spec),
-    ]
-    return _function(spec, lines)
-
-
-def multirow_lane_partials_mlir(spec: QLinearSpec) -> str:
-    """The lane-partials kernel for M > 1 activation rows (decode of a batched bundle).
-
-    Iteration (m, r, l | g, j): every row m of a tile keeps its own LANES
-    partial sums for output row r, and the codes of (r, g, j) are read once for
-    all M rows. Dequantizing a float tile instead writes an f32 copy of the
-    weight on every call: for SmolLM2's 49152 x 576 Q8_0 head at batch 8 that
-    copy alone took 22 of the 81 ms decode step. M is never 1 here (IREE's
-    unit-dim folding would drop the tiles; one row takes the kernel above).
-    """
-    lanes = _lanes(spec)
-    m, n, k, g, gs = spec.m, spec.n, spec.k, spec.groups, spec.group
-    if not 1 < m <= MAX_FUSED_ROWS or lanes is None:
-        raise QuantKernelError(f"the multi-row kernel takes 2..{MAX_FUSED_ROWS} rows in groups of whole lanes, "
-                               f"got {m} rows, group {gs}")
-    js = gs // lanes
-    lines, q_t = _codes_by_lane(spec, lanes)
-    scale_ins = ["%scales"] + (["%mins"] if spec.has_min else [])
-    x2_t, xv_t, part_t, y2_t = (_tensor(sh, "f32") for sh in ((m, k), (m, g, js, lanes), (m, n, lanes), (m, n)))
-    lines += [_x_as_rows(spec),
-              "%xv = " + _reshape("expand", "%x2", x2_t, xv_t, [[0], [1, 2, 3]], [m, g, js, lanes])]
-    maps = (["affine_map<(b, r, l, g, j) -> (b, g, j, l)>", "affine_map<(b, r, l, g, j) -> (r, g, j, l)>"]
-            + ["affine_map<(b, r, l, g, j) -> (r, g)>"] * len(scale_ins) + ["affine_map<(b, r, l, g, j) -> (b, r, l)>"])
-    rows = ROWS_PER_STEP if m * ROWS_PER_STEP <= 4 and n % ROWS_PER_STEP == 0 else 1
-    info = _compilation_info([m, min(ROWS_PER_WORKGROUP, n), 0, 0, 0], [m, rows, lanes, 0, 0], [0, 0, 0, 1, 1])
-    _, _, w = _body(spec)
-    lines += ["%zero = arith.constant 0.0 : f32"]
-    lines += _dequantizing_reduction(
-        "%part", spec, maps, ["parallel", "parallel", "parallel", "reduction", "reduction"], part_t,
-        ["%xv", "%qw", *scale_ins], [xv_t, q_t, *([_scales_t(spec)] * len(scale_ins))],
-        f" attrs = {{compilation_info = {info}}}",
-        ["%z = arith.constant 0.0 : f32", f"%p = math.fma %a, {w}, %z : f32"])
-    lines += [
-        f"%empty = tensor.empty() : {y2_t}",
-        f"%init = linalg.fill ins(%zero : f32) outs(%empty : {y2_t}) -> {y2_t}",
-        "%y2 = linalg.generic {indexing_maps = [affine_map<(b, r, l) -> (b, r, l)>, affine_map<(b, r, l) -> (b, r)>], "
-        'iterator_types = ["parallel", "parallel", "reduction"]}',
-        f"    ins(%part : {part_t}) outs(%init : {y2_t}) {{",
-        "  ^bb0(%v: f32, %o: f32):",
-        "      %t = arith.addf %o, %v : f32",
-        "      linalg.yield %t : f32",
-        f"}} -> {y2_t}",
-        _rows_as_y(spec),
-    ]
-    return _function(spec, lines)
-
-
 def horizontal_matvec_mlir(spec: QLinearSpec) -> str:
     """One activation row in one generic reading the codes, reduced horizontally at each vector step.
 
-    The fallback for shapes the lane-partials kernel cannot tile (groups of 16
-    with 8 lanes would leave a unit dimension)."""
+    The fallback for shapes the half-group kernel cannot tile (one group per
+    row would leave a unit dimension)."""
     if spec.m != 1:
         raise QuantKernelError(f"the fused kernel takes one activation row, got {spec.m}")
-    n, k, g, gs = spec.n, spec.k, spec.groups, spec.group
-    lines, q_t = _codes_by_group(spec)
+    n, k, g, half = spec.n, spec.k, spec.groups, spec.group // 2
+    lines, q_t = _codes_by_half(spec)
     scale_ins = ["%scales"] + (["%mins"] if spec.has_min else [])
-    x3_t, xv_t, out_t, y2_t = (_tensor(s, "f32") for s in ((1, g, gs), (g, gs), (n,), (1, n)))
+    xv_t, out_t, y2_t = (_tensor(s, "f32") for s in ((g, 2, half), (n,), (1, n)))
     lines += [
         _x_as_rows(spec),
-        "%x3 = " + _reshape("expand", "%x2", _tensor((1, k), "f32"), x3_t, [[0], [1, 2]], [1, g, gs]),
-        "%xv = " + _reshape("collapse", "%x3", x3_t, xv_t, [[0, 1], [2]], []),
+        "%x1 = " + _reshape("collapse", "%x2", _tensor((1, k), "f32"), _tensor((k,), "f32"), [[0, 1]], []),
+        "%xv = " + _reshape("expand", "%x1", _tensor((k,), "f32"), xv_t, [[0, 1, 2]], [g, 2, half]),
     ]
-    maps = (["affine_map<(d0, d1, d2) -> (d1, d2)>", "affine_map<(d0, d1, d2) -> (d0, d1, d2)>"]
-            + ["affine_map<(d0, d1, d2) -> (d0, d1)>"] * len(scale_ins) + ["affine_map<(d0, d1, d2) -> (d0)>"])
+    dims = "r, g, b, h"
+    maps = ([f"affine_map<({dims}) -> (g, h, b)>", _code_map(spec, dims, "r", "g", "b", "h")]
+            + [f"affine_map<({dims}) -> (r, g)>"] * len(scale_ins) + [f"affine_map<({dims}) -> (r)>"])
     attr = f" attrs = {{compilation_info = {_compilation_info(*_tiles(spec))}}}"
     _, _, w = _body(spec)
     lines += ["%zero = arith.constant 0.0 : f32"]
     lines += _dequantizing_reduction(
-        "%acc", spec, maps, ["parallel", "reduction", "reduction"], out_t,
+        "%acc", spec, maps, ["parallel", "reduction", "reduction", "reduction"], out_t,
         ["%xv", "%qw", *scale_ins], [xv_t, q_t, *([_scales_t(spec)] * len(scale_ins))], attr,
         [f"%p = arith.mulf %a, {w} : f32"])
     lines += [
@@ -384,7 +415,7 @@ def horizontal_matvec_mlir(spec: QLinearSpec) -> str:
     return _function(spec, lines)
 
 
-def dequantize_matmul_mlir(spec: QLinearSpec) -> str:
+def dequantize_matmul_mlir(spec: QLinearSpec, q4_bytes: bool = True) -> str:
     """A dequantization generic to a float [N, K] tile, then a matmul: once per call.
 
     Used where the fused generic is the wrong tool: prefill chunks on CPU (M > 1,
@@ -392,25 +423,41 @@ def dequantize_matmul_mlir(spec: QLinearSpec) -> str:
     dequantizing once per chunk costs ~4x less CPU per token) and GPU targets (the
     fused form's CPU-sized vectors do not lower to SPIR-V). With constant-expression
     hoisting off (backends/targets.py) the float tile lives only during the call.
+
+    q4_bytes: q4 codes read as bytes, the nibble picked by the half index (a
+    shift of 0 or 4): CPU. The i4 bitcast read transposed (byte b, nibble h
+    written to [h, b]) is the portable form (GPU targets), and on CPU made
+    SmolLM2's prefill 20% slower.
     """
-    m, n, k, g, gs = spec.m, spec.n, spec.k, spec.groups, spec.group
-    lines, q_t = _codes_by_group(spec)
+    m, n, k, g, half = spec.m, spec.n, spec.k, spec.groups, spec.group // 2
     scale_ins = ["%scales"] + (["%mins"] if spec.has_min else [])
-    w3_t, w_t, x2_t, y2_t = (_tensor(s, "f32") for s in ((n, g, gs), (n, k), (m, k), (m, n)))
+    w3_t, w_t, x2_t, y2_t = (_tensor(s, "f32") for s in ((n, g, 2, half), (n, k), (m, k), (m, n)))
     bargs, deq, w = _body(spec)
-    maps = (["affine_map<(d0, d1, d2) -> (d0, d1, d2)>"] + ["affine_map<(d0, d1, d2) -> (d0, d1)>"] * len(scale_ins)
-            + ["affine_map<(d0, d1, d2) -> (d0, d1, d2)>"])
+    dims = "n, g, h, b"
+    if spec.fmt == "q4" and q4_bytes:
+        q_t = _tensor((n, g, half), "i8")
+        lines = ["%qw = " + _reshape("expand", "%codes", _codes_t(spec), q_t, [[0], [1, 2]], [n, g, half])]
+        code_map = f"affine_map<({dims}) -> (n, g, b)>"
+        bargs = bargs.replace("%q: i4", "%q8: i8")
+        deq = ["%h = linalg.index 2 : index", "%hi = arith.index_cast %h : index to i8",
+               "%c4 = arith.constant 4 : i8", "%c15 = arith.constant 15 : i8", "%sh = arith.muli %hi, %c4 : i8",
+               "%nib = arith.shrui %q8, %sh : i8", "%q = arith.andi %nib, %c15 : i8",
+               "%qf = arith.uitofp %q : i8 to f32", *deq[2:]]
+    else:
+        lines, q_t = _codes_by_half(spec)
+        code_map = _code_map(spec, dims, "n", "g", "b", "h")
+    maps = [code_map] + [f"affine_map<({dims}) -> (n, g)>"] * len(scale_ins) + [f"affine_map<({dims}) -> (n, g, h, b)>"]
     lines += [
         f"%wempty = tensor.empty() : {w3_t}",
         f"%w3 = linalg.generic {{indexing_maps = [{', '.join(maps)}], "
-        'iterator_types = ["parallel", "parallel", "parallel"]}',
+        'iterator_types = ["parallel", "parallel", "parallel", "parallel"]}',
         f"    ins({', '.join(['%qw', *scale_ins])} : {', '.join([q_t, *([_scales_t(spec)] * len(scale_ins))])}) "
         f"outs(%wempty : {w3_t}) {{",
         f"  ^bb0({bargs.replace('%a: f32, ', '')}, %o: f32):",
         *[f"      {line}" for line in deq],
         f"      linalg.yield {w} : f32",
         f"}} -> {w3_t}",
-        "%w = " + _reshape("collapse", "%w3", w3_t, w_t, [[0], [1, 2]], []),
+        "%w = " + _reshape("collapse", "%w3", w3_t, w_t, [[0], [1, 2, 3]], []),
         _x_as_rows(spec),
         "%zero = arith.constant 0.0 : f32",
         f"%yempty = tensor.empty() : {y2_t}",
@@ -517,6 +564,7 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool) -> tuple[str, int]:
             op.erase()
             kernels[spec.name] = spec
         for spec in kernels.values():
-            text = fused_rows_mlir(spec) if cpu_tiles and fuses_rows(spec) else dequantize_matmul_mlir(spec)
+            text = (fused_rows_mlir(spec) if cpu_tiles and fuses_rows(spec)
+                    else dequantize_matmul_mlir(spec, q4_bytes=cpu_tiles))
             ir.InsertionPoint(module.body).insert(ir.Operation.parse(text))
         return str(module), len(found)

@@ -4,9 +4,12 @@ Two formats cover every GGUF block type foldline reads, each exactly:
 
 - `q8`: signed int8 codes [N, K], one scale per group of `group` codes along K,
   optionally one min per group: w = scale * q (+ min).
-- `q4`: unsigned 4-bit codes [N, K] packed two per byte (element 2i in the low
-  nibble, 2i+1 in the high one: the little-endian i4 layout IREE bitcasts to),
-  one scale and one min per group: w = scale * q + min.
+- `q4`: unsigned 4-bit codes [N, K] packed two per byte, ggml's order: byte b
+  of a group of g codes holds element b in its low nibble and element b + g/2
+  in its high one. A GGUF Q4_0 / Q4_1 block is this layout as it stands, and
+  the decode kernel splits a byte into two codes that meet the two halves of
+  the activation group, each a contiguous vector (backends/quant_kernels.py).
+  One scale and one min per group: w = scale * q + min.
 
 Scales and mins are float16 where the GGUF block stores them as float16
 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: bytes unchanged) and float32 where the block
@@ -83,10 +86,7 @@ class QuantizedTensor:
         if self.format == "q8":
             return self.codes.astype(np.int16)
         n, k = self.shape
-        out = np.empty((n, k), dtype=np.int16)
-        out[:, 0::2] = self.codes & 0x0F
-        out[:, 1::2] = self.codes >> 4
-        return out
+        return unpack_q4(self.codes, self.group).reshape(n, k).astype(np.int16)
 
     def dequantize(self) -> np.ndarray:
         """float32 [N, K]: scale * q (+ min), in float32, the formula the compiled kernel uses."""
@@ -124,19 +124,24 @@ def _blocks(raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, i
     return np.ascontiguousarray(raw).reshape(-1, size), n, k
 
 
-def _nibbles_32(qs: np.ndarray) -> np.ndarray:
-    """ggml's 16-byte nibble layout (element i low nibble, i + 16 high nibble) -> codes [..., 32]."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
 def _high_bits_32(qh: np.ndarray) -> np.ndarray:
     """Q5_0/Q5_1's 4-byte qh (little-endian bit i = element i) -> [..., 32] of 0/1."""
     return np.unpackbits(qh, axis=-1, bitorder="little")
 
 
-def _pack_q4(codes: np.ndarray) -> np.ndarray:
-    """uint8 codes [N, K] in 0..15 -> [N, K // 2], element 2i low nibble, 2i+1 high."""
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+def _pack_q4(codes: np.ndarray, group: int) -> np.ndarray:
+    """uint8 codes [N, K] in 0..15 -> [N, K // 2]: in each group, byte b = element b | element b + group/2 << 4."""
+    n, k = codes.shape
+    halves = codes.reshape(n, k // group, 2, group // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).astype(np.uint8).reshape(n, k // 2)
+
+
+def unpack_q4(packed: np.ndarray, group: int) -> np.ndarray:
+    """The inverse of `_pack_q4`: [N, K // 2] bytes -> uint8 codes [N, K // group, group] (also how
+    ggml's Q4 and Q5 blocks hold their low nibbles)."""
+    n = packed.shape[0]
+    b = packed.view(np.uint8).reshape(n, -1, group // 2)
+    return np.concatenate([b & 0x0F, b >> 4], axis=-1)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -159,7 +164,7 @@ def repack_gguf(raw: np.ndarray, qtype: int) -> QuantizedTensor:
         m = _f16(blocks[:, 2:4]) if has_min else None
         off = 4 if has_min else 2
         qh, qs = blocks[:, off : off + 4], blocks[:, off + 4 :]
-        q = (_nibbles_32(qs) | (_high_bits_32(qh) << 4)).astype(np.int16)
+        q = (unpack_q4(qs, 32)[:, 0] | (_high_bits_32(qh) << 4)).astype(np.int16)  # ggml's nibble order
         codes = (q if has_min else q - 16).astype(np.int8).reshape(n, k)
         return QuantizedTensor("q8", (n, k), 32, codes, d.reshape(n, -1), m.reshape(n, -1) if has_min else None)
     if qtype in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
@@ -168,7 +173,7 @@ def repack_gguf(raw: np.ndarray, qtype: int) -> QuantizedTensor:
             m, qs = _f16(blocks[:, 2:4]), blocks[:, 4:]
         else:
             m, qs = (d * np.float16(-8)).astype(np.float16), blocks[:, 2:]  # exact: a power-of-two multiple
-        codes = _pack_q4(_nibbles_32(qs).reshape(n, k))
+        codes = np.ascontiguousarray(qs).reshape(n, k // 2)  # already ggml's order
         return QuantizedTensor("q4", (n, k), 32, codes, d.reshape(n, -1), m.reshape(n, -1))
     if qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
         d = _f16(blocks[:, :2]).astype(np.float32)
@@ -179,7 +184,7 @@ def repack_gguf(raw: np.ndarray, qtype: int) -> QuantizedTensor:
         if qtype == GGMLQuantizationType.Q4_K:
             qs = blocks[:, 16:].reshape(nb, 4, 32)  # 4 chunks of 64: low nibbles sub-block 2j, high 2j+1
             q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, k)
-            return QuantizedTensor("q4", (n, k), 32, _pack_q4(q), scale, minus)
+            return QuantizedTensor("q4", (n, k), 32, _pack_q4(q, 32), scale, minus)
         qh, qs = blocks[:, 16:48], blocks[:, 48:].reshape(nb, 4, 32)
         ql = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(nb, 8, 32)
         high = ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1).reshape(nb, 8, 32)
@@ -224,16 +229,17 @@ def quantize(w: np.ndarray, fmt: str, group: int = 32) -> QuantizedTensor:
         mins = lo.astype(np.float16)
         s32, m32 = scale.astype(np.float32)[..., None], mins.astype(np.float32)[..., None]
         q = np.where(s32 > 0, np.rint((g - m32) / np.where(s32 > 0, s32, 1)), 0).clip(0, 15)
-        return QuantizedTensor("q4", (n, k), group, _pack_q4(q.astype(np.uint8).reshape(n, k)), scale, mins)
+        return QuantizedTensor("q4", (n, k), group, _pack_q4(q.astype(np.uint8).reshape(n, k), group), scale, mins)
     raise QuantError(f"unknown block format {fmt!r}; expected one of {FORMATS}")
 
 
 def dequantize_torch(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, fmt: str,
                      group: int) -> torch.Tensor:
     """The eager reference of the compiled dequantization: float32 [N, K]."""
-    if fmt == "q4":
+    if fmt == "q4":  # ggml's order: byte b of a group holds elements b and b + group / 2
         n = codes.shape[0]
-        q = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(n, -1)
+        b = codes.reshape(n, -1, group // 2)
+        q = torch.cat([b & 0x0F, b >> 4], dim=-1).reshape(n, -1)
     else:
         q = codes
     n, k = q.shape

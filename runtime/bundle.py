@@ -29,7 +29,8 @@ _PTX_TARGET_RE = re.compile(rb"\.target (sm_[0-9]+a?)")
 # its code was compiled for, whatever the manifest says.
 _CPU_FEATURES_RE = re.compile(rb'cpu_features = "([^"]*)"')
 # Version 2: the manifest is sealed (manifest_sha256), tokenizer.json hashed, entry points declared.
-FORMAT_VERSION = 2
+# Version 3: q4 codes in ggml's nibble order (frontend/quant.py); a version-2 module reads them wrongly.
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 SEAL_KEY = "manifest_sha256"
 # State buffer element types and their sizes in bytes: the one table the manifest rules use.

@@ -74,13 +74,27 @@ def test_legacy_formats_keep_the_files_bytes(qtype):
         assert packed.nbytes == raw.nbytes
 
 
-def test_q4_codes_pack_two_per_byte_low_nibble_first():
-    raw = random_blocks(GGMLQuantizationType.Q4_1, rows=1, blocks_per_row=1, seed=3)
+def test_q4_codes_keep_ggml_nibble_order():
+    """Byte b of a group holds code b (low nibble) and code b + group/2 (high): a Q4_1 block's own bytes."""
+    raw = random_blocks(GGMLQuantizationType.Q4_1, rows=2, blocks_per_row=3, seed=3)
     packed = repack_gguf(raw, GGMLQuantizationType.Q4_1)
-    codes = packed.unpacked_codes()[0]
-    assert packed.codes[0, 0] == codes[0] | (codes[1] << 4)
-    # ggml stores element i in the low nibble of byte i and element i + 16 in its high nibble.
-    assert codes[16] == raw[0, 4] >> 4 and codes[0] == raw[0, 4] & 0x0F
+    codes = packed.unpacked_codes()
+    assert packed.codes[0, 0] == codes[0, 0] | (codes[0, 16] << 4)
+    assert packed.codes[1, 17] == codes[1, 33] | (codes[1, 49] << 4)  # second group: byte 1 -> codes 32 + 1, 32 + 17
+    assert np.array_equal(packed.codes.reshape(2, 3, 16), raw.reshape(2, 3, 20)[:, :, 4:]), "the block's bytes as they are"
+
+
+def test_q4_packing_round_trips_for_any_group():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((6, 256)).astype(np.float32)
+    for group in (16, 32, 64, 128):
+        q = quantize(w, "q4", group=group)
+        codes = q.unpacked_codes().reshape(6, -1, group)
+        half = group // 2
+        assert np.array_equal(q.codes.reshape(6, -1, half), (codes[..., :half] | (codes[..., half:] << 4)).astype(np.uint8))
+        torch_w = dequantize_torch(torch.from_numpy(q.codes), torch.from_numpy(q.scales), torch.from_numpy(q.mins),
+                                   "q4", group)
+        assert np.array_equal(torch_w.numpy(), q.dequantize())
 
 
 @pytest.mark.parametrize("fmt,bound", [("q8", 1 / 254), ("q4", 1 / 30)])

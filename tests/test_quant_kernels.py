@@ -26,7 +26,8 @@ def _inputs(spec: qk.QLinearSpec, rng: np.random.Generator):
     sdt = np.float16 if spec.scale_type == "f16" else np.float32
     if spec.fmt == "q4":
         q = rng.integers(0, 16, (n, k)).astype(np.uint8)
-        codes = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8).view(np.int8)  # element 2i in the low nibble
+        halves = q.reshape(n, k // g, 2, g // 2)  # ggml's order: byte b holds codes b and b + g/2 of its group
+        codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).view(np.int8)
     else:
         q = codes = rng.integers(-128, 128, (n, k)).astype(np.int8)
     scales = (rng.standard_normal((n, k // g)) * 0.02).astype(sdt)
@@ -64,20 +65,33 @@ CASES = [
     qk.QLinearSpec("q4", 32, "f32", True, (1, 128), 64),  # Q4_K
     qk.QLinearSpec("q8", 32, "f16", False, (128,), 160),  # Q8_0 / Q5_0
     qk.QLinearSpec("q8", 16, "f32", False, (1, 96), 64),  # Q6_K: groups of 16, 8 lanes
+    qk.QLinearSpec("q4", 64, "f16", True, (1, 256), 32),  # quantized at compile time, group 64: 32 lanes
     qk.QLinearSpec("q8", 32, "f32", True, (1, 32), 48),  # one group: the horizontal form
+    qk.QLinearSpec("q4", 32, "f16", True, (1, 32), 48),  # one group, q4: the horizontal form in ggml's order
 ]
 
 
 @pytest.mark.parametrize("spec", CASES, ids=lambda s: s.name)
 def test_decode_kernel_matches_numpy_and_keeps_its_tiles(spec, tmp_path):
     text = qk.fused_matvec_mlir(spec)
-    lanes = qk._lanes(spec)
+    lanes = qk._half_lanes(spec)
     assert (lanes is None) == (spec.groups < 2)
     configured = _compile_and_check(spec, text, tmp_path, seeds=3)
     if lanes:
         # IREE keeps the tiles only while no operand has a unit dimension (docs/quantization.md)
-        assert f"vector_common_parallel = [{qk.ROWS_PER_STEP}, {lanes}, 0, 0]" in configured
-        assert "vector_reduction = [0, 0, 1, 1]" in configured
+        assert lanes == spec.group // 2
+        assert f"vector_common_parallel = [{qk.ROWS_PER_STEP}, {lanes}, 0]" in configured
+        assert "vector_reduction = [0, 0, 1]" in configured
+
+
+@pytest.mark.parametrize("spec", [qk.QLinearSpec("q4", 32, "f16", True, (4, 256), 96),
+                                  qk.QLinearSpec("q8", 16, "f32", False, (3, 96), 64)], ids=lambda s: s.name)
+def test_prefill_dequantize_matmul_matches_numpy(spec, tmp_path):
+    """The prefill form reads the same layouts (q4 in ggml's nibble order) through its own maps."""
+    assert not qk.fuses_rows(qk.QLinearSpec(spec.fmt, spec.group, spec.scale_type, spec.has_min, (64, spec.k),
+                                            spec.n))
+    for q4_bytes in (True, False):  # CPU reads q4 bytes and picks the nibble; GPUs read the i4 bitcast
+        _compile_and_check(spec, qk.dequantize_matmul_mlir(spec, q4_bytes), tmp_path / str(q4_bytes), seeds=2)
 
 
 MULTIROW_CASES = [
@@ -94,7 +108,7 @@ def test_multirow_decode_kernel_matches_numpy_and_keeps_its_tiles(spec, tmp_path
     text = qk.fused_rows_mlir(spec)
     assert "tensor<" + f"{spec.n}x{spec.k}xf32" not in text, "no float copy of the weight"
     configured = _compile_and_check(spec, text, tmp_path, seeds=2)
-    assert f"vector_common_parallel = [{spec.m}, " in configured and "vector_reduction = [0, 0, 0, 1, 1]" in configured
+    assert f"vector_common_parallel = [{spec.m}, " in configured and "vector_reduction = [0, 0, 0, 1]" in configured
 
 
 def test_which_calls_fuse():
@@ -103,4 +117,4 @@ def test_which_calls_fuse():
     assert not qk.fuses_rows(qk.QLinearSpec("q4", 32, "f16", True, (2, 32), 96)), "no lanes for several rows"
     assert not qk.fuses_rows(qk.QLinearSpec("q4", 32, "f16", True, (1, 64, 256), 96)), "prefill chunks dequantize"
     with pytest.raises(qk.QuantKernelError):
-        qk.multirow_lane_partials_mlir(qk.QLinearSpec("q4", 32, "f16", True, (1, 256), 96))
+        qk.half_group_mlir(qk.QLinearSpec("q4", 32, "f16", True, (9, 256), 96))
