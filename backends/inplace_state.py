@@ -3,7 +3,9 @@
 IREE's torch input conversion ends every function that mutates an argument with
 
     %t   = hal.tensor.import %arg               (at entry)
-    %new = iree_linalg_ext.scatter ... outs(%t)  (the KV-cache write: in place on %t)
+    %new = iree_linalg_ext.scatter ... outs(%t)  (the KV-cache write: in place on %t;
+                                                  a decode step's ring write:
+                                                  tensor.insert_slice ... into %t[...])
     %a   = hal.tensor.alias %new to %arg         (put the result in the caller's buffer)
     hal.tensor.barrier join(%a, ...)
 
@@ -15,8 +17,8 @@ of a decode step in a long-context bundle (SmolLM2 at 8192 slots: 250 ms of a
 260 ms step).
 
 Run between `--compile-to=input` and `--compile-from=input`, this rewrite drops
-exactly those aliases whose value is a scatter into the import of the same
-argument, and passes the scatter result to the barrier instead. Every other
+exactly those aliases whose value is a scatter or slice update into the
+import of the same argument, and passes the scatter result to the barrier instead. Every other
 alias (ring writes, GDN state: fresh results IREE places into the argument
 directly) stays. The parity tests check that the updated caches are the ones
 the next call reads.
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 _FUNC = re.compile(r"^\s*(util\.func|func\.func)\b")
 _IMPORT = re.compile(r"^\s*(%[\w.]+) = hal\.tensor\.import\b.*=> (%[\w.]+) :")
 _SCATTER = re.compile(r"^\s*(%[\w.]+) = iree_linalg_ext\.scatter\b.*\bouts\((%[\w.]+) :")
+_INSERT = re.compile(r"^\s*(%[\w.]+) = tensor\.insert_slice %[\w.]+ into (%[\w.]+)\[")
 _ALIAS = re.compile(r"^\s*(%[\w.]+) = hal\.tensor\.alias wait\(%[\w.]+\) => (%[\w.]+) : .* to (%[\w.]+) :")
 _VALUE = re.compile(r"%[\w.]+")
 
@@ -59,7 +62,7 @@ def _elide_in_function(lines: list[str]) -> tuple[list[str], int, int]:
             uses[value] = uses.get(value, 0) + 1
         if m := _IMPORT.match(line):
             imported[m.group(1)] = m.group(2)
-        elif m := _SCATTER.match(line):
+        elif (m := _SCATTER.match(line)) or (m := _INSERT.match(line)):
             scattered_into[m.group(1)] = m.group(2)
     out: list[str] = []
     replaced: dict[str, str] = {}  # dropped alias result -> the value it aliased

@@ -162,6 +162,23 @@ def ring_attention_impl(
     return _attend(q, keys, values, allowed, scale, kv_mapping)
 
 
+def ring_decode_attention_impl(
+    q: Tensor, ring_k: Tensor, ring_v: Tensor, start_pos: Tensor, window: int, scale: float, kv_mapping: str
+) -> Tensor:
+    """One token's sliding-window attention over the ring after its own write.
+
+    With the token at start_pos written, the ring holds exactly the window
+    (start_pos - W, start_pos]: every filled slot is allowed, so attention reads
+    the written ring alone. The ring's only reader is then its update, which IREE
+    does in place; `ring_attention`'s read of the old ring beside the new token
+    made it copy both the ring (into the concatenated keys) and, to keep that
+    read intact, the ring again before the write. Valid for chunks of one token
+    whose token is real (decode entry points pass n_valid = 1).
+    """
+    allowed = (_ring_slot_positions(start_pos + 1, window) >= 0)[:, None, :]  # [B, 1, W]
+    return _attend(q, ring_k, ring_v, allowed, scale, kv_mapping)
+
+
 def ring_write_impl(ring: Tensor, new: Tensor, start_pos: Tensor, n_valid: Tensor) -> Tensor:
     """Each slot takes the newest valid chunk token that maps to it, else keeps its value.
 
@@ -178,6 +195,32 @@ def ring_write_impl(ring: Tensor, new: Tensor, start_pos: Tensor, n_valid: Tenso
     index = token.clamp(0, chunk - 1)[:, None, :, None].expand(b, h, window, d)
     picked = torch.gather(new.to(ring.dtype), 2, index)
     return torch.where(take[:, None, :, None], picked, ring)
+
+
+def _host_mod(x, n: int):
+    """x mod n on a scalar read from a tensor, as host arithmetic in the compiled module.
+
+    Written with floordiv because `%` exports as `aten.fmod.int`, which IREE's torch
+    input conversion cannot legalize. In range for any x: a bad start position
+    writes a wrong slot, never outside the buffer.
+    """
+    return x - (x // n) * n
+
+
+def ring_write_token_impl(ring: Tensor, new: Tensor, start_pos: Tensor, n_valid: Tensor) -> Tensor:
+    """`ring_write` of a chunk of one real token (decode entry points: n_valid = 1).
+
+    One row writes slot start_pos % W as a slice update: the slot is a scalar
+    read on the host from the start_pos input, and IREE lowers the write to one
+    in-place copy at that offset, where the general form rewrites every slot
+    (and IREE placed that result by copying the ring). Reading the position
+    costs the step one wait for a small transfer before its command buffer;
+    that pays for rings, not for full-length caches (docs/architecture.md).
+    """
+    if ring.shape[0] > 1:
+        return ring_write_impl(ring, new, start_pos, n_valid)
+    slot = _host_mod(start_pos[0].item(), ring.shape[2])
+    return torch.ops.aten.slice_scatter(ring, new.to(ring.dtype), 2, slot, slot + 1)
 
 
 # ---------------------------------------------------------------------------
@@ -235,6 +278,28 @@ def _(q, ring_k, ring_v, k_new, v_new, start_pos, n_valid, window, scale, kv_map
     return q.new_empty(q.shape)
 
 
+@torch.library.custom_op("foldline::ring_write_token", mutates_args=())
+def ring_write_token(ring: Tensor, new: Tensor, start_pos: Tensor, n_valid: Tensor) -> Tensor:
+    return ring_write_token_impl(ring, new, start_pos, n_valid)
+
+
+@ring_write_token.register_fake
+def _(ring, new, start_pos, n_valid):
+    return ring.new_empty(ring.shape)
+
+
+@torch.library.custom_op("foldline::ring_decode_attention", mutates_args=())
+def ring_decode_attention(
+    q: Tensor, ring_k: Tensor, ring_v: Tensor, start_pos: Tensor, window: int, scale: float, kv_mapping: str
+) -> Tensor:
+    return ring_decode_attention_impl(q, ring_k, ring_v, start_pos, window, scale, kv_mapping)
+
+
+@ring_decode_attention.register_fake
+def _(q, ring_k, ring_v, start_pos, window, scale, kv_mapping):
+    return q.new_empty(q.shape)
+
+
 @torch.library.custom_op("foldline::ring_write", mutates_args=())
 def ring_write(ring: Tensor, new: Tensor, start_pos: Tensor, n_valid: Tensor) -> Tensor:
     return ring_write_impl(ring, new, start_pos, n_valid)
@@ -251,6 +316,8 @@ DECOMPOSITIONS: dict = {
     torch.ops.foldline.cache_attention.default: cache_attention_impl,
     torch.ops.foldline.ring_attention.default: ring_attention_impl,
     torch.ops.foldline.ring_write.default: ring_write_impl,
+    torch.ops.foldline.ring_decode_attention.default: ring_decode_attention_impl,
+    torch.ops.foldline.ring_write_token.default: ring_write_token_impl,
 }
 
 

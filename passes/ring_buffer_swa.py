@@ -18,6 +18,16 @@ the newest position p with p % W == s. The attention reads the ring as it was
 before this chunk's write plus the chunk's own K/V, with a mask built from
 absolute positions, so it is exact for chunks longer than W, across wrap-around,
 for padded chunks and for batch rows at different positions.
+
+A site whose chunk is one token (the decode entry points, which always pass
+n_valid = 1) takes a form that reads only the written ring:
+
+    k_ring' = ring_write_token(k_ring, k, start_pos, n_valid)      (same for v)
+    o = ring_decode_attention(q, k_ring', v_ring', start_pos, W, scale, map)
+
+After the token's write the ring holds exactly its window, so nothing but the
+update reads the old ring, and IREE writes the one slot in place instead of
+copying the ring into the attention's keys and again to protect that read.
 """
 
 from __future__ import annotations
@@ -45,6 +55,8 @@ KV_WRITE = torch.ops.foldline.kv_cache_write.default
 CACHE_ATTN = torch.ops.foldline.cache_attention.default
 RING_ATTN = torch.ops.foldline.ring_attention.default
 RING_WRITE = torch.ops.foldline.ring_write.default
+RING_DECODE_ATTN = torch.ops.foldline.ring_decode_attention.default
+RING_WRITE_TOKEN = torch.ops.foldline.ring_write_token.default
 COPY = torch.ops.aten.copy.default
 
 
@@ -120,6 +132,13 @@ def _rewrite(program: ExportedProgram, windows: dict[int, int], n_state: int) ->
         q, _k, _v, start_pos, window, scale, mapping, _length = attn.args
         k_state, k_new, _, n_valid = site.k_write.args
         v_state, v_new, _, _ = site.v_write.args
+        one_token = q.meta["val"].shape[2] == 1  # attend over the written ring (module docstring)
+        site.k_write.target = site.v_write.target = RING_WRITE_TOKEN if one_token else RING_WRITE
+        if one_token:
+            attn.target = RING_DECODE_ATTN
+            attn.args = (q, site.k_write, site.v_write, start_pos, window, scale, mapping)
+            done += 1
+            continue
         with gm.graph.inserting_before(attn):
             ring = gm.graph.call_function(
                 RING_ATTN, (q, k_state, v_state, k_new, v_new, start_pos, n_valid, window, scale, mapping)
@@ -127,8 +146,6 @@ def _rewrite(program: ExportedProgram, windows: dict[int, int], n_state: int) ->
         ring.meta = dict(attn.meta)
         attn.replace_all_uses_with(ring)
         gm.graph.erase_node(attn)
-        site.k_write.target = RING_WRITE
-        site.v_write.target = RING_WRITE
         # Program order: every read of the old ring comes before its write. The
         # functional graph does not need this, but the compiled module updates the
         # caller's buffer in place and must not overwrite slots still to be read.

@@ -102,10 +102,56 @@ def test_elide_drops_only_aliases_of_sole_in_place_scatters():
     assert "join(%2, %6, %7 :" in edited
 
 
+def test_elide_drops_aliases_of_sole_in_place_slice_updates():
+    """A one-token decode write is a slice update at the step's slot: in place like a scatter."""
+    mlir = _MLIR.replace(
+        "%2 = iree_linalg_ext.scatter dimension_map = [0] unique_indices(false) ins(%u, %i : tensor<1x8xf32>, "
+        "tensor<1x1xi64>) outs(%0 : tensor<4x8xf32>) {",
+        "%2 = tensor.insert_slice %u into %0[%i, 0] [1, 8] [1, 1] : tensor<1x8xf32> into tensor<4x8xf32>",
+    )
+    assert "tensor.insert_slice" in mlir
+    edited, report = elide_inplace_aliases(mlir)
+    assert (report.elided, report.kept) == (1, 2)
+    assert "to %arg0" not in edited and "join(%2, %6, %7 :" in edited
+
+
 def test_elide_is_scoped_to_each_function():
     two = _MLIR + _MLIR.replace("@f$async", "@g$async").replace("outs(%0 ", "outs(%1 ")
     _, report = elide_inplace_aliases(two)
     assert (report.elided, report.kept) == (1, 2 + 3)
+
+
+@pytest.mark.slow
+def test_decode_writes_rings_and_caches_in_place():
+    """gemma3-tiny (rings and a global cache): a decode step copies no cache or ring and runs as two
+    command buffers, the read of its start position and then the whole step (a host check between
+    the layers' writes would split the step into one submission per layer)."""
+    import iree.compiler as ireec
+
+    from foldline.backends.importer import import_programs
+    from foldline.backends.targets import cpu_target
+    from foldline.frontend.export import export_model
+    from foldline.frontend.model import build_model
+    from foldline.passes.registry import CompileUnit
+
+    cfg = get_preset("gemma3-tiny").replace(max_context=1024)
+    entries = export_model(build_model(cfg), 1, 16)
+    unit = CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs,
+                       options={"kv_lengths": [256]})
+    run_pipeline(unit, None, progress=lambda _m: None)
+    ring_bytes = min(s.nbytes for s in unit.state_specs)
+    assert any(s.kind == "local_kv" for s in unit.state_specs) and any(s.kind == "global_kv" for s in unit.state_specs)
+    mlir, _ = import_programs(unit.programs.items())
+    flags = cpu_target().flags
+    converted = ireec.compile_str(mlir, input_type="torch", extra_args=[*flags, "--compile-to=input"]).decode()
+    edited, _ = elide_inplace_aliases(converted)
+    stream = ireec.compile_str(edited, extra_args=[*flags, "--compile-from=input", "--compile-to=stream"]).decode()
+    decodes = [f for f in stream.split("util.func public @") if f.startswith(("decode$async", "decode_256$async"))]
+    assert len(decodes) == 2
+    for body in decodes:
+        copies = [int(c) for c in re.findall(r"stream\.cmd\.copy [^\n]*?, %c(\d+) :", body)]
+        assert not [c for c in copies if c >= ring_bytes], f"a decode step copies {max(copies)} bytes"
+        assert len(re.findall(r"stream\.cmd\.execute", body)) == 2
 
 
 @pytest.mark.slow

@@ -90,6 +90,40 @@ def test_ring_ops_equal_full_cache_ops(case):
         assert torch.equal(ring_v, ring_from_full(full_v, pos, window))
 
 
+@settings(max_examples=scaled(30, 1000))
+@given(
+    window=st.integers(1, 12),
+    starts=st.lists(st.integers(0, 40), min_size=1, max_size=3),
+    steps=st.integers(1, 30),
+    seed=st.integers(0, 2**16),
+)
+def test_one_token_ring_ops_equal_full_cache_ops(window, starts, steps, seed):
+    """ring_write_token + ring_decode_attention (the decode form: attention over the written ring)
+    == kv_cache_write + cache_attention, step by step across wrap-around, one to three rows."""
+    record("property one-token ring ops: cases")
+    gen = torch.Generator().manual_seed(seed)
+    b, h, d = len(starts), 2, 4
+    length = max(starts) + steps + 1
+    pos = torch.tensor(starts)
+    full_k = torch.randn(b, h, length, d, generator=gen)  # slots below a row's start are its history
+    full_v = torch.randn(b, h, length, d, generator=gen)
+    ring_k, ring_v = ring_from_full(full_k, pos, window), ring_from_full(full_v, pos, window)
+    ones = torch.ones(b, dtype=torch.int64)
+    for _ in range(steps):
+        k_new, v_new = torch.randn(b, h, 1, d, generator=gen), torch.randn(b, h, 1, d, generator=gen)
+        q = torch.randn(b, 2 * h, 1, d, generator=gen)
+        full_k = ops.kv_cache_write_impl(full_k, k_new, pos, ones)
+        full_v = ops.kv_cache_write_impl(full_v, v_new, pos, ones)
+        want = ops.cache_attention_impl(q, full_k, full_v, pos, window, 0.5, "blocked", length)
+        ring_k = ops.ring_write_token_impl(ring_k, k_new, pos, ones)
+        ring_v = ops.ring_write_token_impl(ring_v, v_new, pos, ones)
+        got = ops.ring_decode_attention_impl(q, ring_k, ring_v, pos, window, 0.5, "blocked")
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        pos = pos + 1
+        assert torch.equal(ring_k, ring_from_full(full_k, pos, window))
+        assert torch.equal(ring_v, ring_from_full(full_v, pos, window))
+
+
 def ring_config(window: int, max_context: int = 64):
     """Ripple's block with a small window and three layers: cheap to export, wraps often."""
     return get_preset("ripple-tiny").replace(
