@@ -18,9 +18,9 @@ of a decode step in a long-context bundle (SmolLM2 at 8192 slots: 250 ms of a
 
 Run between `--compile-to=input` and `--compile-from=input`, this rewrite drops
 exactly those aliases whose value is a scatter or slice update into the
-import of the same argument, and passes the scatter result to the barrier instead. Every other
-alias (ring writes, GDN state: fresh results IREE places into the argument
-directly) stays. The parity tests check that the updated caches are the ones
+import of the same argument, and passes the updated value to the barrier
+instead. Every other alias (a prefill chunk's ring write, GDN state: fresh
+results IREE places into the argument) stays. The parity tests check that the updated caches are the ones
 the next call reads.
 """
 
