@@ -116,14 +116,20 @@ def _compilation_info(distribution: list[int], parallel: list[int], reduction: l
             f"translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>")
 
 
-def _body(spec: QLinearSpec) -> tuple[str, list[str], str]:
-    """(block arguments, dequantization lines, the value holding the weight element) of the body."""
+def _body(spec: QLinearSpec, code: tuple[str, list[str]] | None = None) -> tuple[str, list[str], str]:
+    """(block arguments, dequantization lines, the value holding the weight element) of the body.
+
+    code: (block argument, lines making %qf from it) to read the code another
+    way; by default %q is an i4 (q4) or i8 (q8) code.
+    """
     st = spec.scale_type
-    args = ["%a: f32", f"%q: {'i4' if spec.fmt == 'q4' else 'i8'}", f"%s: {st}"] + ([f"%mn: {st}"] if spec.has_min else [])
-    if spec.fmt == "q4":
-        lines = ["%qi = arith.extui %q : i4 to i32", "%qf = arith.uitofp %qi : i32 to f32"]
-    else:
-        lines = ["%qf = arith.sitofp %q : i8 to f32"]
+    if code is None:
+        q4 = spec.fmt == "q4"
+        code = (f"%q: {'i4' if q4 else 'i8'}",
+                ["%qi = arith.extui %q : i4 to i32", "%qf = arith.uitofp %qi : i32 to f32"] if q4
+                else ["%qf = arith.sitofp %q : i8 to f32"])
+    code_arg, lines = code[0], list(code[1])
+    args = ["%a: f32", code_arg, f"%s: {st}"] + ([f"%mn: {st}"] if spec.has_min else [])
     scale = "%s"
     if st == "f16":
         lines.append("%sf = arith.extf %s : f16 to f32")
@@ -432,20 +438,20 @@ def dequantize_matmul_mlir(spec: QLinearSpec, q4_bytes: bool = True) -> str:
     m, n, k, g, half = spec.m, spec.n, spec.k, spec.groups, spec.group // 2
     scale_ins = ["%scales"] + (["%mins"] if spec.has_min else [])
     w3_t, w_t, x2_t, y2_t = (_tensor(s, "f32") for s in ((n, g, 2, half), (n, k), (m, k), (m, n)))
-    bargs, deq, w = _body(spec)
     dims = "n, g, h, b"
     if spec.fmt == "q4" and q4_bytes:
         q_t = _tensor((n, g, half), "i8")
         lines = ["%qw = " + _reshape("expand", "%codes", _codes_t(spec), q_t, [[0], [1, 2]], [n, g, half])]
         code_map = f"affine_map<({dims}) -> (n, g, b)>"
-        bargs = bargs.replace("%q: i4", "%q8: i8")
-        deq = ["%h = linalg.index 2 : index", "%hi = arith.index_cast %h : index to i8",
-               "%c4 = arith.constant 4 : i8", "%c15 = arith.constant 15 : i8", "%sh = arith.muli %hi, %c4 : i8",
-               "%nib = arith.shrui %q8, %sh : i8", "%q = arith.andi %nib, %c15 : i8",
-               "%qf = arith.uitofp %q : i8 to f32", *deq[2:]]
+        nibble = ["%h = linalg.index 2 : index", "%hi = arith.index_cast %h : index to i8",
+                  "%c4 = arith.constant 4 : i8", "%c15 = arith.constant 15 : i8", "%sh = arith.muli %hi, %c4 : i8",
+                  "%nib = arith.shrui %q8, %sh : i8", "%q = arith.andi %nib, %c15 : i8",
+                  "%qf = arith.uitofp %q : i8 to f32"]
+        bargs, deq, w = _body(spec, ("%q8: i8", nibble))
     else:
         lines, q_t = _codes_by_half(spec)
         code_map = _code_map(spec, dims, "n", "g", "b", "h")
+        bargs, deq, w = _body(spec)
     maps = [code_map] + [f"affine_map<({dims}) -> (n, g)>"] * len(scale_ins) + [f"affine_map<({dims}) -> (n, g, h, b)>"]
     lines += [
         f"%wempty = tensor.empty() : {w3_t}",
