@@ -21,6 +21,8 @@ ENTRY_POINTS = ("prefill", "decode")
 # The attribute under which each entry point holds the CausalLM: its parameters are
 # lifted as "model.<parameter name>".
 MODEL_ATTR = "model"
+POSITION_SHAPE_DTYPE = torch.int8
+MAX_POSITION = 1 << 30  # bound of decode's dynamic position dimension (any real context is below)
 
 
 def parameter_target(param_name: str) -> str:
@@ -52,10 +54,21 @@ class _ChunkEntry(nn.Module):
 
 
 class _DecodeEntry(_ChunkEntry):
-    """decode(tokens[B,1], pos[B], state...): one token, always valid."""
+    """decode(tokens[B,1], pos[B], pos_shape[0, pos[0]], state...): one token, always valid.
 
-    def forward(self, tokens, pos, *state):
-        return self.model(tokens, pos, torch.ones_like(pos), *state)
+    `pos_shape` is an empty tensor whose second dimension is row 0's position: a
+    dynamic dimension reaches the compiled module as host metadata, so the cache
+    writes of a one-row bundle take their slot from it with no read of device
+    memory (reading `pos` itself would make each step wait for a transfer).
+    """
+
+    def forward(self, tokens, pos, pos_shape, *state):
+        return self.model(tokens, pos, torch.ones_like(pos), *state, host_pos=pos_shape.shape[1])
+
+
+def position_shape(position: int) -> torch.Tensor:
+    """decode's `pos_shape` input for row 0 at `position`: no data, the position is its shape."""
+    return torch.empty((0, position), dtype=POSITION_SHAPE_DTYPE)
 
 
 def example_inputs(model: CausalLM, name: str, batch: int, chunk: int) -> tuple:
@@ -65,7 +78,16 @@ def example_inputs(model: CausalLM, name: str, batch: int, chunk: int) -> tuple:
     pos = torch.zeros((batch,), dtype=torch.int64)
     if name == "prefill":
         return (tokens, pos, torch.full((batch,), chunk, dtype=torch.int64), *state)
-    return (tokens, pos, *state)
+    # torch.export specialises a dynamic dimension traced at size 0 or 1: trace at 2.
+    return (tokens, pos, position_shape(2), *state)
+
+
+def _dynamic_shapes(name: str, n_args: int) -> tuple | None:
+    """decode's pos_shape has a dynamic second dimension (the position); all else is static."""
+    if name == "prefill":
+        return None
+    position = torch.export.Dim("position", min=0, max=MAX_POSITION)
+    return (None, None, {1: position}, (None,) * (n_args - 3))  # *state is one argument, a tuple
 
 
 def export_entry_point(model: CausalLM, name: str, batch: int = 1, chunk: int = 16) -> EntryPoint:
@@ -77,7 +99,7 @@ def export_entry_point(model: CausalLM, name: str, batch: int = 1, chunk: int = 
     wrapper = wrapper_cls(model, len(specs)).eval()
     args = example_inputs(model, name, batch, chunk)
     with torch.no_grad():
-        program = torch.export.export(wrapper, args, strict=False)
+        program = torch.export.export(wrapper, args, dynamic_shapes=_dynamic_shapes(name, len(args)), strict=False)
     # An empty table only functionalises: in-place state writes become
     # USER_INPUT_MUTATION outputs, and our custom ops survive for the passes.
     program = program.run_decompositions(decomp_table={})

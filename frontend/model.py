@@ -71,8 +71,9 @@ class Attention(nn.Module):
             q = rotary(q, ctx.positions, base, rot_dim, pos_scale, cfg.rope_interleaved)
             k = rotary(k, ctx.positions, base, rot_dim, pos_scale, cfg.rope_interleaved)
 
-        new_k = torch.ops.foldline.kv_cache_write(k_cache, k, ctx.start_pos, ctx.n_valid)
-        new_v = torch.ops.foldline.kv_cache_write(v_cache, v, ctx.start_pos, ctx.n_valid)
+        write = (ctx.start_pos, ctx.n_valid) if ctx.host_pos is None else (ctx.start_pos, ctx.n_valid, ctx.host_pos)
+        new_k = torch.ops.foldline.kv_cache_write(k_cache, k, *write)
+        new_v = torch.ops.foldline.kv_cache_write(v_cache, v, *write)
         k_cache.copy_(new_k)
         v_cache.copy_(new_v)
         attn = torch.ops.foldline.cache_attention(
@@ -171,11 +172,14 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def forward(self, tokens: Tensor, start_pos: Tensor, n_valid: Tensor, *state: Tensor) -> Tensor:
+    def forward(
+        self, tokens: Tensor, start_pos: Tensor, n_valid: Tensor, *state: Tensor, host_pos: int | None = None
+    ) -> Tensor:
+        """`host_pos`: start_pos[0] as a host integer, for a chunk of one real token (decode)."""
         b, c = tokens.shape
         x = self.embed(tokens)
         positions = start_pos[:, None] + torch.arange(c, dtype=start_pos.dtype)
-        ctx = ChunkContext(start_pos=start_pos, n_valid=n_valid, positions=positions, embed=x)
+        ctx = ChunkContext(start_pos=start_pos, n_valid=n_valid, positions=positions, embed=x, host_pos=host_pos)
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, list(state[2 * i : 2 * i + 2]))
         # Logits only for the last valid position of each row.

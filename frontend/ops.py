@@ -76,7 +76,9 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, kv_m
 # ---------------------------------------------------------------------------
 
 
-def kv_cache_write_impl(cache: Tensor, new: Tensor, start_pos: Tensor, n_valid: Tensor) -> Tensor:
+def kv_cache_write_impl(
+    cache: Tensor, new: Tensor, start_pos: Tensor, n_valid: Tensor, host_pos: int | None = None
+) -> Tensor:
     """Write new[:, :, i] into slot start_pos + i for the valid tokens i < n_valid; no other slot changes.
 
     Padding tokens rewrite the last valid token's value into its own slot, so the
@@ -86,7 +88,13 @@ def kv_cache_write_impl(cache: Tensor, new: Tensor, start_pos: Tensor, n_valid: 
     position yet (masked, and overwritten by that row's next token); such a row
     must not be at a full cache (start_pos == max_context), where it would
     overwrite the last slot.
+
+    `host_pos` is start_pos[0] known on the host (decode entry points carry it in
+    an input's shape): one real token of one row is then a slice update at that
+    slot, one in-place copy, where the scatter costs IREE eight dispatches.
     """
+    if host_pos is not None and cache.shape[0] == 1 and new.shape[2] == 1:
+        return _write_slot(cache, new, host_pos)
     b, h, length, d = cache.shape
     chunk = new.shape[2]
     i = torch.arange(chunk, dtype=start_pos.dtype, device=start_pos.device)[None, :]
@@ -95,6 +103,18 @@ def kv_cache_write_impl(cache: Tensor, new: Tensor, start_pos: Tensor, n_valid: 
     value = torch.gather(new.to(cache.dtype), 2, source[:, None, :, None].expand(b, h, chunk, d))
     index = pos[:, None, :, None].expand(b, h, chunk, d)
     return torch.scatter(cache, 2, index, value)
+
+
+def _write_slot(cache: Tensor, new: Tensor, position) -> Tensor:
+    """new (one token) into slot position mod S of a cache or ring of S slots, as a slice update.
+
+    `position` is a host integer (a SymInt in the exported graph): IREE computes
+    the offset on the host and writes the slot in place, with no read of device
+    memory before the step. Taken mod S so that any position stays inside the
+    buffer (a full cache is never called past its last slot; a ring wraps).
+    """
+    slot = _host_mod(position, cache.shape[2])
+    return torch.ops.aten.slice_scatter(cache, new.to(cache.dtype), 2, slot, slot + 1)
 
 
 def cache_attention_impl(
@@ -198,29 +218,26 @@ def ring_write_impl(ring: Tensor, new: Tensor, start_pos: Tensor, n_valid: Tenso
 
 
 def _host_mod(x, n: int):
-    """x mod n on a scalar read from a tensor, as host arithmetic in the compiled module.
+    """x mod n on a host integer, as host arithmetic in the compiled module.
 
     Written with floordiv because `%` exports as `aten.fmod.int`, which IREE's torch
-    input conversion cannot legalize. In range for any x: a bad start position
-    writes a wrong slot, never outside the buffer.
+    input conversion cannot legalize.
     """
     return x - (x // n) * n
 
 
-def ring_write_token_impl(ring: Tensor, new: Tensor, start_pos: Tensor, n_valid: Tensor) -> Tensor:
+def ring_write_token_impl(
+    ring: Tensor, new: Tensor, start_pos: Tensor, n_valid: Tensor, host_pos: int | None = None
+) -> Tensor:
     """`ring_write` of a chunk of one real token (decode entry points: n_valid = 1).
 
-    One row writes slot start_pos % W as a slice update: the slot is a scalar
-    read on the host from the start_pos input, and IREE lowers the write to one
-    in-place copy at that offset, where the general form rewrites every slot
-    (and IREE placed that result by copying the ring). Reading the position
-    costs the step one wait for a small transfer before its command buffer;
-    that pays for rings, not for full-length caches (docs/architecture.md).
+    With the position on the host (`host_pos`, one row) the write is a slice
+    update at slot host_pos % W, which IREE does in place; the general form
+    rewrites every slot, and IREE placed that result by copying the ring.
     """
-    if ring.shape[0] > 1:
+    if host_pos is None or ring.shape[0] > 1:
         return ring_write_impl(ring, new, start_pos, n_valid)
-    slot = _host_mod(start_pos[0].item(), ring.shape[2])
-    return torch.ops.aten.slice_scatter(ring, new.to(ring.dtype), 2, slot, slot + 1)
+    return _write_slot(ring, new, host_pos)
 
 
 # ---------------------------------------------------------------------------
@@ -229,12 +246,12 @@ def ring_write_token_impl(ring: Tensor, new: Tensor, start_pos: Tensor, n_valid:
 
 
 @torch.library.custom_op("foldline::kv_cache_write", mutates_args=())
-def kv_cache_write(cache: Tensor, new: Tensor, start_pos: Tensor, n_valid: Tensor) -> Tensor:
-    return kv_cache_write_impl(cache, new, start_pos, n_valid)
+def kv_cache_write(cache: Tensor, new: Tensor, start_pos: Tensor, n_valid: Tensor, host_pos: int | None = None) -> Tensor:
+    return kv_cache_write_impl(cache, new, start_pos, n_valid, host_pos)
 
 
 @kv_cache_write.register_fake
-def _(cache, new, start_pos, n_valid):
+def _(cache, new, start_pos, n_valid, host_pos=None):
     return cache.new_empty(cache.shape)
 
 
@@ -279,12 +296,12 @@ def _(q, ring_k, ring_v, k_new, v_new, start_pos, n_valid, window, scale, kv_map
 
 
 @torch.library.custom_op("foldline::ring_write_token", mutates_args=())
-def ring_write_token(ring: Tensor, new: Tensor, start_pos: Tensor, n_valid: Tensor) -> Tensor:
-    return ring_write_token_impl(ring, new, start_pos, n_valid)
+def ring_write_token(ring: Tensor, new: Tensor, start_pos: Tensor, n_valid: Tensor, host_pos: int | None = None) -> Tensor:
+    return ring_write_token_impl(ring, new, start_pos, n_valid, host_pos)
 
 
 @ring_write_token.register_fake
-def _(ring, new, start_pos, n_valid):
+def _(ring, new, start_pos, n_valid, host_pos=None):
     return ring.new_empty(ring.shape)
 
 

@@ -46,6 +46,7 @@ class ChunkContext:
     n_valid: Tensor  # [B] int64
     positions: Tensor  # [B, C] int64
     embed: Tensor  # [B, C, d] scaled embedding (Ripple's value-residual seed)
+    host_pos: int | None = None  # start_pos[0] on the host, given by decode entry points (one real token)
 
 
 @dataclass

@@ -130,8 +130,8 @@ def _rewrite(program: ExportedProgram, windows: dict[int, int], n_state: int) ->
             continue
         attn = site.attention
         q, _k, _v, start_pos, window, scale, mapping, _length = attn.args
-        k_state, k_new, _, n_valid = site.k_write.args
-        v_state, v_new, _, _ = site.v_write.args
+        k_state, k_new, _, n_valid = site.k_write.args[:4]
+        v_state, v_new = site.v_write.args[:2]
         one_token = q.meta["val"].shape[2] == 1  # attend over the written ring (module docstring)
         site.k_write.target = site.v_write.target = RING_WRITE_TOKEN if one_token else RING_WRITE
         if one_token:

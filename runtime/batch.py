@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
+from .bundle import position_shape
 from .checks import ContextFullError, SessionStateError, check_ids
 
 
@@ -108,7 +109,7 @@ class Batch:
             n_valid[r] = ids.size
         end = max(int(start[r] + max(n_valid[r], 1)) for r in open_rows)
         if is_decode:
-            entry, inputs = self.model.entry_point("decode", end), [tokens, start]
+            entry, inputs = self.model.entry_point("decode", end), [tokens, start, position_shape(int(start[0]))]
         else:
             entry, inputs = self.model.entry_point("prefill", end), [tokens, start, n_valid]
         try:

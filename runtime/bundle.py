@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..dtypes import DTYPES, FLOAT_DTYPES, itemsize
 from ..errors import FoldlineError
 
@@ -30,13 +32,15 @@ _PTX_TARGET_RE = re.compile(rb"\.target (sm_[0-9]+a?)")
 _CPU_FEATURES_RE = re.compile(rb'cpu_features = "([^"]*)"')
 # Version 2: the manifest is sealed (manifest_sha256), tokenizer.json hashed, entry points declared.
 # Version 3: q4 codes in ggml's nibble order (frontend/quant.py); a version-2 module reads them wrongly.
-FORMAT_VERSION = 3
+# Version 4: decode takes pos_shape, an empty [0, position] int8 tensor (frontend/export.py).
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 SEAL_KEY = "manifest_sha256"
 # State buffer element types and their sizes in bytes: the one table the manifest rules use.
 STATE_DTYPES = {name: itemsize(name) for name in FLOAT_DTYPES}  # from foldline.dtypes
 # The same element types as MLIR spells them in an entry point's declaration.
-MLIR_DTYPES = {d.mlir: d.name for d in DTYPES.values() if d.name in (*FLOAT_DTYPES, "int64")}
+MLIR_DTYPES = {d.mlir: d.name for d in DTYPES.values() if d.name in (*FLOAT_DTYPES, "int8", "int64")}
+DYNAMIC = -1  # a dynamic dimension (`?`) in an entry point's declared input shape
 STATE_KINDS = ("global_kv", "local_kv", "gdn_recurrent", "gdn_conv")
 LAYER_TYPES = {"global": ("global_kv",), "local": ("local_kv",), "gdn": ("gdn_recurrent", "gdn_conv")}
 # LLVM x86 feature -> its /proc/cpuinfo flag: the ISA extensions a CPU module may rely on
@@ -501,14 +505,24 @@ def declared_inputs(declaration: str) -> list[tuple[list[int], str]]:
     """(shape, dtype) of each tensor input of an entry point's `iree.abi.declaration`, in order.
 
     The declaration reads `sync func @decode(%input0: tensor<1x1xi64>, ...) -> (...)`;
-    only its inputs are parsed, never its outputs.
+    only its inputs are parsed, never its outputs. A dynamic dimension reads as DYNAMIC.
     """
     head = declaration.split(") -> ", 1)[0]
     out = []
     for _index, spec in _INPUT_RE.findall(head):
         *dims, elem = spec.split("x")
-        out.append(([int(d) for d in dims if d.isdigit()], MLIR_DTYPES.get(elem, elem)))
+        shape = [int(d) if d.isdigit() else DYNAMIC for d in dims if d.isdigit() or d == "?"]
+        out.append((shape, MLIR_DTYPES.get(elem, elem)))
     return out
+
+
+def position_shape(position: int) -> np.ndarray:
+    """decode's pos_shape input for row 0 at `position`: no data, the position is its second dimension.
+
+    The compiled module reads a dimension on the host, so the decode step's cache
+    writes need no read of device memory to find their slot.
+    """
+    return np.empty((0, position), np.int8)
 
 
 def entry_point_inputs(manifest: Manifest) -> dict[str, list[tuple[list[int], str, str]]]:
@@ -516,7 +530,7 @@ def entry_point_inputs(manifest: Manifest) -> dict[str, list[tuple[list[int], st
     b, c = manifest.batch, manifest.prefill_chunk
     state = [(list(s.shape), s.dtype, f"state buffer {s.name!r}") for s in manifest.state]
     prefill = [([b, c], "int64", "tokens"), ([b], "int64", "start_pos"), ([b], "int64", "n_valid"), *state]
-    decode = [([b, 1], "int64", "tokens"), ([b], "int64", "pos"), *state]
+    decode = [([b, 1], "int64", "tokens"), ([b], "int64", "pos"), ([0, DYNAMIC], "int8", "pos_shape"), *state]
     out = {"prefill": prefill, "decode": decode}
     for n in manifest.kv_lengths:
         out[f"prefill_{n}"], out[f"decode_{n}"] = prefill, decode

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 from torch.fx.graph import CodeGen
 
+from ..frontend.export import position_shape
 from ..frontend.types import TORCH_DTYPES, StateSpec
 from ..passes.manager import CompileUnit, run_pipeline
 from ..passes.state_layout import SEQ_DIM
@@ -50,7 +51,7 @@ _HEADS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.at
 
 @dataclass
 class Step:
-    """One call of an entry point: prefill(tokens, start_pos, n_valid) or decode(tokens, pos)."""
+    """One call of an entry point: prefill(tokens, start_pos, n_valid) or decode(tokens, pos, pos_shape)."""
 
     entry: str
     tokens: Tensor
@@ -60,7 +61,7 @@ class Step:
     def args(self) -> tuple[Tensor, ...]:
         if self.entry.startswith("prefill"):  # prefill or a length variant, prefill_<L>
             return (self.tokens, self.start_pos, self.n_valid)
-        return (self.tokens, self.start_pos)
+        return (self.tokens, self.start_pos, position_shape(int(self.start_pos[0])))
 
     @property
     def end_pos(self) -> Tensor:

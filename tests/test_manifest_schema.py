@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -199,7 +200,7 @@ def _declarations(data: dict) -> dict[str, dict[str, str]]:
         args = ", ".join(f"%input{i}: tensor<{t}>" for i, t in enumerate([*types, *state]))
         return {"iree.abi.declaration": f"sync func @{name}({args}) -> (%output0: tensor<{b}x512xf32>)"}
 
-    prefill, decode = [f"{b}x{c}xi64", f"{b}xi64", f"{b}xi64"], [f"{b}x1xi64", f"{b}xi64"]
+    prefill, decode = [f"{b}x{c}xi64", f"{b}xi64", f"{b}xi64"], [f"{b}x1xi64", f"{b}xi64", "0x?xi8"]
     out = {"prefill": decl("prefill", prefill), "decode": decl("decode", decode)}
     for n in data.get("kv_lengths", []):
         out[f"prefill_{n}"], out[f"decode_{n}"] = decl(f"prefill_{n}", prefill), decl(f"decode_{n}", decode)
@@ -234,6 +235,13 @@ def test_entry_points_matching_the_manifest_pass_and_mismatches_are_named():
 
     with pytest.raises(BundleError, match="declares no signature"):
         check_entry_points(_FakeManifest(data), "cpu", lambda name: {})
+
+    # A decode without pos_shape (the ABI before format 4) is named, not run.
+    old = {name: {k: re.sub(r", %input2: tensor<0x\?xi8>", "", v) for k, v in d.items()} if name.startswith("decode")
+           else d for name, d in module.items()}
+    assert "0x?xi8" not in old["decode"]["iree.abi.declaration"]
+    with pytest.raises(BundleError, match=r"decode takes 8 inputs, the manifest implies 9 \(6 state buffers\)"):
+        check_entry_points(_FakeManifest(data), "cpu", old.get)
 
 
 # ---- CPU features -----------------------------------------------------------------------------
