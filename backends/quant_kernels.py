@@ -90,8 +90,12 @@ class QLinearSpec:
 
 
 # The decode kernel keeps one partial sum per half-group lane and output row in vector
-# registers; ROWS_PER_STEP rows per vector step give independent add chains.
+# registers; rows per vector step give independent add chains. Two suit short rows of
+# q4 codes; four suit long rows (LONG_ROW_GROUPS groups or more) and q8 codes, whose
+# steps are longer chains (docs/quantization.md has the per-shape timings).
 ROWS_PER_STEP = 2
+ROWS_PER_STEP_LONG = 4
+LONG_ROW_GROUPS = 32
 ROWS_PER_WORKGROUP = 32
 # Activation rows the fused form takes (decode of a bundle compiled with --batch up to this).
 MAX_FUSED_ROWS = 8
@@ -101,6 +105,18 @@ def _half_lanes(spec: QLinearSpec) -> int | None:
     """Lanes of the half-group kernel (group / 2), or None where a dim would be unit (IREE then drops the tiles)."""
     lanes = spec.group // 2
     return lanes if spec.group % 2 == 0 and lanes >= 2 and spec.groups >= 2 else None
+
+
+def _rows_per_step(spec: QLinearSpec) -> int:
+    """Output rows per vector step of the half-group kernel: four for long or q8 rows, else two.
+
+    Capped so that all activation rows times these rows stay within four chains' registers.
+    """
+    long = spec.fmt == "q8" or spec.groups >= LONG_ROW_GROUPS
+    for rows in ((ROWS_PER_STEP_LONG, ROWS_PER_STEP) if long else (ROWS_PER_STEP,)):
+        if spec.n % rows == 0 and spec.m * rows <= 4:
+            return rows
+    return 1
 
 
 def _tiles(spec: QLinearSpec) -> tuple[list[int], list[int], list[int]]:
@@ -309,7 +325,7 @@ def half_group_mlir(spec: QLinearSpec) -> str:
     part_t = _tensor(part_shape, "f32")
     maps = ([x_map, x_map, *code_maps] + [f"affine_map<({dims}) -> (r, g)>"] * len(scale_ins)
             + [f"affine_map<({dims}) -> ({'b, ' if multi else ''}r, l)>"])
-    rows = ROWS_PER_STEP if n % ROWS_PER_STEP == 0 and m * ROWS_PER_STEP <= 4 else 1
+    rows = _rows_per_step(spec)
     if multi:
         info = _compilation_info([m, min(ROWS_PER_WORKGROUP, n), 0, 0], [m, rows, lanes, 0], [0, 0, 0, 1])
     else:

@@ -68,6 +68,7 @@ CASES = [
     qk.QLinearSpec("q4", 64, "f16", True, (1, 256), 32),  # quantized at compile time, group 64: 32 lanes
     qk.QLinearSpec("q8", 32, "f32", True, (1, 32), 48),  # one group: the horizontal form
     qk.QLinearSpec("q4", 32, "f16", True, (1, 32), 48),  # one group, q4: the horizontal form in ggml's order
+    qk.QLinearSpec("q4", 32, "f16", True, (1, 1024), 64),  # a long row (32 groups): four rows per step
 ]
 
 
@@ -80,8 +81,18 @@ def test_decode_kernel_matches_numpy_and_keeps_its_tiles(spec, tmp_path):
     if lanes:
         # IREE keeps the tiles only while no operand has a unit dimension (docs/quantization.md)
         assert lanes == spec.group // 2
-        assert f"vector_common_parallel = [{qk.ROWS_PER_STEP}, {lanes}, 0]" in configured
+        assert f"vector_common_parallel = [{qk._rows_per_step(spec)}, {lanes}, 0]" in configured
         assert "vector_reduction = [0, 0, 1]" in configured
+
+
+def test_rows_per_step_follow_row_length_format_and_activation_rows():
+    def rows(fmt: str, k: int, m: int = 1, n: int = 64) -> int:
+        return qk._rows_per_step(qk.QLinearSpec(fmt, 32, "f16", fmt == "q4", (m, k), n))
+
+    assert rows("q4", 576) == qk.ROWS_PER_STEP == 2  # 18 groups: short q4 rows
+    assert rows("q4", 1536) == rows("q8", 576) == qk.ROWS_PER_STEP_LONG == 4  # 48 groups; q8 codes
+    assert rows("q8", 576, m=2) == 2 and rows("q4", 576, m=3) == 1  # rows x activation rows <= 4
+    assert rows("q8", 576, n=66) == 2 and rows("q4", 576, n=63) == 1  # a divisor of the output rows
 
 
 @pytest.mark.parametrize("spec", [qk.QLinearSpec("q4", 32, "f16", True, (4, 256), 96),
