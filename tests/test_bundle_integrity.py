@@ -195,11 +195,12 @@ def test_compiled_module_declares_its_entry_points(bundle):
     """The compiler puts the signature the runtime checks into the module."""
     import iree.runtime as rt
 
-    from foldline.runtime.bundle import declared_inputs
+    from foldline.runtime.bundle import DYNAMIC, declared_inputs
 
     module = rt.VmModule.mmap(rt.VmInstance(), str(bundle / "model.cpu.vmfb"))
     declaration = module.lookup_function("decode").reflection["iree.abi.declaration"]
-    assert declared_inputs(declaration) == [([1, 1], "int64"), ([1], "int64")] + [([1, 2, 128, 16], "float32")] * 6
+    assert declared_inputs(declaration) == ([([1, 1], "int64"), ([1], "int64"), ([0, DYNAMIC], "int8")]
+                                            + [([1, 2, 128, 16], "float32")] * 6)
 
 
 def test_older_format_version_says_recompile(bundle):

@@ -155,9 +155,10 @@ def test_decode_writes_rings_and_caches_in_place():
         assert not [c for c in copies if c >= ring_bytes], f"a decode step copies {max(copies)} bytes"
         assert len(re.findall(r"stream\.cmd\.execute", body)) == 1
         assert "stream.timepoint.await" not in body.split("stream.cmd.execute", 1)[0]
-    input_decodes = [f for f in converted.split("func.func @") if f.startswith(("decode(", "decode_256("))]
+    functions = converted.split("util.func public @")
+    input_decodes = [f for f in functions if f.startswith(("decode$async(", "decode_256$async("))]
     assert len(input_decodes) == 2 and all("iree_linalg_ext.scatter" not in f for f in input_decodes)
-    prefill = next(f for f in converted.split("func.func @") if f.startswith("prefill("))
+    prefill = next(f for f in functions if f.startswith("prefill$async("))
     assert "iree_linalg_ext.scatter" in prefill  # the check above can see a scatter
 
 

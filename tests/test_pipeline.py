@@ -7,6 +7,7 @@ import pytest
 
 from foldline.frontend.sources import load_model
 from foldline.runtime import Model
+from foldline.runtime.bundle import position_shape
 from foldline.testing.parity import SCALED_TOL_FP32, run_parity
 
 TINY_PRESETS = ["ripple-tiny", "gemma3-tiny", "llama-tiny"]
@@ -62,9 +63,8 @@ def test_state_is_updated_in_place(bundle_factory):
     buffers_before = list(session.buffers)
     host_before = [session.ctx.to_host(b) for b in session.buffers]
 
-    result = model.ctx.module.decode(
-        session.ctx.upload(np.array([[7]], np.int64)), session.ctx.upload(np.array([3], np.int64)), *session.buffers
-    )
+    inputs = [np.array([[7]], np.int64), np.array([3], np.int64), position_shape(3)]
+    result = model.ctx.module.decode(*[session.ctx.upload(a) for a in inputs], *session.buffers)
     assert not isinstance(result, (tuple, list)), "decode must return logits only, no state"
     assert tuple(result.shape) == (1, model.vocab_size)
     assert all(a is b for a, b in zip(buffers_before, session.buffers)), "no buffer was replaced"
