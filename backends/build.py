@@ -204,7 +204,7 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
         "prefill_chunk": chunk,
         "entry_points": {
             "prefill": "prefill(tokens[B,C] i64, start_pos[B] i64, n_valid[B] i64, state...) -> logits[B,V] f32",
-            "decode": "decode(tokens[B,1] i64, pos[B] i64, pos_shape[0,pos[0]] i8, state...) -> logits[B,V] f32",
+            "decode": "decode(tokens[B,1] i64, pos[B] i64, pos_shape[0,pos[0]] i8 (B = 1 only), state...) -> logits[B,V] f32",
         },
         # prefill_<L> / decode_<L>: the same signature, attending over the first L cache slots only;
         # valid while the chunk's last position is below L (the runtime calls the shortest such).

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.export import ExportedProgram
 
+from ..runtime.bundle import takes_position_shape
 from .model import CausalLM, StateSpec, new_state
 
 ENTRY_POINTS = ("prefill", "decode")
@@ -54,16 +55,23 @@ class _ChunkEntry(nn.Module):
 
 
 class _DecodeEntry(_ChunkEntry):
-    """decode(tokens[B,1], pos[B], pos_shape[0, pos[0]], state...): one token, always valid.
+    """decode(tokens[1,1], pos[1], pos_shape[0, pos[0]], state...): one token of one row.
 
-    `pos_shape` is an empty tensor whose second dimension is row 0's position: a
+    `pos_shape` is an empty tensor whose second dimension is the position: a
     dynamic dimension reaches the compiled module as host metadata, so the cache
-    writes of a one-row bundle take their slot from it with no read of device
-    memory (reading `pos` itself would make each step wait for a transfer).
+    writes take their slot from it with no read of device memory (reading `pos`
+    itself would make each step wait for a transfer).
     """
 
     def forward(self, tokens, pos, pos_shape, *state):
         return self.model(tokens, pos, torch.ones_like(pos), *state, host_pos=pos_shape.shape[1])
+
+
+class _BatchDecodeEntry(_ChunkEntry):
+    """decode(tokens[B,1], pos[B], state...) for B > 1: rows at different positions, no host position."""
+
+    def forward(self, tokens, pos, *state):
+        return self.model(tokens, pos, torch.ones_like(pos), *state)
 
 
 def position_shape(position: int) -> torch.Tensor:
@@ -78,13 +86,15 @@ def example_inputs(model: CausalLM, name: str, batch: int, chunk: int) -> tuple:
     pos = torch.zeros((batch,), dtype=torch.int64)
     if name == "prefill":
         return (tokens, pos, torch.full((batch,), chunk, dtype=torch.int64), *state)
+    if not takes_position_shape(batch):
+        return (tokens, pos, *state)
     # torch.export specialises a dynamic dimension traced at size 0 or 1: trace at 2.
     return (tokens, pos, position_shape(2), *state)
 
 
-def _dynamic_shapes(name: str, n_args: int) -> tuple | None:
-    """decode's pos_shape has a dynamic second dimension (the position); all else is static."""
-    if name == "prefill":
+def _dynamic_shapes(name: str, batch: int, n_args: int) -> tuple | None:
+    """One-row decode's pos_shape has a dynamic second dimension (the position); all else is static."""
+    if name == "prefill" or not takes_position_shape(batch):
         return None
     position = torch.export.Dim("position", min=0, max=MAX_POSITION)
     return (None, None, {1: position}, (None,) * (n_args - 3))  # *state is one argument, a tuple
@@ -95,11 +105,14 @@ def export_entry_point(model: CausalLM, name: str, batch: int = 1, chunk: int = 
     if name not in ENTRY_POINTS:
         raise ValueError(f"unknown entry point {name!r}; expected one of {ENTRY_POINTS}")
     specs = model.state_specs(batch)
-    wrapper_cls = _ChunkEntry if name == "prefill" else _DecodeEntry
+    if name == "prefill":
+        wrapper_cls = _ChunkEntry
+    else:
+        wrapper_cls = _DecodeEntry if takes_position_shape(batch) else _BatchDecodeEntry
     wrapper = wrapper_cls(model, len(specs)).eval()
     args = example_inputs(model, name, batch, chunk)
     with torch.no_grad():
-        program = torch.export.export(wrapper, args, dynamic_shapes=_dynamic_shapes(name, len(args)), strict=False)
+        program = torch.export.export(wrapper, args, dynamic_shapes=_dynamic_shapes(name, batch, len(args)), strict=False)
     # An empty table only functionalises: in-place state writes become
     # USER_INPUT_MUTATION outputs, and our custom ops survive for the passes.
     program = program.run_decompositions(decomp_table={})

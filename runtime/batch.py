@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from .bundle import position_shape
+from .bundle import decode_inputs
 from .checks import ContextFullError, SessionStateError, check_ids
 
 
@@ -109,7 +109,7 @@ class Batch:
             n_valid[r] = ids.size
         end = max(int(start[r] + max(n_valid[r], 1)) for r in open_rows)
         if is_decode:
-            entry, inputs = self.model.entry_point("decode", end), [tokens, start, position_shape(int(start[0]))]
+            entry, inputs = self.model.entry_point("decode", end), decode_inputs(tokens, start)
         else:
             entry, inputs = self.model.entry_point("prefill", end), [tokens, start, n_valid]
         try:

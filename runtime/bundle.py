@@ -32,7 +32,7 @@ _PTX_TARGET_RE = re.compile(rb"\.target (sm_[0-9]+a?)")
 _CPU_FEATURES_RE = re.compile(rb'cpu_features = "([^"]*)"')
 # Version 2: the manifest is sealed (manifest_sha256), tokenizer.json hashed, entry points declared.
 # Version 3: q4 codes in ggml's nibble order (frontend/quant.py); a version-2 module reads them wrongly.
-# Version 4: decode takes pos_shape, an empty [0, position] int8 tensor (frontend/export.py).
+# Version 4: one-row decode takes pos_shape, an empty [0, position] int8 tensor (frontend/export.py).
 FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 SEAL_KEY = "manifest_sha256"
@@ -516,8 +516,18 @@ def declared_inputs(declaration: str) -> list[tuple[list[int], str]]:
     return out
 
 
+def takes_position_shape(batch: int) -> bool:
+    """Whether decode takes pos_shape: one-row bundles only.
+
+    A batched step's rows sit at different positions, so its cache writes take
+    the general form and read no host position; IREE drops an input that nothing
+    reads, and the entry point's signature would not match the manifest.
+    """
+    return batch == 1
+
+
 def position_shape(position: int) -> np.ndarray:
-    """decode's pos_shape input for row 0 at `position`: no data, the position is its second dimension.
+    """decode's pos_shape input at `position`: no data, the position is its second dimension.
 
     The compiled module reads a dimension on the host, so the decode step's cache
     writes need no read of device memory to find their slot.
@@ -525,12 +535,19 @@ def position_shape(position: int) -> np.ndarray:
     return np.empty((0, position), np.int8)
 
 
+def decode_inputs(tokens: np.ndarray, pos: np.ndarray) -> list[np.ndarray]:
+    """decode's inputs before the state: tokens, pos and, for one row, pos_shape."""
+    extra = [position_shape(int(pos[0]))] if takes_position_shape(tokens.shape[0]) else []
+    return [tokens, pos, *extra]
+
+
 def entry_point_inputs(manifest: Manifest) -> dict[str, list[tuple[list[int], str, str]]]:
     """entry point -> (shape, dtype, what) of each input the runtime passes it, from the manifest."""
     b, c = manifest.batch, manifest.prefill_chunk
     state = [(list(s.shape), s.dtype, f"state buffer {s.name!r}") for s in manifest.state]
     prefill = [([b, c], "int64", "tokens"), ([b], "int64", "start_pos"), ([b], "int64", "n_valid"), *state]
-    decode = [([b, 1], "int64", "tokens"), ([b], "int64", "pos"), ([0, DYNAMIC], "int8", "pos_shape"), *state]
+    pos_shape = [([0, DYNAMIC], "int8", "pos_shape")] if takes_position_shape(b) else []
+    decode = [([b, 1], "int64", "tokens"), ([b], "int64", "pos"), *pos_shape, *state]
     out = {"prefill": prefill, "decode": decode}
     for n in manifest.kv_lengths:
         out[f"prefill_{n}"], out[f"decode_{n}"] = prefill, decode

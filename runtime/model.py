@@ -17,7 +17,7 @@ import numpy as np
 
 from ..dtypes import DTYPES
 from .batch import Batch
-from .bundle import BundleError, Manifest, position_shape
+from .bundle import BundleError, Manifest, decode_inputs
 from .checks import SessionStateError, TokenIdError, check_ids
 from .device import DeviceContext, open_device
 from .sampling import Sampler
@@ -234,7 +234,7 @@ class Session:
         arr = self._check_ids([token])
         tokens = np.zeros((self.model.batch_size, 1), np.int64)
         tokens[0, 0] = arr[0]
-        inputs = [tokens, self._row_positions(), position_shape(self.position)]
+        inputs = decode_inputs(tokens, self._row_positions())
         out = self._call(self.model.entry_point("decode", self.position + 1), inputs)[0]
         self.position += 1
         self.tokens.append(int(arr[0]))

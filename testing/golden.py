@@ -28,6 +28,7 @@ from ..frontend.export import position_shape
 from ..frontend.types import TORCH_DTYPES, StateSpec
 from ..passes.manager import CompileUnit, run_pipeline
 from ..passes.state_layout import SEQ_DIM
+from ..runtime.bundle import takes_position_shape
 
 # Scaled-error tolerances per dtype: fp32 rounding differences of reordered sums
 # through a few layers stay far below these; a wrong mask or a doubled scale
@@ -51,7 +52,7 @@ _HEADS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.at
 
 @dataclass
 class Step:
-    """One call of an entry point: prefill(tokens, start_pos, n_valid) or decode(tokens, pos, pos_shape)."""
+    """One call of an entry point: prefill(tokens, start_pos, n_valid) or decode(tokens, pos[, pos_shape])."""
 
     entry: str
     tokens: Tensor
@@ -61,6 +62,8 @@ class Step:
     def args(self) -> tuple[Tensor, ...]:
         if self.entry.startswith("prefill"):  # prefill or a length variant, prefill_<L>
             return (self.tokens, self.start_pos, self.n_valid)
+        if not takes_position_shape(self.tokens.shape[0]):
+            return (self.tokens, self.start_pos)
         return (self.tokens, self.start_pos, position_shape(int(self.start_pos[0])))
 
     @property
