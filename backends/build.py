@@ -22,7 +22,8 @@ from .abi_declaration import declare_entry_points
 from .importer import import_programs, params_to_numpy
 from .inplace_state import ElideReport, elide_inplace_aliases
 from .quant_kernels import expand_qlinear_ops
-from .targets import Target, make_target
+from .targets import Target, TargetError, make_target
+from .vnni_kernels import cpu_has_int8_dot
 
 Progress = Callable[[str], None]
 
@@ -51,6 +52,7 @@ class BuildOptions:
     kv_dtype: str = "auto"  # attention cache element type: auto (default_kv_dtype), float32, float16, bfloat16
     dtype: str = "auto"  # compute dtype: auto (default_compute_dtype), float32, float16, bfloat16
     kv_lengths: list[int] | None = None  # attention lengths with their own entry points; None: 256, 512, ...
+    activations: str = "auto"  # quantized decode products: auto (int8 where the CPU has VNNI), int8, f32
 
 
 # Prefill chunk lengths. A quantized linear dequantizes each weight once per prefill call
@@ -122,6 +124,25 @@ def resolve_dtypes(loaded: LoadedModel, options: BuildOptions) -> tuple[str, str
     return dtype, kv_dtype
 
 
+ACTIVATIONS = ("auto", "int8", "f32")
+
+
+def target_activations(target: Target, activations: str) -> str:
+    """What a quantized decode product multiplies its codes by on this target: "int8" or "f32".
+
+    int8 (backends/vnni_kernels.py) needs an x86 CPU with AVX-512 VNNI; auto takes it
+    there and f32 everywhere else (GPU targets, other CPUs, `--cpu generic`).
+    """
+    if activations not in ACTIVATIONS:
+        raise TargetError(f"unknown activations {activations!r}; expected one of {', '.join(ACTIVATIONS)}")
+    capable = target.device == "cpu" and target.arch == "x86_64" and cpu_has_int8_dot(target.cpu_flags)
+    if activations == "int8" and not capable:
+        raise TargetError(f"--activations int8 needs an x86 CPU target with AVX-512 VNNI "
+                          f"(avx512f, avx512bw, avx512_vnni); {target.description} has none: "
+                          "use --activations f32 or name such a CPU with --cpu (e.g. znver4, sapphirerapids)")
+    return "int8" if activations != "f32" and capable else "f32"
+
+
 def _versions() -> dict[str, str]:
     out = {}
     for pkg in ("foldline", "torch", "iree-base-compiler", "iree-base-runtime"):
@@ -173,7 +194,8 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
     for target in options.targets:
         progress(f"[4/4] iree-compile for {target.description}")
         t1 = time.time()
-        target_mlir, _ = expand_qlinear_ops(mlir, cpu_tiles=target.device == "cpu")
+        activations = target_activations(target, options.activations)
+        target_mlir, _ = expand_qlinear_ops(mlir, cpu_tiles=target.device == "cpu", int8_dot=activations == "int8")
         vmfb, inplace = compile_torch_module(target_mlir, target.flags)
         progress(f"      {inplace.elided} cache update(s) kept in place, {inplace.kept} state result(s) placed by IREE")
         name = f"model.{target.device}.vmfb"
@@ -187,6 +209,7 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
             "description": target.description,
             "arch": target.arch,
             "cpu_flags": target.cpu_flags,
+            "activations": activations,
             "executable_formats": vmfb_info(out / name).formats,
         }
         progress(f"      {name}: {len(vmfb) / 1e6:.1f} MB in {time.time() - t1:.0f} s")

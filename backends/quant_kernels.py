@@ -48,6 +48,9 @@ from dataclasses import dataclass
 
 from iree.compiler import ir
 
+from .vnni_kernels import Int8DotShape, int8_dot_dispatch, int8_dot_executable
+from .vnni_kernels import supports as supports_int8_dot
+
 OP_NAME = "torch.foldline.qlinear"
 _VTENSOR = re.compile(r"!torch\.vtensor<\[([0-9,]*)\],(\w+)>")
 
@@ -546,11 +549,41 @@ def _spec_of(op: ir.Operation) -> QLinearSpec:
     return spec
 
 
-def expand_qlinear_ops(mlir: str, cpu_tiles: bool) -> tuple[str, int]:
+def int8_dot_shape(spec: QLinearSpec) -> Int8DotShape:
+    return Int8DotShape(spec.fmt, spec.group, spec.scale_type, spec.has_min, spec.k, spec.n)
+
+
+def uses_int8_dot(spec: QLinearSpec) -> bool:
+    """Whether a one-row call of this shape can take the int8-activation kernel (backends/vnni_kernels.py)."""
+    return spec.m == 1 and supports_int8_dot(int8_dot_shape(spec))
+
+
+def int8_dot_mlir(spec: QLinearSpec) -> list[str]:
+    """The int8-activation decode kernel behind the usual util.func signature: its executable, then the func."""
+    shape = int8_dot_shape(spec)
+    k, n = spec.k, spec.n
+    x_t, x1_t = _tensor(spec.x_shape, "f32"), _tensor((k,), "f32")
+    y_t, y1_t = _tensor((*spec.x_shape[:-1], n), "f32"), _tensor((n,), "f32")
+    lead = len(spec.x_shape) - 1
+    if lead:
+        lines = ["%x1 = " + _reshape("collapse", "%x", x_t, x1_t, [list(range(lead + 1))], [])]
+    else:
+        lines = [f"%x1 = tensor.cast %x : {x_t} to {x1_t}"]
+    lines.append(int8_dot_dispatch(shape, "%x1", "%codes", "%scales", "%mins" if spec.has_min else None, "%y1"))
+    if lead:
+        lines.append("%y = " + _reshape("expand", "%y1", y1_t, y_t, [list(range(lead + 1))], [*spec.x_shape[:-1], n]))
+    else:
+        lines.append(f"%y = tensor.cast %y1 : {y1_t} to {y_t}")
+    return [int8_dot_executable(shape), _function(spec, lines)]
+
+
+def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8_dot: bool = False) -> tuple[str, int]:
     """Replace every foldline::qlinear op in the module text with a call to its kernel.
 
     cpu_tiles: a CPU target: the fused, tiled kernel for single rows (decode) and
     dequantize-then-matmul for prefill chunks; otherwise dequantize-then-matmul.
+    int8_dot: a CPU with AVX-512 VNNI, and int8 activations asked for: one-row
+    calls whose shape allows take the int8-activation kernel (vnni_kernels.py).
 
     Returns the new module text and the number of sites rewritten.
     """
@@ -586,7 +619,12 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool) -> tuple[str, int]:
             op.erase()
             kernels[spec.name] = spec
         for spec in kernels.values():
-            text = (fused_rows_mlir(spec) if cpu_tiles and fuses_rows(spec)
-                    else dequantize_matmul_mlir(spec, q4_bytes=cpu_tiles))
-            ir.InsertionPoint(module.body).insert(ir.Operation.parse(text))
+            if cpu_tiles and int8_dot and uses_int8_dot(spec):
+                texts = int8_dot_mlir(spec)
+            elif cpu_tiles and fuses_rows(spec):
+                texts = [fused_rows_mlir(spec)]
+            else:
+                texts = [dequantize_matmul_mlir(spec, q4_bytes=cpu_tiles)]
+            for text in texts:
+                ir.InsertionPoint(module.body).insert(ir.Operation.parse(text))
         return str(module), len(found)

@@ -38,9 +38,11 @@ def blocked_bundles(tmp_path_factory):
         if (preset, fmt) not in cache:
             loaded = _blocked(preset, fmt)
             out = tmp_path_factory.mktemp(f"{preset}-{fmt}") / "bundle"
-            # float32 caches: the claim here is that the weight repack is lossless, so the bundle must
-            # match the float32 eager reference within fp32 tolerance (auto would pick f16 caches).
-            compile_model(loaded, out, BuildOptions(weights="auto", keep_mlir=True, kv_dtype="float32"),
+            # float32 caches and float32 activations: the claim here is that the weight repack is
+            # lossless, so the bundle must match the float32 eager reference within fp32 tolerance
+            # (auto would pick f16 caches, and int8 activations on a CPU with VNNI).
+            compile_model(loaded, out, BuildOptions(weights="auto", keep_mlir=True, kv_dtype="float32",
+                                                    activations="f32"),
                           progress=lambda _m: None)
             cache[preset, fmt] = (loaded, out)
         return cache[preset, fmt]

@@ -47,6 +47,10 @@ def add_parser(sub) -> None:
                         "floats), f32, or int8 / int4 block formats (groupwise round-to-nearest where the "
                         "checkpoint has none)")
     p.add_argument("--group", type=int, default=32, help="group size for --weights int8/int4 (default 32)")
+    p.add_argument("--activations", choices=["auto", "int8", "f32"], default="auto",
+                   help="what quantized weights meet in decode: auto (default: int8 activations per weight "
+                        "group with VNNI dot products where the CPU target has AVX-512 VNNI, as llama.cpp; "
+                        "else f32), int8, or f32 (exact float products everywhere)")
     p.set_defaults(func=run)
 
 
@@ -91,6 +95,7 @@ def run(args) -> int:
         kv_dtype="auto" if args.kv_dtype == "auto" else canonical(args.kv_dtype),
         dtype="auto" if args.dtype == "auto" else canonical(args.dtype),
         kv_lengths=_parse_lengths(args.kv_lengths),
+        activations=args.activations,
     )
     compile_spec(args.model, args.output, options)
     return 0

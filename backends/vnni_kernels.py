@@ -1,0 +1,310 @@
+"""Decode kernels for x86 CPUs with AVX-512 VNNI: 8-bit activations against the narrow codes.
+
+The float decode kernel (quant_kernels.half_group_mlir) converts every code to
+float32 before its multiply: on SmolLM2 its Q4 matvecs ran at 10-12 GB/s of
+codes, bounded by instructions, not by memory. These kernels do what
+llama.cpp does on the same CPUs: the activation row is quantized to int8 per
+weight group (scale max|x| / 127, round half to even), and the group's dot
+product is one `vpdpbusd` per 64 codes (unsigned bytes times signed bytes,
+four products summed into each 32-bit lane), then scaled in float:
+
+    y[n] = sum_g s[n, g] * dx[g] * sum_k q[n, g, k] * xq[g, k]   (+ m[n, g] * dx[g] * sum_k xq[g, k])
+
+q4 codes are unsigned (0..15) and meet the signed activation directly. q8
+codes are signed, so the activation goes in as the unsigned operand, offset by
+128, and a second `vpdpbusd` against bytes of 128 takes the offset back out
+(128 * sum_k q): the product stays exact in int32.
+
+The codes keep the bundle's layout (frontend/quant.py: [N, K/2] q4 bytes in
+ggml's nibble order, [N, K] q8 codes), so the prefill, embedding and GPU paths
+read the same parameters. The kernel is a hand-written dispatch
+(`stream.executable` with vector-dialect code and the `llvm.x86.avx512.vpdpbusd.512`
+intrinsic, called with `flow.dispatch`): linalg offers no way to keep an int32
+sum per group and a float sum across groups in one op. Each workgroup
+quantizes the activation row itself (K values, a few percent of its work) and
+computes ROWS_PER_WORKGROUP output rows, four at a time with independent
+accumulators.
+
+This is a lossy activation path, as llama.cpp's: activations keep 8 bits per
+group of 16 to 64 values. docs/quantization.md gives the measured error and
+the bounds the tests state; `foldline compile --activations f32` keeps the
+exact float kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# cpuinfo flags a CPU needs for these kernels (512-bit byte ops and vpdpbusd).
+REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
+# Output rows each workgroup computes; large matrices take more, so the activation
+# row is quantized fewer times per call.
+ROWS_PER_WORKGROUP = 64
+ROWS_PER_WORKGROUP_LARGE = 4096
+LARGE_N = 8192
+CODES_PER_STEP = 64  # one 512-bit vector of codes
+CHAINS = 2  # independent accumulators per row
+
+
+@dataclass(frozen=True)
+class Int8DotShape:
+    """What shapes one kernel: codes format, group, scale dtype, mins, K, N."""
+
+    fmt: str  # "q4" or "q8"
+    group: int
+    scale_type: str  # "f16" or "f32"
+    has_min: bool
+    k: int
+    n: int
+
+    @property
+    def groups(self) -> int:
+        return self.k // self.group
+
+    @property
+    def rows_per_workgroup(self) -> int:
+        rows = ROWS_PER_WORKGROUP_LARGE if self.n >= LARGE_N else ROWS_PER_WORKGROUP
+        while self.n % rows:
+            rows //= 2
+        return rows
+
+    @property
+    def name(self) -> str:
+        return (f"foldline_i8dot_{self.fmt}g{self.group}{self.scale_type}{'m' if self.has_min else ''}"
+                f"_k{self.k}_n{self.n}")
+
+
+def supports(shape: Int8DotShape) -> bool:
+    """Whether these kernels take this shape: groups of 16, 32 or 64, whole vectors of codes, whole row steps."""
+    return (shape.fmt in ("q4", "q8") and shape.group in (16, 32, 64) and shape.k % CODES_PER_STEP == 0
+            and shape.n % 16 == 0 and shape.scale_type in ("f16", "f32")
+            and (shape.fmt == "q8" or shape.has_min))
+
+
+def cpu_has_int8_dot(cpu_flags: list[str] | set[str] | tuple[str, ...]) -> bool:
+    return REQUIRED_CPU_FLAGS <= set(cpu_flags)
+
+
+def _codes_memref(s: Int8DotShape) -> str:
+    return f"memref<{s.n}x{s.k // 2 if s.fmt == 'q4' else s.k}xi8>"
+
+
+def _scales_memref(s: Int8DotShape) -> str:
+    return f"memref<{s.n}x{s.groups}x{s.scale_type}>"
+
+
+def _spread_mask(shape: Int8DotShape) -> list[int]:
+    """vector.shuffle mask putting each of the 64/g group values of one step on that group's g/4 lanes."""
+    lanes = shape.group // 4
+    return [i // lanes for i in range(16)]
+
+
+def _nibble_mask(shape: Int8DotShape) -> list[int]:
+    """vector.shuffle mask of (low nibbles, high nibbles) [32 + 32] into 64 codes in k order.
+
+    A q4 group of g codes is g/2 bytes: byte b holds code b (low) and b + g/2 (high).
+    """
+    half = shape.group // 2
+    mask = []
+    for j in range(CODES_PER_STEP // shape.group):
+        mask += [j * half + b for b in range(half)] + [32 + j * half + b for b in range(half)]
+    return mask
+
+
+def _quantize_activation(s: Int8DotShape) -> list[str]:
+    """Lines filling %xq (int8 activations, k order), %dxe and %ce (per-lane dx and dx * sum / lanes)."""
+    g, G, lanes = s.group, s.groups, s.group // 4
+    vf, vi = f"vector<{g}xf32>", f"vector<{g}xi32>"
+    lines = [
+        f"%xq = memref.alloca() : memref<{s.k}xi8>",
+        f"%dxe = memref.alloca() : memref<{s.k // 4}xf32>",
+        f"%ce = memref.alloca() : memref<{s.k // 4}xf32>",
+        f"%nG = arith.constant {G} : index",
+        f"%ng = arith.constant {g} : index",
+        f"%nl = arith.constant {lanes} : index",
+        "%f0 = arith.constant 0.0 : f32",
+        "%f127 = arith.constant 127.0 : f32",
+        f"%flanes = arith.constant {float(lanes)} : f32",
+        "scf.for %gi = %c0 to %nG step %c1 {",
+        "  %off = arith.muli %gi, %ng : index",
+        f"  %v = vector.load %x[%off] : memref<{s.k}xf32>, {vf}",
+        f"  %av = math.absf %v : {vf}",
+        # max |x| as an integer max of the bit patterns (same order for non-negative floats): a float
+        # max reduction keeps NaN semantics and lowers to a serial chain of scalar compares.
+        f"  %ab = arith.bitcast %av : {vf} to {vi}",
+        f"  %amaxb = vector.reduction <maxui>, %ab : {vi} into i32",
+        "  %amax = arith.bitcast %amaxb : i32 to f32",
+        "  %d = arith.divf %amax, %f127 : f32",
+        "  %nz = arith.cmpf ogt, %amax, %f0 : f32",
+        "  %inv = arith.divf %f127, %amax : f32",
+        "  %id = arith.select %nz, %inv, %f0 : f32",
+        f"  %idv = vector.broadcast %id : f32 to {vf}",
+        f"  %sv = arith.mulf %v, %idv : {vf}",
+        # LLVM's own roundeven (one vrndscaleps): math.roundeven expands to ~50 bit operations per vector.
+        f"  %rv = llvm.intr.roundeven(%sv) : ({vf}) -> {vf}",
+        f"  %iv = arith.fptosi %rv : {vf} to {vi}",
+        f"  %isum = vector.reduction <add>, %iv : {vi} into i32",
+        f"  %i8v = arith.trunci %iv : {vi} to vector<{g}xi8>",
+        f"  vector.store %i8v, %xq[%off] : memref<{s.k}xi8>, vector<{g}xi8>",
+        "  %fsum = arith.sitofp %isum : i32 to f32",
+        "  %dsum = arith.mulf %fsum, %d : f32",
+        "  %cl = arith.divf %dsum, %flanes : f32",
+        f"  %dv = vector.broadcast %d : f32 to vector<{lanes}xf32>",
+        f"  %cv = vector.broadcast %cl : f32 to vector<{lanes}xf32>",
+        "  %loff = arith.muli %gi, %nl : index",
+        f"  vector.store %dv, %dxe[%loff] : memref<{s.k // 4}xf32>, vector<{lanes}xf32>",
+        f"  vector.store %cv, %ce[%loff] : memref<{s.k // 4}xf32>, vector<{lanes}xf32>",
+        "}",
+    ]
+    return lines
+
+
+def _step(s: Int8DotShape, i: int, acc: str, macc: str) -> list[str]:
+    """Step i of a row: its 64 codes against activations [64 i, 64 i + 64), added to acc (and macc)
+
+    into %acc_{i} (and %macc_{i})."""
+    per = CODES_PER_STEP // s.group  # groups per step
+    st = s.scale_type
+    lines = [f"%xs{i} = vector.load %xq[%k{i}] : memref<{s.k}xi8>, vector<64xi8>"]
+    if s.fmt == "q4":
+        lines += [
+            f"%b{i} = vector.load %codes[%row, %h{i}] : {_codes_memref(s)}, vector<32xi8>",
+            f"%lo{i} = arith.andi %b{i}, %m15 : vector<32xi8>",
+            f"%hi{i} = arith.shrui %b{i}, %s4 : vector<32xi8>",
+            f"%q{i} = vector.shuffle %lo{i}, %hi{i} {_nibble_mask(s)} : vector<32xi8>, vector<32xi8>",
+            f'%d{i} = llvm.call_intrinsic "llvm.x86.avx512.vpdpbusd.512"(%zi, %q{i}, %xs{i}) '
+            ": (vector<16xi32>, vector<64xi8>, vector<64xi8>) -> vector<16xi32>",
+        ]
+    else:
+        lines += [
+            f"%q{i} = vector.load %codes[%row, %k{i}] : {_codes_memref(s)}, vector<64xi8>",
+            f"%xu{i} = arith.xori %xs{i}, %x128 : vector<64xi8>",  # xq + 128, read as unsigned bytes
+            f'%dp{i} = llvm.call_intrinsic "llvm.x86.avx512.vpdpbusd.512"(%zi, %xu{i}, %q{i}) '
+            ": (vector<16xi32>, vector<64xi8>, vector<64xi8>) -> vector<16xi32>",
+            f'%do{i} = llvm.call_intrinsic "llvm.x86.avx512.vpdpbusd.512"(%zi, %x128, %q{i}) '
+            ": (vector<16xi32>, vector<64xi8>, vector<64xi8>) -> vector<16xi32>",
+            f"%d{i} = arith.subi %dp{i}, %do{i} : vector<16xi32>",
+        ]
+    spread = _spread_mask(s)
+    lines += [
+        f"%df{i} = arith.sitofp %d{i} : vector<16xi32> to vector<16xf32>",
+        f"%sg{i} = vector.load %scales[%row, %g{i}] : {_scales_memref(s)}, vector<{per}x{st}>",
+    ]
+    sg = f"%sg{i}"
+    if st == "f16":
+        lines.append(f"%sgf{i} = arith.extf %sg{i} : vector<{per}xf16> to vector<{per}xf32>")
+        sg = f"%sgf{i}"
+    lines += [
+        f"%dxv{i} = vector.load %dxe[%l{i}] : memref<{s.k // 4}xf32>, vector<16xf32>",
+        f"%sl{i} = vector.shuffle {sg}, {sg} {spread} : vector<{per}xf32>, vector<{per}xf32>",
+        f"%sx{i} = arith.mulf %sl{i}, %dxv{i} : vector<16xf32>",
+        f"%acc_{i} = math.fma %df{i}, %sx{i}, {acc} : vector<16xf32>",
+    ]
+    if s.has_min:
+        lines.append(f"%mg{i} = vector.load %mins[%row, %g{i}] : {_scales_memref(s)}, vector<{per}x{st}>")
+        mg = f"%mg{i}"
+        if st == "f16":
+            lines.append(f"%mgf{i} = arith.extf %mg{i} : vector<{per}xf16> to vector<{per}xf32>")
+            mg = f"%mgf{i}"
+        lines += [
+            f"%cv{i} = vector.load %ce[%l{i}] : memref<{s.k // 4}xf32>, vector<16xf32>",
+            f"%ml{i} = vector.shuffle {mg}, {mg} {spread} : vector<{per}xf32>, vector<{per}xf32>",
+            f"%macc_{i} = math.fma %ml{i}, %cv{i}, {macc} : vector<16xf32>",
+        ]
+    return lines
+
+
+def _row(s: Int8DotShape) -> list[str]:
+    """The body computing y[%row]: every step of the row unrolled, CHAINS independent accumulators."""
+    steps = s.k // CODES_PER_STEP
+    per = CODES_PER_STEP // s.group
+    lines = []
+    for i in range(steps):
+        lines += [f"%k{i} = arith.constant {i * CODES_PER_STEP} : index",
+                  f"%l{i} = arith.constant {i * CODES_PER_STEP // 4} : index",
+                  f"%g{i} = arith.constant {i * per} : index"]
+        if s.fmt == "q4":
+            lines.append(f"%h{i} = arith.constant {i * CODES_PER_STEP // 2} : index")
+    last: dict[int, tuple[str, str]] = {}  # chain -> its latest (acc, macc)
+    for i in range(steps):
+        c = i % CHAINS
+        acc, macc = last.get(c, ("%zf", "%zf"))
+        lines += _step(s, i, acc, macc)
+        last[c] = (f"%acc_{i}", f"%macc_{i}")
+    total = last[0][0]
+    for c in range(1, min(CHAINS, steps)):
+        lines.append(f"%sum_a{c} = arith.addf {total}, {last[c][0]} : vector<16xf32>")
+        total = f"%sum_a{c}"
+    if s.has_min:
+        for c in range(min(CHAINS, steps)):
+            lines.append(f"%sum_m{c} = arith.addf {total}, {last[c][1]} : vector<16xf32>")
+            total = f"%sum_m{c}"
+    lines += [f"%sum = vector.reduction <add>, {total} : vector<16xf32> into f32",
+              f"memref.store %sum, %y[%row] : memref<{s.n}xf32>"]
+    return lines
+
+
+def int8_dot_executable(s: Int8DotShape) -> str:
+    """The `stream.executable` computing y[N] from x[K] and the codes, for one shape.
+
+    Each workgroup walks its rows one at a time, each row's codes in order:
+    interleaving four rows' reads (as the float kernel's row tiles do) halves
+    the bandwidth this machine's DRAM gives two threads (a C loop reading the
+    same bytes: ~16 GB/s interleaved, ~28 GB/s row by row). The steps of a row
+    are unrolled into CHAINS independent accumulators, so consecutive rows
+    overlap in the out-of-order core.
+    """
+    if not supports(s):
+        raise ValueError(f"no int8-dot kernel for {s}")
+    rows = s.rows_per_workgroup
+    bindings = ["%xb: !stream.binding", "%cb: !stream.binding", "%sb: !stream.binding"]
+    bindings += (["%mb: !stream.binding"] if s.has_min else []) + ["%yb: !stream.binding"]
+    body = [
+        "%c0 = arith.constant 0 : index",
+        "%c1 = arith.constant 1 : index",
+        f"%x = stream.binding.subspan %xb[%c0] : !stream.binding -> memref<{s.k}xf32>",
+        f"%codes = stream.binding.subspan %cb[%c0] : !stream.binding -> {_codes_memref(s)}",
+        f"%scales = stream.binding.subspan %sb[%c0] : !stream.binding -> {_scales_memref(s)}",
+        *([f"%mins = stream.binding.subspan %mb[%c0] : !stream.binding -> {_scales_memref(s)}"]
+          if s.has_min else []),
+        f"%y = stream.binding.subspan %yb[%c0] : !stream.binding -> memref<{s.n}xf32>",
+        "%wg = stream.dispatch.workgroup.id[0] : index",
+        *_quantize_activation(s),
+        "%zi = arith.constant dense<0> : vector<16xi32>",
+        "%zf = arith.constant dense<0.0> : vector<16xf32>",
+        "%m15 = arith.constant dense<15> : vector<32xi8>",
+        "%s4 = arith.constant dense<4> : vector<32xi8>",
+        "%x128 = arith.constant dense<-128> : vector<64xi8>",
+        f"%nrows = arith.constant {rows} : index",
+        "%rowbase = arith.muli %wg, %nrows : index",
+        "%rowend = arith.addi %rowbase, %nrows : index",
+        "scf.for %row = %rowbase to %rowend step %c1 {",
+        *[f"  {line}" for line in _row(s)],
+        "}",
+        "return",
+    ]
+    workgroups = s.n // rows
+    return "\n".join([
+        f"stream.executable private @{s.name}_exe {{",
+        f"  stream.executable.export public @{s.name} workgroups() -> (index, index, index) {{",
+        f"    %n = arith.constant {workgroups} : index",
+        "    %one = arith.constant 1 : index",
+        "    stream.return %n, %one, %one : index, index, index",
+        "  }",
+        "  builtin.module {",
+        f"    func.func @{s.name}({', '.join(bindings)}) {{",
+        *[f"      {line}" for line in body],
+        "    }",
+        "  }",
+        "}",
+    ])
+
+
+def int8_dot_dispatch(s: Int8DotShape, x: str, codes: str, scales: str, mins: str | None, result: str) -> str:
+    """The `flow.dispatch` line computing `result` (tensor<N x f32>) from x (tensor<K x f32>) and the codes."""
+    codes_t = _codes_memref(s).replace("memref", "tensor")
+    scales_t = _scales_memref(s).replace("memref", "tensor")
+    operands = [x, codes, scales] + ([mins] if s.has_min else [])
+    types = [f"tensor<{s.k}xf32>", codes_t, scales_t] + ([scales_t] if s.has_min else [])
+    return (f"{result} = flow.dispatch @{s.name}_exe::@{s.name}({', '.join(operands)}) "
+            f": ({', '.join(types)}) -> tensor<{s.n}xf32>")

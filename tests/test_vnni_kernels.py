@@ -1,0 +1,113 @@
+"""The int8-activation decode kernels (backends/vnni_kernels.py) against numpy, on CPUs with AVX-512 VNNI.
+
+Two references: an int8 emulation in numpy (the same activation quantization,
+exact integer dots, float64 scaling), which the kernel must match to float32
+rounding, and the float64 product with unquantized activations, which bounds
+what 8-bit activations cost. The compiled code must hold the VNNI instruction.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from foldline.backends import vnni_kernels as vk
+from foldline.runtime.device import host_cpu_features
+
+pytestmark = pytest.mark.skipif(not vk.cpu_has_int8_dot(host_cpu_features() or set()),
+                                reason="this CPU has no AVX-512 VNNI")
+
+
+def quantize_activation(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """int8 codes and scales per group, as the kernel makes them: max |x| / 127, round half to even."""
+    xg = x.reshape(-1, group).astype(np.float32)
+    amax = np.abs(xg).max(1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    return np.rint(xg * inv[:, None]).astype(np.int64), (amax / np.float32(127)).astype(np.float64)
+
+
+def _case(shape: vk.Int8DotShape, rng: np.random.Generator):
+    n, k, g = shape.n, shape.k, shape.group
+    x = rng.standard_normal(k).astype(np.float32)
+    x[:g] = 0  # a group of zeros: scale 0, no division by zero
+    sdt = np.float16 if shape.scale_type == "f16" else np.float32
+    scales = (rng.standard_normal((n, k // g)) * 0.02).astype(sdt)
+    mins = (rng.standard_normal((n, k // g)) * 0.02).astype(sdt)
+    if shape.fmt == "q4":
+        q = rng.integers(0, 16, (n, k)).astype(np.int64)
+        halves = q.astype(np.uint8).reshape(n, k // g, 2, g // 2)  # ggml's order: byte b holds codes b, b + g/2
+        codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).view(np.int8)
+    else:
+        codes = rng.integers(-128, 128, (n, k)).astype(np.int8)
+        q = codes.astype(np.int64)
+    s64, m64 = scales.astype(np.float64), mins.astype(np.float64)
+    w = q.reshape(n, k // g, g) * s64[..., None] + (m64[..., None] if shape.has_min else 0)
+    exact = w.reshape(n, k) @ x.astype(np.float64)
+    xq, dx = quantize_activation(x, g)
+    dots = (q.reshape(n, k // g, g) * xq[None]).sum(-1)
+    emulated = (dots * s64 * dx[None]).sum(1)
+    if shape.has_min:
+        emulated += (m64 * (dx * xq.sum(1))[None]).sum(1)
+    args = [x, codes, scales] + ([mins] if shape.has_min else [])
+    return args, emulated, exact
+
+
+def _module(shape: vk.Int8DotShape) -> str:
+    codes_t = vk._codes_memref(shape).replace("memref", "tensor")
+    scales_t = vk._scales_memref(shape).replace("memref", "tensor")
+    params = [f"%x: tensor<{shape.k}xf32>", f"%c: {codes_t}", f"%s: {scales_t}"] + (
+        [f"%m: {scales_t}"] if shape.has_min else [])
+    call = vk.int8_dot_dispatch(shape, "%x", "%c", "%s", "%m" if shape.has_min else None, "%y")
+    return (f"{vk.int8_dot_executable(shape)}\nutil.func public @main({', '.join(params)}) -> tensor<{shape.n}xf32> {{\n"
+            f"  {call}\n  util.return %y : tensor<{shape.n}xf32>\n}}\n")
+
+
+SHAPES = [
+    vk.Int8DotShape("q4", 32, "f16", True, 576, 192),  # Q4_0 / Q4_1 (SmolLM2's projections, K = 576)
+    vk.Int8DotShape("q4", 32, "f32", True, 640, 64),  # Q4_K
+    vk.Int8DotShape("q4", 64, "f16", True, 256, 32),  # compile-time int4, group 64
+    vk.Int8DotShape("q8", 32, "f16", False, 640, 320),  # Q8_0 / Q5_0 (Gemma's head and projections, K = 640)
+    vk.Int8DotShape("q8", 16, "f32", False, 128, 16),  # Q6_K: groups of 16
+    vk.Int8DotShape("q8", 32, "f32", True, 1024, 16384),  # Q5_K (mins); large N: 256 rows per workgroup
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+def test_int8_dot_kernel_matches_int8_emulation(shape, tmp_path):
+    import iree.compiler as ireec
+    import iree.runtime as rt
+
+    from foldline.backends.targets import cpu_target
+
+    dump = tmp_path / "dump"
+    vmfb = ireec.compile_str(_module(shape), extra_args=[*cpu_target("host").flags,
+                                                          f"--iree-hal-dump-executable-files-to={dump}"])
+    assembly = "\n".join(p.read_text() for p in dump.glob("*.s"))
+    assert "vpdpbusd" in assembly, "the kernel was compiled without VNNI dot products"
+    config = rt.Config("local-task")
+    ctx = rt.SystemContext(config=config)
+    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+    for seed in range(2):
+        args, emulated, exact = _case(shape, np.random.default_rng(seed))
+        y = ctx.modules.module["main"](*args).to_host()
+        scale = np.abs(exact).max()
+        np.testing.assert_allclose(y, emulated, rtol=1e-5, atol=1e-5 * scale)
+        # 8-bit activations per group: a relative RMS error of a few tenths of a percent on random data.
+        rel_rms = np.sqrt(np.mean((y - exact) ** 2)) / np.sqrt(np.mean(exact ** 2))
+        assert rel_rms < 1e-2, f"relative RMS error {rel_rms:.2e} against float activations"
+
+
+def test_supports_only_whole_vector_shapes():
+    assert vk.supports(vk.Int8DotShape("q4", 32, "f16", True, 576, 3072))
+    assert not vk.supports(vk.Int8DotShape("q4", 32, "f16", True, 96, 64))  # K not a multiple of 64
+    assert not vk.supports(vk.Int8DotShape("q4", 32, "f16", True, 128, 24))  # N not a multiple of 16
+    assert not vk.supports(vk.Int8DotShape("q8", 8, "f16", False, 128, 64))  # group 8
+    assert not vk.supports(vk.Int8DotShape("q4", 32, "f16", False, 128, 64))  # q4 always has mins
+
+
+def test_rows_per_workgroup_divide_n():
+    for n in (16, 48, 576, 960, 3072, 49152, 262144, 8208):
+        rows = vk.Int8DotShape("q8", 32, "f16", False, 640, n).rows_per_workgroup
+        assert n % rows == 0
