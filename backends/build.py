@@ -161,6 +161,7 @@ def compile_model(loaded: LoadedModel, out_dir: str | Path, options: BuildOption
 
 
 def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, progress: Progress) -> Path:
+    activations = {t.device: target_activations(t, options.activations) for t in options.targets}  # refuse early
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = loaded.config
@@ -168,7 +169,8 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
 
     chunk = options.chunk or default_chunk(loaded, options.weights)
     progress(f"[1/4] exporting {cfg.name}: {cfg.dtype} compute, context {cfg.max_context} (K/V {cfg.cache_dtype}), "
-             f"prefill chunk {chunk}, decode, batch {options.batch}")
+             f"prefill chunk {chunk}, decode, batch {options.batch}; quantized decode activations "
+             + ", ".join(f"{a} ({d})" for d, a in activations.items()))
     entries = export_model(loaded.module, options.batch, chunk)
     unit = CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs,
                        options={"hadamard": options.hadamard, "weights": options.weights, "group": options.group,
@@ -194,8 +196,8 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
     for target in options.targets:
         progress(f"[4/4] iree-compile for {target.description}")
         t1 = time.time()
-        activations = target_activations(target, options.activations)
-        target_mlir, _ = expand_qlinear_ops(mlir, cpu_tiles=target.device == "cpu", int8_dot=activations == "int8")
+        target_mlir, _ = expand_qlinear_ops(mlir, cpu_tiles=target.device == "cpu",
+                                            int8_dot=activations[target.device] == "int8")
         vmfb, inplace = compile_torch_module(target_mlir, target.flags)
         progress(f"      {inplace.elided} cache update(s) kept in place, {inplace.kept} state result(s) placed by IREE")
         name = f"model.{target.device}.vmfb"
@@ -209,7 +211,7 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
             "description": target.description,
             "arch": target.arch,
             "cpu_flags": target.cpu_flags,
-            "activations": activations,
+            "activations": activations[target.device],
             "executable_formats": vmfb_info(out / name).formats,
         }
         progress(f"      {name}: {len(vmfb) / 1e6:.1f} MB in {time.time() - t1:.0f} s")

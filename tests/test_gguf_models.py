@@ -89,11 +89,39 @@ def test_default_bundle_keeps_the_gguf_blocks(name, gguf_bundles):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_compiled_logits_match_hf(name, gguf_bundles, hf_references):
+def test_default_bundle_decodes_with_int8_activations_where_the_cpu_has_vnni(name, gguf_bundles):
+    """On an AVX-512 VNNI CPU the default bundle's decode products are the int8-dot kernels, the head's too."""
     _skip_unless_installed(name)
-    model = Model.load(gguf_bundles(name), verify=False)
+    from foldline.backends.vnni_kernels import cpu_has_int8_dot
+    from foldline.runtime.device import host_cpu_features
+
+    bundle = gguf_bundles(name)
+    module = json.loads((bundle / "manifest.json").read_text())["modules"]["cpu"]
+    vnni = cpu_has_int8_dot(host_cpu_features() or set())
+    assert module["activations"] == ("int8" if vnni else "f32")
+    vmfb = (bundle / module["file"]).read_bytes()
+    head = {"smollm2-135m": b"foldline_i8dot_q8g32f16_k576_n49152", "gemma3-270m": b"foldline_i8dot_q8g32f16_k640_n262144"}
+    assert (head[name] in vmfb) == vnni
+
+
+# int8 activations (the default decode on AVX-512 VNNI CPUs, as llama.cpp's) against HF's float32
+# activations: stated bounds. Measured on an AMD EPYC host (docs/models.md): worst cosine 0.99745
+# (SmolLM2, median 0.99987) and 0.99951 (Gemma 3); top-1 48/48 and 31/32, the miss at an HF top-2
+# gap of 0.066.
+COSINE_MIN_INT8 = 0.995
+TIE_GAP = 0.5  # a top-1 disagreement is allowed only where the reference's own top-2 logits are this close
+AGREE_MIN_INT8 = 0.9
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_compiled_logits_match_hf(name, gguf_bundles, hf_references):
+    """Float activations: top-1 equal at every position, cosine >= 0.999. int8: the bounds above."""
+    _skip_unless_installed(name)
+    bundle = gguf_bundles(name)
+    int8 = json.loads((bundle / "manifest.json").read_text())["modules"]["cpu"].get("activations") == "int8"
+    model = Model.load(bundle, verify=False)
     ref = hf_references(name)
-    worst = 1.0
+    worst, agree, total = 1.0, 0, 0
     for prompt, logits in zip(ref["prompts"], ref["logits"]):
         ids = model.encode(prompt["text"])
         assert ids == prompt["ids"], "prompt tokenization differs from HF"
@@ -102,14 +130,23 @@ def test_compiled_logits_match_hf(name, gguf_bundles, hf_references):
         for token in prompt["greedy"][:-1]:
             ours.append(session.decode(token))
         for step, (a, b) in enumerate(zip(ours, logits)):
-            assert int(np.argmax(a)) == int(np.argmax(b)) == prompt["greedy"][step], (
-                f"{name} prompt {prompt['text'][:30]!r}: top-1 differs at step {step}"
+            assert int(np.argmax(b)) == prompt["greedy"][step]
+            same = int(np.argmax(a)) == int(np.argmax(b))
+            top2 = np.sort(b)[-2:]
+            assert same or (int8 and top2[1] - top2[0] < TIE_GAP), (
+                f"{name} prompt {prompt['text'][:30]!r}: top-1 differs at step {step} "
+                f"(HF's top-2 gap {top2[1] - top2[0]:.3f})"
             )
+            agree += same
+            total += 1
             c = cosine(a, b)
             worst = min(worst, c)
-            assert c >= COSINE_MIN, f"{name}: cosine {c:.6f} at step {step}"
+            bound = COSINE_MIN_INT8 if int8 else COSINE_MIN
+            assert c >= bound, f"{name}: cosine {c:.6f} at step {step} ({'int8' if int8 else 'f32'} activations)"
         assert len(ours) == N_NEW
-    print(f"{name}: worst cosine vs HF {worst:.7f}")
+    assert agree / total >= (AGREE_MIN_INT8 if int8 else 1.0), f"{name}: top-1 agrees on {agree}/{total}"
+    print(f"{name}: worst cosine vs HF {worst:.7f}, top-1 agrees on {agree}/{total} "
+          f"({'int8' if int8 else 'f32'} activations)")
 
 
 def test_gemma_long_prompt_crosses_the_window(gguf_models, hf_references):
@@ -142,17 +179,23 @@ def test_generate_cli_matches_hf_greedy(name, gguf_bundles, hf_references, hf_to
 def test_compiled_logits_match_llamacpp_fixture(name, gguf_bundles):
     """llama.cpp on the same file and prompts (recorded by scripts/record_llamacpp_fixtures.py).
 
-    llama.cpp multiplies quantized weights by 8-bit-quantized activations, we by
-    float32 ones, so near-ties may flip. Stated bound: top-1 agrees on >= 95% of
-    positions, a disagreement only where llama.cpp's own top-2 gap is < 0.5, and
-    llama.cpp's top-5 logits within 1.0 of ours.
+    llama.cpp multiplies quantized weights by 8-bit-quantized activations (per 32
+    values, per 256 beside K-quants), we by float32 ones or, on AVX-512 VNNI CPUs,
+    by int8 per weight group, so near-ties may flip. Stated bound: top-1 agrees on
+    >= 95% of positions (90% with int8 activations: the two roundings differ), a
+    disagreement only where llama.cpp's own top-2 gap is < 0.5, and llama.cpp's
+    top-5 logits within 1.0 of ours. Measured with int8 activations: 46/48 (SmolLM2,
+    gaps 0.27 and 0.04) and 30/32 (Gemma 3, gaps 0.003 and 0.011), top-5 within
+    0.50 and 0.71.
     """
     _skip_unless_installed(name)
     path = FIXTURES / f"llamacpp_{name}.json"
     if not path.is_file():
         pytest.skip(f"{path.name} has not been recorded")
     fixture = json.loads(path.read_text())
-    model = Model.load(gguf_bundles(name), verify=False)
+    bundle = gguf_bundles(name)
+    int8 = json.loads((bundle / "manifest.json").read_text())["modules"]["cpu"].get("activations") == "int8"
+    model = Model.load(bundle, verify=False)
     agree = total = 0
     for prompt in fixture["prompts"]:
         ids = prompt["ids"]
@@ -167,10 +210,11 @@ def test_compiled_logits_match_llamacpp_fixture(name, gguf_bundles):
             np.testing.assert_allclose(ours[top_ids], top_logits, atol=1.0)
             same = int(np.argmax(ours)) == prompt["top1"][step]
             if not same:
-                assert top_logits[0] - top_logits[1] < 0.5, f"{name}: clear llama.cpp top-1 missed at step {step}"
+                assert top_logits[0] - top_logits[1] < TIE_GAP, f"{name}: clear llama.cpp top-1 missed at step {step}"
             agree += same
             total += 1
-    assert agree / total >= 0.95, f"{name}: top-1 agrees with llama.cpp on {agree}/{total} positions"
+    assert agree / total >= (AGREE_MIN_INT8 if int8 else 0.95), (
+        f"{name}: top-1 agrees with llama.cpp on {agree}/{total} positions")
     print(f"{name}: top-1 agrees with llama.cpp on {agree}/{total} positions")
 
 

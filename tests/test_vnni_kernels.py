@@ -14,7 +14,7 @@ import pytest
 from foldline.backends import vnni_kernels as vk
 from foldline.runtime.device import host_cpu_features
 
-pytestmark = pytest.mark.skipif(not vk.cpu_has_int8_dot(host_cpu_features() or set()),
+needs_vnni = pytest.mark.skipif(not vk.cpu_has_int8_dot(host_cpu_features() or set()),
                                 reason="this CPU has no AVX-512 VNNI")
 
 
@@ -69,11 +69,12 @@ SHAPES = [
     vk.Int8DotShape("q4", 64, "f16", True, 256, 32),  # compile-time int4, group 64
     vk.Int8DotShape("q8", 32, "f16", False, 640, 320),  # Q8_0 / Q5_0 (Gemma's head and projections, K = 640)
     vk.Int8DotShape("q8", 16, "f32", False, 128, 16),  # Q6_K: groups of 16
-    vk.Int8DotShape("q8", 32, "f32", True, 1024, 16384),  # Q5_K (mins); large N: 256 rows per workgroup
+    vk.Int8DotShape("q8", 32, "f32", True, 1024, 16384),  # Q5_K (mins); large N: 1024 rows per workgroup
 ]
 
 
 @pytest.mark.slow
+@needs_vnni
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
 def test_int8_dot_kernel_matches_int8_emulation(shape, tmp_path):
     import iree.compiler as ireec
@@ -111,3 +112,18 @@ def test_rows_per_workgroup_divide_n():
     for n in (16, 48, 576, 960, 3072, 49152, 262144, 8208):
         rows = vk.Int8DotShape("q8", 32, "f16", False, 640, n).rows_per_workgroup
         assert n % rows == 0
+
+
+def test_activations_follow_the_target():
+    from foldline.backends.build import target_activations
+    from foldline.backends.targets import TargetError, make_target
+
+    generic, znver4 = make_target("cpu", cpu="generic"), make_target("cpu", cpu="znver4")
+    assert target_activations(generic, "auto") == "f32"  # the x86-64 baseline has no VNNI
+    assert target_activations(znver4, "auto") == "int8"
+    assert target_activations(znver4, "f32") == "f32"
+    assert target_activations(make_target("cuda"), "auto") == "f32"
+    with pytest.raises(TargetError, match="AVX-512 VNNI"):
+        target_activations(generic, "int8")
+    with pytest.raises(TargetError, match="unknown activations"):
+        target_activations(znver4, "int4")
