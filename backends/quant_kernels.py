@@ -18,6 +18,9 @@ replaces each one with a `util.call` to a generated `util.func`:
   bytes (tests/test_quant_compile.py checks the dispatches). With several
   rows (decode of a batched bundle) the codes are read once for all of them.
   Why this form, and what IREE does with the alternatives: docs/quantization.md;
+- decode (one row) on an x86 CPU with AVX-512 VNNI, int8 activations asked
+  for (the default there): `int8_dot_mlir`, the hand-written int8-dot dispatch
+  of backends/vnni_kernels.py behind the same util.func signature;
 - prefill chunks (more rows) on CPU, and every call on GPU targets:
   `dequantize_matmul_mlir`, the weight dequantized into a float tile once per
   call and multiplied by all M rows. On SmolLM2 this took 7.8 CPU ms per

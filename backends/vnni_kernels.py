@@ -22,8 +22,8 @@ read the same parameters. The kernel is a hand-written dispatch
 intrinsic, called with `flow.dispatch`): linalg offers no way to keep an int32
 sum per group and a float sum across groups in one op. Each workgroup
 quantizes the activation row itself (K values, a few percent of its work) and
-computes ROWS_PER_WORKGROUP output rows, four at a time with independent
-accumulators.
+computes its rows one at a time, each row's codes read in order (see
+int8_dot_executable for why).
 
 This is a lossy activation path, as llama.cpp's: activations keep 8 bits per
 group of 16 to 64 values. docs/quantization.md gives the measured error and
@@ -126,7 +126,6 @@ def _quantize_activation(s: Int8DotShape) -> list[str]:
         f"%ng = arith.constant {g} : index",
         f"%nl = arith.constant {lanes} : index",
         "%f0 = arith.constant 0.0 : f32",
-        "%fz = arith.constant 0.0 : f32",
         "%f127 = arith.constant 127.0 : f32",
         "scf.for %gi = %c0 to %nG step %c1 {",
         "  %off = arith.muli %gi, %ng : index",
@@ -235,9 +234,7 @@ def _row(s: Int8DotShape) -> list[str]:
                   f"%mprod = arith.mulf {mrow}, %cgv : vector<{G}xf32>",
                   f"%msum = vector.reduction <add>, %mprod : vector<{G}xf32> into f32",
                   "%total = arith.addf %sum, %msum : f32"]
-    else:
-        lines.append("%total = arith.addf %sum, %fz : f32")
-    lines.append(f"memref.store %total, %y[%row] : memref<{s.n}xf32>")
+    lines.append(f"memref.store {'%total' if s.has_min else '%sum'}, %y[%row] : memref<{s.n}xf32>")
     return lines
 
 
