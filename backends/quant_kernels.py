@@ -565,18 +565,13 @@ def int8_dot_mlir(spec: QLinearSpec) -> list[str]:
     """The int8-activation decode kernel behind the usual util.func signature: its executable, then the func."""
     shape = int8_dot_shape(spec)
     k, n = spec.k, spec.n
-    x_t, x1_t = _tensor(spec.x_shape, "f32"), _tensor((k,), "f32")
-    y_t, y1_t = _tensor((*spec.x_shape[:-1], n), "f32"), _tensor((n,), "f32")
-    lead = len(spec.x_shape) - 1
-    if lead:
-        lines = ["%x1 = " + _reshape("collapse", "%x", x_t, x1_t, [list(range(lead + 1))], [])]
-    else:
-        lines = [f"%x1 = tensor.cast %x : {x_t} to {x1_t}"]
-    lines.append(int8_dot_dispatch(shape, "%x1", "%codes", "%scales", "%mins" if spec.has_min else None, "%y1"))
-    if lead:
-        lines.append("%y = " + _reshape("expand", "%y1", y1_t, y_t, [list(range(lead + 1))], [*spec.x_shape[:-1], n]))
-    else:
-        lines.append(f"%y = tensor.cast %y1 : {y1_t} to {y_t}")
+    lines = [
+        _x_as_rows(spec),
+        "%x1 = " + _reshape("collapse", "%x2", _tensor((1, k), "f32"), _tensor((k,), "f32"), [[0, 1]], []),
+        int8_dot_dispatch(shape, "%x1", "%codes", "%scales", "%mins" if spec.has_min else None, "%y1"),
+        "%y2 = " + _reshape("expand", "%y1", _tensor((n,), "f32"), _tensor((1, n), "f32"), [[0, 1]], [1, n]),
+        _rows_as_y(spec),
+    ]
     return [int8_dot_executable(shape), _function(spec, lines)]
 
 

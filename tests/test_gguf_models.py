@@ -46,6 +46,11 @@ def _skip_unless_installed(name: str) -> None:
 MODELS = ["smollm2-135m", "gemma3-270m"]
 
 
+def _cpu_module(bundle: Path) -> dict:
+    """The manifest's entry for the bundle's CPU module (its file, flags and `activations`)."""
+    return json.loads((bundle / "manifest.json").read_text())["modules"]["cpu"]
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_tokenizer_matches_hf(name, gguf_models, hf_tokenizers):
     """Our tokenizer.json (built from GGUF metadata, no transformers) gives HF's ids and round-trips text."""
@@ -96,7 +101,7 @@ def test_default_bundle_decodes_with_int8_activations_where_the_cpu_has_vnni(nam
     from foldline.runtime.device import host_cpu_features
 
     bundle = gguf_bundles(name)
-    module = json.loads((bundle / "manifest.json").read_text())["modules"]["cpu"]
+    module = _cpu_module(bundle)
     vnni = cpu_has_int8_dot(host_cpu_features() or set())
     assert module["activations"] == ("int8" if vnni else "f32")
     vmfb = (bundle / module["file"]).read_bytes()
@@ -118,7 +123,7 @@ def test_compiled_logits_match_hf(name, gguf_bundles, hf_references):
     """Float activations: top-1 equal at every position, cosine >= 0.999. int8: the bounds above."""
     _skip_unless_installed(name)
     bundle = gguf_bundles(name)
-    int8 = json.loads((bundle / "manifest.json").read_text())["modules"]["cpu"].get("activations") == "int8"
+    int8 = _cpu_module(bundle).get("activations") == "int8"
     model = Model.load(bundle, verify=False)
     ref = hf_references(name)
     worst, agree, total = 1.0, 0, 0
@@ -194,7 +199,7 @@ def test_compiled_logits_match_llamacpp_fixture(name, gguf_bundles):
         pytest.skip(f"{path.name} has not been recorded")
     fixture = json.loads(path.read_text())
     bundle = gguf_bundles(name)
-    int8 = json.loads((bundle / "manifest.json").read_text())["modules"]["cpu"].get("activations") == "int8"
+    int8 = _cpu_module(bundle).get("activations") == "int8"
     model = Model.load(bundle, verify=False)
     agree = total = 0
     for prompt in fixture["prompts"]:
