@@ -114,10 +114,38 @@ def _nibble_mask(shape: Int8DotShape) -> list[int]:
     return mask
 
 
+def quantize_group_lines(g: int) -> list[str]:
+    """Lines quantizing %v (vector<g x f32>, one group) to int8 as llama.cpp's Q8 rows do.
+
+    Defines %i8v (vector<g x i8> codes), %iv (the codes as i32), %isum (their i32 sum) and %d
+    (the scale, max |x| / 127). Shared by the decode kernel and the prefill GEMM's
+    activation pass, so both quantize a row identically.
+    """
+    vf, vi = f"vector<{g}xf32>", f"vector<{g}xi32>"
+    return [
+        f"%av = math.absf %v : {vf}",
+        # max |x| as an integer max of the bit patterns (same order for non-negative floats): a float
+        # max reduction keeps NaN semantics and lowers to a serial chain of scalar compares.
+        f"%ab = arith.bitcast %av : {vf} to {vi}",
+        f"%amaxb = vector.reduction <maxui>, %ab : {vi} into i32",
+        "%amax = arith.bitcast %amaxb : i32 to f32",
+        "%d = arith.divf %amax, %f127 : f32",
+        "%nz = arith.cmpf ogt, %amax, %f0 : f32",
+        "%inv = arith.divf %f127, %amax : f32",
+        "%id = arith.select %nz, %inv, %f0 : f32",
+        f"%idv = vector.broadcast %id : f32 to {vf}",
+        f"%sv = arith.mulf %v, %idv : {vf}",
+        # LLVM's own roundeven (one vrndscaleps): math.roundeven expands to ~50 bit operations per vector.
+        f"%rv = llvm.intr.roundeven(%sv) : ({vf}) -> {vf}",
+        f"%iv = arith.fptosi %rv : {vf} to {vi}",
+        f"%isum = vector.reduction <add>, %iv : {vi} into i32",
+        f"%i8v = arith.trunci %iv : {vi} to vector<{g}xi8>",
+    ]
+
+
 def _quantize_activation(s: Int8DotShape) -> list[str]:
     """Lines filling %xq (int8 activations, k order), %dxe (dx per lane) and %cg (dx * sum xq per group)."""
     g, G, lanes = s.group, s.groups, s.group // 4
-    vf, vi = f"vector<{g}xf32>", f"vector<{g}xi32>"
     lines = [
         f"%xq = memref.alloca() : memref<{s.k}xi8>",
         f"%dxe = memref.alloca() : memref<{s.k // 4}xf32>",
@@ -129,24 +157,8 @@ def _quantize_activation(s: Int8DotShape) -> list[str]:
         "%f127 = arith.constant 127.0 : f32",
         "scf.for %gi = %c0 to %nG step %c1 {",
         "  %off = arith.muli %gi, %ng : index",
-        f"  %v = vector.load %x[%off] : memref<{s.k}xf32>, {vf}",
-        f"  %av = math.absf %v : {vf}",
-        # max |x| as an integer max of the bit patterns (same order for non-negative floats): a float
-        # max reduction keeps NaN semantics and lowers to a serial chain of scalar compares.
-        f"  %ab = arith.bitcast %av : {vf} to {vi}",
-        f"  %amaxb = vector.reduction <maxui>, %ab : {vi} into i32",
-        "  %amax = arith.bitcast %amaxb : i32 to f32",
-        "  %d = arith.divf %amax, %f127 : f32",
-        "  %nz = arith.cmpf ogt, %amax, %f0 : f32",
-        "  %inv = arith.divf %f127, %amax : f32",
-        "  %id = arith.select %nz, %inv, %f0 : f32",
-        f"  %idv = vector.broadcast %id : f32 to {vf}",
-        f"  %sv = arith.mulf %v, %idv : {vf}",
-        # LLVM's own roundeven (one vrndscaleps): math.roundeven expands to ~50 bit operations per vector.
-        f"  %rv = llvm.intr.roundeven(%sv) : ({vf}) -> {vf}",
-        f"  %iv = arith.fptosi %rv : {vf} to {vi}",
-        f"  %isum = vector.reduction <add>, %iv : {vi} into i32",
-        f"  %i8v = arith.trunci %iv : {vi} to vector<{g}xi8>",
+        f"  %v = vector.load %x[%off] : memref<{s.k}xf32>, vector<{g}xf32>",
+        *[f"  {line}" for line in quantize_group_lines(g)],
         f"  vector.store %i8v, %xq[%off] : memref<{s.k}xi8>, vector<{g}xi8>",
         "  %fsum = arith.sitofp %isum : i32 to f32",
         "  %dsum = arith.mulf %fsum, %d : f32",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -94,8 +95,9 @@ def test_default_bundle_keeps_the_gguf_blocks(name, gguf_bundles):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_default_bundle_decodes_with_int8_activations_where_the_cpu_has_vnni(name, gguf_bundles):
-    """On an AVX-512 VNNI CPU the default bundle's decode products are the int8-dot kernels, the head's too."""
+def test_default_bundle_runs_int8_activations_where_the_cpu_has_vnni(name, gguf_bundles):
+    """On an AVX-512 VNNI CPU the default bundle's decode products are the int8-dot kernels, the head's
+    too, and its prefill products the int8 GEMM kernels (one per projection shape)."""
     _skip_unless_installed(name)
     from foldline.backends.vnni_kernels import cpu_has_int8_dot
     from foldline.runtime.device import host_cpu_features
@@ -107,6 +109,11 @@ def test_default_bundle_decodes_with_int8_activations_where_the_cpu_has_vnni(nam
     vmfb = (bundle / module["file"]).read_bytes()
     head = {"smollm2-135m": b"foldline_i8dot_q8g32f16_k576_n49152", "gemma3-270m": b"foldline_i8dot_q8g32f16_k640_n262144"}
     assert (head[name] in vmfb) == vnni
+    # every projection of a 64-token chunk: fused q/k/v, o, fused gate/up, down (Gemma: Q6_K and Q4_K downs)
+    prefill = {"smollm2-135m": [b"_m64_k576_n960", b"_m64_k576_n576", b"_m64_k576_n3072", b"_m64_k1536_n576"],
+               "gemma3-270m": [b"_m64_k640_n1536", b"_m64_k1024_n640", b"_m64_k640_n4096", b"_m64_k2048_n640"]}
+    for shape in prefill[name]:
+        assert (re.search(rb"foldline_i8gemm_\w+" + re.escape(shape), vmfb) is not None) == vnni, shape
 
 
 # int8 activations (the default decode on AVX-512 VNNI CPUs, as llama.cpp's) against HF's float32

@@ -13,18 +13,10 @@ import pytest
 
 from foldline.backends import vnni_kernels as vk
 from foldline.runtime.device import host_cpu_features
+from foldline.testing.int8_reference import int8_product
 
 needs_vnni = pytest.mark.skipif(not vk.cpu_has_int8_dot(host_cpu_features() or set()),
                                 reason="this CPU has no AVX-512 VNNI")
-
-
-def quantize_activation(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """int8 codes and scales per group, as the kernel makes them: max |x| / 127, round half to even."""
-    xg = x.reshape(-1, group).astype(np.float32)
-    amax = np.abs(xg).max(1)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    return np.rint(xg * inv[:, None]).astype(np.int64), (amax / np.float32(127)).astype(np.float64)
 
 
 def _case(shape: vk.Int8DotShape, rng: np.random.Generator):
@@ -44,11 +36,7 @@ def _case(shape: vk.Int8DotShape, rng: np.random.Generator):
     s64, m64 = scales.astype(np.float64), mins.astype(np.float64)
     w = q.reshape(n, k // g, g) * s64[..., None] + (m64[..., None] if shape.has_min else 0)
     exact = w.reshape(n, k) @ x.astype(np.float64)
-    xq, dx = quantize_activation(x, g)
-    dots = (q.reshape(n, k // g, g) * xq[None]).sum(-1)
-    emulated = (dots * s64 * dx[None]).sum(1)
-    if shape.has_min:
-        emulated += (m64 * (dx * xq.sum(1))[None]).sum(1)
+    emulated = int8_product(x, q, scales, mins if shape.has_min else None, g)
     args = [x, codes, scales] + ([mins] if shape.has_min else [])
     return args, emulated, exact
 

@@ -1,0 +1,115 @@
+"""The int8 prefill kernels (backends/vnni_gemm.py) against numpy, on CPUs with AVX-512 VNNI.
+
+As for the decode kernel: an int8 emulation in numpy (the same activation
+quantization per row and group, exact integer dots, float64 scaling), which the
+kernels must match to float32 rounding, and the float64 product with
+unquantized activations, which bounds what 8-bit activations cost.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from foldline.backends import quant_kernels as qk
+from foldline.backends import vnni_gemm as vg
+from foldline.backends import vnni_kernels as vk
+from foldline.runtime.device import host_cpu_features
+from foldline.testing.int8_reference import int8_product
+
+needs_vnni = pytest.mark.skipif(not vk.cpu_has_int8_dot(host_cpu_features() or set()),
+                                reason="this CPU has no AVX-512 VNNI")
+
+
+def _case(s: vg.Int8GemmShape, rng: np.random.Generator):
+    m, n, k, g = s.m, s.n, s.k, s.group
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[3, :g] = 0  # a group of zeros: scale 0, no division by zero
+    x[5] *= 50  # rows of very different magnitudes: each row and group has its own scale
+    sdt = np.float16 if s.scale_type == "f16" else np.float32
+    scales = (rng.standard_normal((n, k // g)) * 0.02).astype(sdt)
+    mins = (rng.standard_normal((n, k // g)) * 0.02).astype(sdt)
+    if s.fmt == "q4":
+        q = rng.integers(0, 16, (n, k)).astype(np.int64)
+        halves = q.astype(np.uint8).reshape(n, k // g, 2, g // 2)  # ggml's order: byte b holds codes b, b + g/2
+        codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).view(np.int8)
+    else:
+        codes = rng.integers(-128, 128, (n, k)).astype(np.int8)
+        q = codes.astype(np.int64)
+    s64, m64 = scales.astype(np.float64), mins.astype(np.float64)
+    w = q.reshape(n, k // g, g) * s64[..., None] + (m64[..., None] if s.has_min else 0)
+    exact = x.astype(np.float64) @ w.reshape(n, k).T
+    emulated = int8_product(x, q, scales, mins if s.has_min else None, g)
+    return [x, codes, scales] + ([mins] if s.has_min else []), emulated, exact
+
+
+def _module(s: vg.Int8GemmShape) -> str:
+    codes_t, scales_t = vg._tensor(vg._codes_memref(s)), vg._tensor(vg._scales_memref(s))
+    params = [f"%x: tensor<{s.m}x{s.k}xf32>", f"%c: {codes_t}", f"%s: {scales_t}"] + (
+        [f"%mn: {scales_t}"] if s.has_min else [])
+    lines = vg.int8_gemm_dispatches(s, "%x", "%c", "%s", "%mn" if s.has_min else None, "%y")
+    body = "\n  ".join(lines)
+    return (f"{vg.quantize_executable(s)}\n{vg.gemm_executable(s)}\n"
+            f"util.func public @main({', '.join(params)}) -> tensor<{s.m}x{s.n}xf32> {{\n  {body}\n"
+            f"  util.return %y : tensor<{s.m}x{s.n}xf32>\n}}\n")
+
+
+SHAPES = [
+    vg.Int8GemmShape("q4", 32, "f16", True, 64, 576, 192),  # Q4_0 / Q4_1 (SmolLM2, K = 576: chunks of 192)
+    vg.Int8GemmShape("q4", 32, "f32", True, 32, 640, 48),  # Q4_K; 48 channels: tiles of 16, 3 workgroups
+    vg.Int8GemmShape("q4", 64, "f16", True, 16, 512, 32),  # compile-time int4, group 64; one row vector
+    vg.Int8GemmShape("q8", 32, "f16", False, 64, 640, 320),  # Q8_0 / Q5_0
+    vg.Int8GemmShape("q8", 16, "f32", False, 48, 2048, 8),  # Q6_K (groups of 16); 8 chains of K; tiles of 8
+    vg.Int8GemmShape("q8", 32, "f32", True, 32, 256, 64),  # Q5_K (mins)
+]
+
+
+@pytest.mark.slow
+@needs_vnni
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+def test_int8_gemm_kernel_matches_int8_emulation(shape, tmp_path):
+    import iree.compiler as ireec
+    import iree.runtime as rt
+
+    from foldline.backends.targets import cpu_target
+
+    dump = tmp_path / "dump"
+    vmfb = ireec.compile_str(_module(shape), extra_args=[*cpu_target("host").flags,
+                                                          f"--iree-hal-dump-executable-files-to={dump}"])
+    assembly = "\n".join(p.read_text() for p in dump.glob("*.s"))
+    assert "vpdpbusd" in assembly, "the kernel was compiled without VNNI dot products"
+    config = rt.Config("local-task")
+    ctx = rt.SystemContext(config=config)
+    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+    args, emulated, exact = _case(shape, np.random.default_rng(0))
+    y = ctx.modules.module["main"](*args).to_host()
+    scale = np.abs(exact).max(1, keepdims=True)  # per row: row 5 is 50x the others
+    assert np.all(np.abs(y - emulated) <= 1e-5 * scale), "differs from the int8 emulation beyond float32 rounding"
+    # 8-bit activations per group: a relative RMS error of a few tenths of a percent (each row weighted alike)
+    rel_rms = np.sqrt(np.sum(((y - exact) / scale) ** 2) / np.sum((exact / scale) ** 2))
+    assert rel_rms < 1e-2, f"relative RMS error {rel_rms:.2e} against float activations"
+
+
+def test_supports_whole_row_vectors_and_channel_blocks():
+    assert vg.supports(vg.Int8GemmShape("q4", 32, "f16", True, 64, 576, 3072))
+    assert not vg.supports(vg.Int8GemmShape("q4", 32, "f16", True, 24, 576, 64))  # M not a multiple of 16
+    assert not vg.supports(vg.Int8GemmShape("q4", 32, "f16", True, 64, 576, 18))  # N not a multiple of 4
+    assert not vg.supports(vg.Int8GemmShape("q8", 8, "f16", False, 64, 128, 64))  # group 8
+    assert not vg.supports(vg.Int8GemmShape("q4", 32, "f16", False, 64, 128, 64))  # q4 always has mins
+
+
+@pytest.mark.parametrize("k,n", [(576, 960), (640, 4096), (2048, 640), (1024, 640), (640, 48), (640, 262144)])
+def test_tiles_divide_the_shape(k, n):
+    s = vg.Int8GemmShape("q8", 32, "f16", False, 64, k, n)
+    assert n % s.tile_channels == 0 and s.tile_channels % vg.CHANNELS == 0
+    assert k % s.chunk == 0 and s.chunk % s.group == 0 and s.chunk <= vg.MAX_CHUNK
+
+
+def test_prefill_chunks_take_the_int8_gemm_and_decode_rows_do_not():
+    def spec(rows: int) -> qk.QLinearSpec:
+        return qk.QLinearSpec("q4", 32, "f16", True, (1, rows, 576), 960)
+
+    assert qk.uses_int8_gemm(spec(64)) and qk.uses_int8_gemm(spec(16))
+    assert not qk.uses_int8_gemm(spec(8))  # batched decode: the fused float kernel reads the codes once
+    assert not qk.uses_int8_gemm(spec(1)) and qk.uses_int8_dot(spec(1))
+    assert not qk.uses_int8_gemm(spec(40))  # not a multiple of 16: dequantize, then matmul
