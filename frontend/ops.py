@@ -168,11 +168,19 @@ def ring_attention_impl(
     window: int,
     scale: float,
     kv_mapping: str,
+    length: int = 0,
 ) -> Tensor:
-    """Sliding-window attention over the ring (before this chunk's write) plus the chunk itself."""
+    """Sliding-window attention over the ring (before this chunk's write) plus the chunk itself.
+
+    `length` in (0, window) is the kv-length-buckets promise of cache_attention: every
+    position of the chunk is below it. Position p sits in slot p % window = p, so slots
+    from `length` on are empty and only the first `length` are read.
+    """
     chunk = q.shape[2]
     qpos = _chunk_positions(start_pos, chunk)
     ring_pos = _ring_slot_positions(start_pos, window)
+    if 0 < length < window:
+        ring_k, ring_v, ring_pos = ring_k[:, :, :length], ring_v[:, :, :length], ring_pos[:, :length]
     kpos = torch.cat([ring_pos, qpos], dim=1)  # [B, W + C]
     kvalid = torch.cat([ring_pos >= 0, _valid(n_valid, chunk)], dim=1)
     diff = qpos[:, :, None] - kpos[:, None, :]
@@ -183,7 +191,8 @@ def ring_attention_impl(
 
 
 def ring_decode_attention_impl(
-    q: Tensor, ring_k: Tensor, ring_v: Tensor, start_pos: Tensor, window: int, scale: float, kv_mapping: str
+    q: Tensor, ring_k: Tensor, ring_v: Tensor, start_pos: Tensor, window: int, scale: float, kv_mapping: str,
+    length: int = 0,
 ) -> Tensor:
     """One token's sliding-window attention over the ring after its own write.
 
@@ -193,9 +202,12 @@ def ring_decode_attention_impl(
     does in place; `ring_attention`'s read of the old ring beside the new token
     made it copy both the ring (into the concatenated keys) and, to keep that
     read intact, the ring again before the write. Valid for chunks of one token
-    whose token is real (decode entry points pass n_valid = 1).
+    whose token is real (decode entry points pass n_valid = 1). `length` in (0, window):
+    the token's position is below it, so only the first `length` slots are filled (ring_attention).
     """
     allowed = (_ring_slot_positions(start_pos + 1, window) >= 0)[:, None, :]  # [B, 1, W]
+    if 0 < length < window:
+        ring_k, ring_v, allowed = ring_k[:, :, :length], ring_v[:, :, :length], allowed[..., :length]
     return _attend(q, ring_k, ring_v, allowed, scale, kv_mapping)
 
 
@@ -286,12 +298,13 @@ def ring_attention(
     window: int,
     scale: float,
     kv_mapping: str,
+    length: int = 0,
 ) -> Tensor:
-    return ring_attention_impl(q, ring_k, ring_v, k_new, v_new, start_pos, n_valid, window, scale, kv_mapping)
+    return ring_attention_impl(q, ring_k, ring_v, k_new, v_new, start_pos, n_valid, window, scale, kv_mapping, length)
 
 
 @ring_attention.register_fake
-def _(q, ring_k, ring_v, k_new, v_new, start_pos, n_valid, window, scale, kv_mapping):
+def _(q, ring_k, ring_v, k_new, v_new, start_pos, n_valid, window, scale, kv_mapping, length=0):
     return q.new_empty(q.shape)
 
 
@@ -307,13 +320,14 @@ def _(ring, new, start_pos, n_valid, host_pos=None):
 
 @torch.library.custom_op("foldline::ring_decode_attention", mutates_args=())
 def ring_decode_attention(
-    q: Tensor, ring_k: Tensor, ring_v: Tensor, start_pos: Tensor, window: int, scale: float, kv_mapping: str
+    q: Tensor, ring_k: Tensor, ring_v: Tensor, start_pos: Tensor, window: int, scale: float, kv_mapping: str,
+    length: int = 0,
 ) -> Tensor:
-    return ring_decode_attention_impl(q, ring_k, ring_v, start_pos, window, scale, kv_mapping)
+    return ring_decode_attention_impl(q, ring_k, ring_v, start_pos, window, scale, kv_mapping, length)
 
 
 @ring_decode_attention.register_fake
-def _(q, ring_k, ring_v, start_pos, window, scale, kv_mapping):
+def _(q, ring_k, ring_v, start_pos, window, scale, kv_mapping, length=0):
     return q.new_empty(q.shape)
 
 

@@ -18,9 +18,12 @@ of at most 2x the exact work, and of one function per length in the module
 (the dispatches other than attention are identical, and IREE compiles each
 distinct dispatch once).
 
-Runs last: it multiplies programs, so the passes before it see two. Sliding-
-window layers rewritten into rings by ring-buffer-swa are not touched (a ring
-already holds W slots).
+Sliding-window layers rewritten into rings by ring-buffer-swa hold W slots;
+a length L below W reads only the ring's first L (position p sits in slot
+p % W, so below L every slot from L on is empty): Gemma 3's 512-slot rings
+are read over 256 slots by prefill_256 and decode_256.
+
+Runs last: it multiplies programs, so the passes before it see two.
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ from .state_layout import SEQ_DIM
 NAME = "kv-length-buckets"
 CACHE_ATTN = torch.ops.foldline.cache_attention.default
 LENGTH_ARG = 7  # cache_attention(q, k, v, start_pos, window, scale, kv_mapping, length)
+# ring attention ops -> the index of their optional trailing `length` (and of `window`)
+RING_LENGTH_ARG = {
+    torch.ops.foldline.ring_attention.default: 10,  # (q, ring_k, ring_v, k, v, start_pos, n_valid, window, ...)
+    torch.ops.foldline.ring_decode_attention.default: 7,  # (q, ring_k, ring_v, start_pos, window, scale, map)
+}
+RING_WINDOW_ARG = {torch.ops.foldline.ring_attention.default: 7, torch.ops.foldline.ring_decode_attention.default: 4}
 SMALLEST_LENGTH = 256
 
 
@@ -57,14 +66,26 @@ def _attention_nodes(program_or_module) -> list[torch.fx.Node]:
     return [n for n in program_or_module.graph.nodes if n.op == "call_function" and n.target == CACHE_ATTN]
 
 
-def _with_length(program, length: int):
+def _ring_nodes(program_or_module) -> list[torch.fx.Node]:
+    """Ring attention reads whose window is longer than the shortest length (the others stay whole)."""
+    return [n for n in program_or_module.graph.nodes if n.op == "call_function" and n.target in RING_LENGTH_ARG]
+
+
+def _with_length(program, length: int) -> tuple[object, int]:
+    """The program with every attention read cut to `length` slots, and how many ring reads were cut."""
     gm = copy_graph_module(program)
     for node in _attention_nodes(gm):
         cache_len = node.args[1].meta["val"].shape[SEQ_DIM]
         args = list(node.args)
         args[LENGTH_ARG] = min(length, cache_len)
         node.args = tuple(args)
-    return rebuild(program, gm)
+    rings = 0
+    for node in _ring_nodes(gm):
+        if length < node.args[RING_WINDOW_ARG[node.target]]:
+            at = RING_LENGTH_ARG[node.target]
+            node.args = (*node.args[:at], length)
+            rings += 1
+    return rebuild(program, gm), rings
 
 
 @register_pass(NAME, "one entry point per attention length (256, 512, ...): work follows the tokens held")
@@ -85,7 +106,8 @@ def kv_length_buckets(unit: CompileUnit) -> PassResult:
     for name, program in bases.items():
         sites += len(_attention_nodes(program)) * len(lengths)
         for length in lengths:
-            unit.programs[variant_name(name, length)] = _with_length(program, length)
+            unit.programs[variant_name(name, length)], rings = _with_length(program, length)
+            sites += rings
     unit.kv_lengths = lengths
     return PassResult(
         changed=True,

@@ -116,11 +116,12 @@ def test_default_bundle_runs_int8_activations_where_the_cpu_has_vnni(name, gguf_
         assert (re.search(rb"foldline_i8gemm_\w+" + re.escape(shape), vmfb) is not None) == vnni, shape
 
 
-# int8 activations (the default decode on AVX-512 VNNI CPUs, as llama.cpp's) against HF's float32
-# activations: stated bounds. Measured on an AMD EPYC host (docs/models.md): worst cosine 0.99745
-# (SmolLM2, median 0.99987) and 0.99951 (Gemma 3); top-1 48/48 and 31/32, the miss at an HF top-2
-# gap of 0.066.
-COSINE_MIN_INT8 = 0.995
+# int8 activations (prefill and decode on AVX-512 VNNI CPUs, as llama.cpp's) against HF's float32
+# activations: stated bounds. Measured on an AMD EPYC host (docs/models.md): worst cosine 0.98190
+# (SmolLM2, one step of the 5-token prompt; every other step >= 0.9938) and 0.99851 (Gemma 3); top-1
+# 46/48 and 31/32, every miss at a near-tie. llama.cpp on the same GGUF leaves HF's greedy path on
+# the same SmolLM2 prompt (step 5, HF top-2 gap 0.22): an error of the same kind and size.
+COSINE_MIN_INT8 = 0.97
 TIE_GAP = 0.5  # a top-1 disagreement is allowed only where the reference's own top-2 logits are this close
 AGREE_MIN_INT8 = 0.9
 
@@ -172,17 +173,24 @@ def test_gemma_long_prompt_crosses_the_window(gguf_models, hf_references):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_generate_cli_matches_hf_greedy(name, gguf_bundles, hf_references, hf_tokenizers, capsys):
+    """Float activations: HF's greedy text exactly. int8: HF's greedy text up to HF's first near-tie
+    (where test_compiled_logits_match_hf allows the top-1 to flip), whatever follows it."""
     _skip_unless_installed(name)
     from foldline.tools.cli import main
 
-    prompt = hf_references(name)["prompts"][0]
+    ref = hf_references(name)
+    prompt, logits = ref["prompts"][0], ref["logits"][0]
     assert prompt["text"] == "The capital of France is"
-    rc = main(["generate", str(gguf_bundles(name)), "--prompt", prompt["text"], "--max-new-tokens", str(N_NEW),
-               "--no-verify"])
+    bundle = gguf_bundles(name)
+    rc = main(["generate", str(bundle), "--prompt", prompt["text"], "--max-new-tokens", str(N_NEW), "--no-verify"])
     assert rc == 0
     text = capsys.readouterr().out.rstrip("\n")
-    expected = hf_tokenizers(name).decode(prompt["greedy"], skip_special_tokens=True)
-    assert text == expected
+    sure = len(prompt["greedy"])
+    if _cpu_module(bundle).get("activations") == "int8":
+        gaps = [float(np.diff(np.sort(step)[-2:])[0]) for step in logits]
+        sure = next((i for i, gap in enumerate(gaps) if gap < TIE_GAP), sure)
+    expected = hf_tokenizers(name).decode(prompt["greedy"][:sure], skip_special_tokens=True)
+    assert text.startswith(expected) and (sure < len(prompt["greedy"]) or text == expected), (text, expected)
     if name == "smollm2-135m":
         assert "Paris" in text
 
@@ -196,9 +204,9 @@ def test_compiled_logits_match_llamacpp_fixture(name, gguf_bundles):
     by int8 per weight group, so near-ties may flip. Stated bound: top-1 agrees on
     >= 95% of positions (90% with int8 activations: the two roundings differ), a
     disagreement only where llama.cpp's own top-2 gap is < 0.5, and llama.cpp's
-    top-5 logits within 1.0 of ours. Measured with int8 activations: 46/48 (SmolLM2,
-    gaps 0.27 and 0.04) and 30/32 (Gemma 3, gaps 0.003 and 0.011), top-5 within
-    0.50 and 0.71.
+    top-5 logits within 1.0 of ours. Measured with int8 activations in prefill and
+    decode: 47/48 (SmolLM2) and 30/32 (Gemma 3); with int8 in decode only, 46/48 and
+    30/32.
     """
     _skip_unless_installed(name)
     path = FIXTURES / f"llamacpp_{name}.json"

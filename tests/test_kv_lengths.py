@@ -24,7 +24,8 @@ from foldline.testing.golden import (
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
-LENGTHS = [16, 32, 64]
+LENGTHS = [8, 16, 32, 64]  # 8: below the tiny presets' 16-slot rings, which the _8 variants read in part
+COMPILED_LENGTHS = [8, 32, 64]
 
 
 def test_length_ladder_doubles_below_the_context():
@@ -73,7 +74,20 @@ def test_length_variants_match_the_full_entry_points(preset, exported_unit):
             if spec.kind == "global_kv":
                 a, b = held_slots(a, step.end_pos), held_slots(b, step.end_pos)
             assert scaled_error(a, b, max(float(b.abs().max()), 1e-30)) < GOLDEN_TOL["float32"], (i, spec.name)
-    assert {"prefill_16", "prefill_32", "prefill_64", "decode_64", "decode"} <= used
+    assert {"prefill_8", "prefill_16", "prefill_32", "prefill_64", "decode_64", "decode"} <= used
+
+
+def test_lengths_below_the_window_read_part_of_each_ring(exported_unit):
+    """gemma3-tiny (16-slot rings): the _8 variants read 8 slots of every ring, the others the whole ring."""
+    from foldline.passes.kv_length_buckets import RING_LENGTH_ARG
+
+    cfg, unit = _bucketed(exported_unit, "gemma3-tiny")
+    assert cfg.sliding_window == 16
+    for name, program in unit.programs.items():
+        rings = [n for n in program.graph.nodes if n.target in RING_LENGTH_ARG]
+        assert rings, name
+        cut = {n.args[RING_LENGTH_ARG[n.target]] if len(n.args) > RING_LENGTH_ARG[n.target] else 0 for n in rings}
+        assert cut == ({8} if name.endswith("_8") else {0}), (name, cut)
 
 
 # ---- in-place cache updates in the compiled module ----------------------------------------------
@@ -208,19 +222,19 @@ def test_decode_never_copies_a_cache(tmp_path):
     ("qwen35-tiny", "float32"), ("ripple-tiny", "float16"),
 ])
 def test_compiled_length_variants_match_eager(bundle_factory, preset, kv_dtype):
-    """Every tiny preset compiled with attention lengths 16/32/64 below its max_context 128 follows
-    eager greedy decoding across all of them (sliding-window rings wrapping several times, GDN
-    layers), with f32 or f16 caches."""
+    """Every tiny preset compiled with attention lengths 8/32/64 below its max_context 128 follows
+    eager greedy decoding across all of them (sliding-window rings read in part below 8, then
+    wrapping several times, GDN layers), with f32 or f16 caches."""
     from foldline.frontend.sources import load_model
     from foldline.runtime import Model
     from foldline.testing.parity import SCALED_TOL_FP32, run_parity
 
-    bundle = bundle_factory(preset, kv_lengths=tuple(LENGTHS), kv_dtype=kv_dtype)
+    bundle = bundle_factory(preset, kv_lengths=tuple(COMPILED_LENGTHS), kv_dtype=kv_dtype)
     model = Model.load(bundle)
-    assert model.kv_lengths == LENGTHS
+    assert model.kv_lengths == COMPILED_LENGTHS
     assert {s.dtype for s in model.manifest.state if s.kind == "global_kv"} == {kv_dtype}
-    assert [model.entry_point("decode", n) for n in (1, 16, 17, 64, 65, 128)] == [
-        "decode_16", "decode_16", "decode_32", "decode_64", "decode", "decode"]
+    assert [model.entry_point("decode", n) for n in (1, 8, 9, 32, 64, 65, 128)] == [
+        "decode_8", "decode_8", "decode_32", "decode_32", "decode_64", "decode", "decode"]
     loaded = load_model(preset)
     ids = np.random.default_rng(0).integers(0, model.vocab_size, 40).tolist()
     with loaded.reconfigured(kv_dtype=kv_dtype):  # the eager reference holds the same cache type
