@@ -34,3 +34,40 @@ def int8_product(x: np.ndarray, q: np.ndarray, scales: np.ndarray, mins: np.ndar
         if mins is not None:
             y[r] += (mins.astype(np.float64) * (dx * xq.sum(1))[None]).sum(1)
     return y.reshape(*x.shape[:-1], n)
+
+
+def random_blocks(fmt: str, group: int, scale_type: str, n: int, k: int, rng: np.random.Generator):
+    """Random codes in the bundle layout and their scales and mins, as the kernels read them.
+
+    Returns (codes, q, scales, mins, weight): codes as stored (q4: [N, K/2] bytes in ggml's
+    nibble order, byte b of a group holding codes b and b + g/2; q8: [N, K] int8), q the
+    codes as int64 [N, K], and weight the float64 [N, G, g] w = scale * q + min.
+    """
+    sdt = np.float16 if scale_type == "f16" else np.float32
+    scales = (rng.standard_normal((n, k // group)) * 0.02).astype(sdt)
+    mins = (rng.standard_normal((n, k // group)) * 0.02).astype(sdt)
+    if fmt == "q4":
+        q = rng.integers(0, 16, (n, k)).astype(np.int64)
+        halves = q.astype(np.uint8).reshape(n, k // group, 2, group // 2)
+        codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).view(np.int8)
+    else:
+        codes = rng.integers(-128, 128, (n, k)).astype(np.int8)
+        q = codes.astype(np.int64)
+    weight = q.reshape(n, k // group, group) * scales.astype(np.float64)[..., None]
+    return codes, q, scales, mins, weight
+
+
+def compile_on_host(text: str, dump_dir) -> tuple[object, str]:
+    """Compile a module for this CPU; returns its `main` module handle and the dumped assembly."""
+    import iree.compiler as ireec
+    import iree.runtime as rt
+
+    from ..backends.targets import cpu_target
+
+    vmfb = ireec.compile_str(text, extra_args=[*cpu_target("host").flags,
+                                               f"--iree-hal-dump-executable-files-to={dump_dir}"])
+    assembly = "\n".join(p.read_text() for p in dump_dir.glob("*.s"))
+    config = rt.Config("local-task")
+    ctx = rt.SystemContext(config=config)
+    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+    return ctx.modules.module, assembly

@@ -15,7 +15,7 @@ from foldline.backends import quant_kernels as qk
 from foldline.backends import vnni_gemm as vg
 from foldline.backends import vnni_kernels as vk
 from foldline.runtime.device import host_cpu_features
-from foldline.testing.int8_reference import int8_product
+from foldline.testing.int8_reference import compile_on_host, int8_product, random_blocks
 
 needs_vnni = pytest.mark.skipif(not vk.cpu_has_int8_dot(host_cpu_features() or set()),
                                 reason="this CPU has no AVX-512 VNNI")
@@ -26,18 +26,8 @@ def _case(s: vg.Int8GemmShape, rng: np.random.Generator):
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[3, :g] = 0  # a group of zeros: scale 0, no division by zero
     x[5] *= 50  # rows of very different magnitudes: each row and group has its own scale
-    sdt = np.float16 if s.scale_type == "f16" else np.float32
-    scales = (rng.standard_normal((n, k // g)) * 0.02).astype(sdt)
-    mins = (rng.standard_normal((n, k // g)) * 0.02).astype(sdt)
-    if s.fmt == "q4":
-        q = rng.integers(0, 16, (n, k)).astype(np.int64)
-        halves = q.astype(np.uint8).reshape(n, k // g, 2, g // 2)  # ggml's order: byte b holds codes b, b + g/2
-        codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).view(np.int8)
-    else:
-        codes = rng.integers(-128, 128, (n, k)).astype(np.int8)
-        q = codes.astype(np.int64)
-    s64, m64 = scales.astype(np.float64), mins.astype(np.float64)
-    w = q.reshape(n, k // g, g) * s64[..., None] + (m64[..., None] if s.has_min else 0)
+    codes, q, scales, mins, w = random_blocks(s.fmt, g, s.scale_type, n, k, rng)
+    w = w + (mins.astype(np.float64)[..., None] if s.has_min else 0)
     exact = x.astype(np.float64) @ w.reshape(n, k).T
     emulated = int8_product(x, q, scales, mins if s.has_min else None, g)
     return [x, codes, scales] + ([mins] if s.has_min else []), emulated, exact
@@ -68,21 +58,10 @@ SHAPES = [
 @needs_vnni
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
 def test_int8_gemm_kernel_matches_int8_emulation(shape, tmp_path):
-    import iree.compiler as ireec
-    import iree.runtime as rt
-
-    from foldline.backends.targets import cpu_target
-
-    dump = tmp_path / "dump"
-    vmfb = ireec.compile_str(_module(shape), extra_args=[*cpu_target("host").flags,
-                                                          f"--iree-hal-dump-executable-files-to={dump}"])
-    assembly = "\n".join(p.read_text() for p in dump.glob("*.s"))
+    module, assembly = compile_on_host(_module(shape), tmp_path / "dump")
     assert "vpdpbusd" in assembly, "the kernel was compiled without VNNI dot products"
-    config = rt.Config("local-task")
-    ctx = rt.SystemContext(config=config)
-    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
     args, emulated, exact = _case(shape, np.random.default_rng(0))
-    y = ctx.modules.module["main"](*args).to_host()
+    y = module.main(*args).to_host()
     scale = np.abs(exact).max(1, keepdims=True)  # per row: row 5 is 50x the others
     assert np.all(np.abs(y - emulated) <= 1e-5 * scale), "differs from the int8 emulation beyond float32 rounding"
     # 8-bit activations per group: a relative RMS error of a few tenths of a percent (each row weighted alike)

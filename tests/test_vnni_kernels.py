@@ -13,7 +13,7 @@ import pytest
 
 from foldline.backends import vnni_kernels as vk
 from foldline.runtime.device import host_cpu_features
-from foldline.testing.int8_reference import int8_product
+from foldline.testing.int8_reference import compile_on_host, int8_product, random_blocks
 
 needs_vnni = pytest.mark.skipif(not vk.cpu_has_int8_dot(host_cpu_features() or set()),
                                 reason="this CPU has no AVX-512 VNNI")
@@ -23,18 +23,8 @@ def _case(shape: vk.Int8DotShape, rng: np.random.Generator):
     n, k, g = shape.n, shape.k, shape.group
     x = rng.standard_normal(k).astype(np.float32)
     x[:g] = 0  # a group of zeros: scale 0, no division by zero
-    sdt = np.float16 if shape.scale_type == "f16" else np.float32
-    scales = (rng.standard_normal((n, k // g)) * 0.02).astype(sdt)
-    mins = (rng.standard_normal((n, k // g)) * 0.02).astype(sdt)
-    if shape.fmt == "q4":
-        q = rng.integers(0, 16, (n, k)).astype(np.int64)
-        halves = q.astype(np.uint8).reshape(n, k // g, 2, g // 2)  # ggml's order: byte b holds codes b, b + g/2
-        codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).view(np.int8)
-    else:
-        codes = rng.integers(-128, 128, (n, k)).astype(np.int8)
-        q = codes.astype(np.int64)
-    s64, m64 = scales.astype(np.float64), mins.astype(np.float64)
-    w = q.reshape(n, k // g, g) * s64[..., None] + (m64[..., None] if shape.has_min else 0)
+    codes, q, scales, mins, w = random_blocks(shape.fmt, g, shape.scale_type, n, k, rng)
+    w = w + (mins.astype(np.float64)[..., None] if shape.has_min else 0)
     exact = w.reshape(n, k) @ x.astype(np.float64)
     emulated = int8_product(x, q, scales, mins if shape.has_min else None, g)
     args = [x, codes, scales] + ([mins] if shape.has_min else [])
@@ -65,22 +55,11 @@ SHAPES = [
 @needs_vnni
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
 def test_int8_dot_kernel_matches_int8_emulation(shape, tmp_path):
-    import iree.compiler as ireec
-    import iree.runtime as rt
-
-    from foldline.backends.targets import cpu_target
-
-    dump = tmp_path / "dump"
-    vmfb = ireec.compile_str(_module(shape), extra_args=[*cpu_target("host").flags,
-                                                          f"--iree-hal-dump-executable-files-to={dump}"])
-    assembly = "\n".join(p.read_text() for p in dump.glob("*.s"))
+    module, assembly = compile_on_host(_module(shape), tmp_path / "dump")
     assert "vpdpbusd" in assembly, "the kernel was compiled without VNNI dot products"
-    config = rt.Config("local-task")
-    ctx = rt.SystemContext(config=config)
-    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
     for seed in range(2):
         args, emulated, exact = _case(shape, np.random.default_rng(seed))
-        y = ctx.modules.module["main"](*args).to_host()
+        y = module.main(*args).to_host()
         scale = np.abs(exact).max()
         np.testing.assert_allclose(y, emulated, rtol=1e-5, atol=1e-5 * scale)
         # 8-bit activations per group: a relative RMS error of a few tenths of a percent on random data.
