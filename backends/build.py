@@ -52,7 +52,7 @@ class BuildOptions:
     kv_dtype: str = "auto"  # attention cache element type: auto (default_kv_dtype), float32, float16, bfloat16
     dtype: str = "auto"  # compute dtype: auto (default_compute_dtype), float32, float16, bfloat16
     kv_lengths: list[int] | None = None  # attention lengths with their own entry points; None: 256, 512, ...
-    activations: str = "auto"  # quantized decode products: auto (int8 where the CPU has VNNI), int8, f32
+    activations: str = "auto"  # quantized products: auto (int8 where the CPU has VNNI), int8, f32
 
 
 # Prefill chunk lengths. A quantized linear dequantizes each weight once per prefill call
@@ -169,7 +169,7 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
 
     chunk = options.chunk or default_chunk(loaded, options.weights)
     progress(f"[1/4] exporting {cfg.name}: {cfg.dtype} compute, context {cfg.max_context} (K/V {cfg.cache_dtype}), "
-             f"prefill chunk {chunk}, decode, batch {options.batch}; quantized decode activations "
+             f"prefill chunk {chunk}, decode, batch {options.batch}; quantized-product activations "
              + ", ".join(f"{a} ({d})" for d, a in activations.items()))
     entries = export_model(loaded.module, options.batch, chunk)
     unit = CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs,

@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
                         "checkpoint has none)")
     p.add_argument("--group", type=int, default=32, help="group size for --weights int8/int4 (default 32)")
     p.add_argument("--activations", choices=["auto", "int8", "f32"], default="auto",
-                   help="what quantized weights meet in decode: auto (default: int8 activations per weight "
+                   help="what quantized weights meet in prefill and decode: auto (default: int8 activations per weight "
                         "group with VNNI dot products where the CPU target has AVX-512 VNNI, as llama.cpp; "
                         "else f32), int8, or f32 (exact float products everywhere)")
     p.set_defaults(func=run)
