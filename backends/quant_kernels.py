@@ -21,8 +21,8 @@ replaces each one with a `util.call` to a generated `util.func`:
 - decode (one row) on an x86 CPU with AVX-512 VNNI, int8 activations asked
   for (the default there): `int8_dot_mlir`, the hand-written int8-dot dispatch
   of backends/vnni_kernels.py behind the same util.func signature;
-- prefill chunks (M rows, M a multiple of 16) on an x86 CPU with AVX-512
-  VNNI, int8 activations asked for: `int8_gemm_mlir`, the two hand-written
+- prefill chunks (M rows, M a multiple of 16) of a one-row bundle on an x86
+  CPU with AVX-512 VNNI, int8 activations asked for: `int8_gemm_mlir`, the two hand-written
   dispatches of backends/vnni_gemm.py (quantize the chunk's activations, then
   int8 products with 16 rows per vector);
 - other prefill chunks on CPU, and every call on GPU targets:
@@ -586,8 +586,16 @@ def int8_gemm_shape(spec: QLinearSpec) -> Int8GemmShape:
 
 
 def uses_int8_gemm(spec: QLinearSpec) -> bool:
-    """Whether a prefill chunk of this shape can take the int8 GEMM kernel (backends/vnni_gemm.py)."""
-    return spec.m > MAX_FUSED_ROWS and supports_int8_gemm(int8_gemm_shape(spec))
+    """Whether a prefill chunk of this shape can take the int8 GEMM kernel (backends/vnni_gemm.py).
+
+    Only in one-row bundles, whose decode is int8 too (uses_int8_dot). A batched bundle decodes
+    its rows with float activations (fused_rows_mlir), and its scheduler may advance a row's next
+    token inside another row's prefill call: with int8 prefill products, the same token would then
+    meet int8 or float activations depending on what the other rows were doing, and a stream's
+    text would depend on its neighbours.
+    """
+    one_row = len(spec.x_shape) < 3 or spec.x_shape[0] == 1
+    return one_row and spec.m > MAX_FUSED_ROWS and supports_int8_gemm(int8_gemm_shape(spec))
 
 
 def int8_gemm_mlir(spec: QLinearSpec) -> list[str]:
