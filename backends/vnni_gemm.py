@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .vnni_kernels import quantize_group_lines
+from .vnni_kernels import quantize_group_lines, stream_executable
 
 VPDPBUSD = "llvm.x86.avx512.vpdpbusd.512"
 ROW_VECTORS = 2  # row vectors of 16 per register block
@@ -127,24 +127,6 @@ def _tensor(memref: str) -> str:
     return memref.replace("memref", "tensor")
 
 
-def _executable(name: str, workgroups: int, bindings: list[str], body: list[str]) -> str:
-    return "\n".join([
-        f"stream.executable private @{name}_exe {{",
-        f"  stream.executable.export public @{name} workgroups() -> (index, index, index) {{",
-        f"    %n = arith.constant {workgroups} : index",
-        "    %one = arith.constant 1 : index",
-        "    stream.return %n, %one, %one : index, index, index",
-        "  }",
-        "  builtin.module {",
-        f"    func.func @{name}({', '.join(bindings)}) {{",
-        *[f"      {line}" for line in body],
-        "      return",
-        "    }",
-        "  }",
-        "}",
-    ])
-
-
 def quantize_executable(s: Int8GemmShape) -> str:
     """One workgroup per activation row: int8 codes per group in the interleaved [K/4][M][4] layout."""
     g, G = s.group, s.groups
@@ -152,6 +134,7 @@ def quantize_executable(s: Int8GemmShape) -> str:
         "%c0 = arith.constant 0 : index",
         "%c1 = arith.constant 1 : index",
         "%c4 = arith.constant 4 : index",
+        *[f"%cq{q} = arith.constant {q} : index" for q in range(g // 4)],
         f"%x = stream.binding.subspan %xb[%c0] : !stream.binding -> memref<{s.m}x{s.k}xf32>",
         f"%xq = stream.binding.subspan %qb[%c0] : !stream.binding -> {_xq_memref(s)}",
         f"%dx = stream.binding.subspan %db[%c0] : !stream.binding -> {_per_group_memref(s, 'f32')}",
@@ -174,7 +157,7 @@ def quantize_executable(s: Int8GemmShape) -> str:
     for q in range(g // 4):
         body += [
             f"  %p{q} = vector.shuffle %i8v, %i8v {list(range(4 * q, 4 * q + 4))} : vector<{g}xi8>, vector<{g}xi8>",
-            f"  %kq{q} = arith.addi %q0, %c{q}_q : index" if q else "  %kq0 = arith.addi %q0, %c0 : index",
+            f"  %kq{q} = arith.addi %q0, %cq{q} : index",
             f"  vector.store %p{q}, %xq[%kq{q}, %row4] : {_xq_memref(s)}, vector<4xi8>",
         ]
     body += [
@@ -186,9 +169,8 @@ def quantize_executable(s: Int8GemmShape) -> str:
         f"  memref.store %osum, %ofs[%gi, %row] : {_per_group_memref(s, 'i32')}",
         "}",
     ]
-    constants = [f"%c{q}_q = arith.constant {q} : index" for q in range(1, g // 4)]
     bindings = [f"%{b}: !stream.binding" for b in ("xb", "qb", "db", "cb", "ob")]
-    return _executable(s.quantize_name, s.m, bindings, body[:3] + constants + body[3:])
+    return stream_executable(s.quantize_name, s.m, bindings, body)
 
 
 def _unpack_codes(s: Int8GemmShape) -> list[str]:
@@ -377,7 +359,7 @@ def gemm_executable(s: Int8GemmShape) -> str:
         "  }",
         "}",
     ]
-    return _executable(s.name, s.n // nt, bindings, body)
+    return stream_executable(s.name, s.n // nt, bindings, body)
 
 
 def int8_gemm_dispatches(s: Int8GemmShape, x: str, codes: str, scales: str, mins: str | None,

@@ -287,19 +287,23 @@ def int8_dot_executable(s: Int8DotShape) -> str:
         "scf.for %row = %rowbase to %rowend step %c1 {",
         *[f"  {line}" for line in _row(s)],
         "}",
-        "return",
     ]
-    workgroups = s.n // rows
+    return stream_executable(s.name, s.n // rows, bindings, body)
+
+
+def stream_executable(name: str, workgroups: int, bindings: list[str], body: list[str]) -> str:
+    """A `stream.executable` @{name}_exe exporting @{name}: a fixed 1-D workgroup count, one func of `body`."""
     return "\n".join([
-        f"stream.executable private @{s.name}_exe {{",
-        f"  stream.executable.export public @{s.name} workgroups() -> (index, index, index) {{",
+        f"stream.executable private @{name}_exe {{",
+        f"  stream.executable.export public @{name} workgroups() -> (index, index, index) {{",
         f"    %n = arith.constant {workgroups} : index",
         "    %one = arith.constant 1 : index",
         "    stream.return %n, %one, %one : index, index, index",
         "  }",
         "  builtin.module {",
-        f"    func.func @{s.name}({', '.join(bindings)}) {{",
+        f"    func.func @{name}({', '.join(bindings)}) {{",
         *[f"      {line}" for line in body],
+        "      return",
         "    }",
         "  }",
         "}",

@@ -39,11 +39,12 @@ from .state_layout import SEQ_DIM
 NAME = "kv-length-buckets"
 CACHE_ATTN = torch.ops.foldline.cache_attention.default
 LENGTH_ARG = 7  # cache_attention(q, k, v, start_pos, window, scale, kv_mapping, length)
-# ring attention ops -> the index of their optional trailing `length` (and of `window`)
+# ring attention op -> the index of its optional trailing `length` (the last of its arguments)
 RING_LENGTH_ARG = {
     torch.ops.foldline.ring_attention.default: 10,  # (q, ring_k, ring_v, k, v, start_pos, n_valid, window, ...)
     torch.ops.foldline.ring_decode_attention.default: 7,  # (q, ring_k, ring_v, start_pos, window, scale, map)
 }
+# ... and of its `window`
 RING_WINDOW_ARG = {torch.ops.foldline.ring_attention.default: 7, torch.ops.foldline.ring_decode_attention.default: 4}
 SMALLEST_LENGTH = 256
 
@@ -67,7 +68,7 @@ def _attention_nodes(program_or_module) -> list[torch.fx.Node]:
 
 
 def _ring_nodes(program_or_module) -> list[torch.fx.Node]:
-    """Ring attention reads whose window is longer than the shortest length (the others stay whole)."""
+    """Every ring attention read (`_with_length` cuts those whose window is longer than the length)."""
     return [n for n in program_or_module.graph.nodes if n.op == "call_function" and n.target in RING_LENGTH_ARG]
 
 

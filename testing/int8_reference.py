@@ -41,7 +41,8 @@ def random_blocks(fmt: str, group: int, scale_type: str, n: int, k: int, rng: np
 
     Returns (codes, q, scales, mins, weight): codes as stored (q4: [N, K/2] bytes in ggml's
     nibble order, byte b of a group holding codes b and b + g/2; q8: [N, K] int8), q the
-    codes as int64 [N, K], and weight the float64 [N, G, g] w = scale * q + min.
+    codes as int64 [N, K], and weight the float64 [N, G, g] w = scale * q (the caller adds the
+    mins where the format has them).
     """
     sdt = np.float16 if scale_type == "f16" else np.float32
     scales = (rng.standard_normal((n, k // group)) * 0.02).astype(sdt)
