@@ -55,9 +55,10 @@ from dataclasses import dataclass
 
 from iree.compiler import ir
 
+from .decode_fusion import match_norm, match_residual
 from .vnni_gemm import Int8GemmShape, gemm_executable, int8_gemm_dispatches, quantize_executable
 from .vnni_gemm import supports as supports_int8_gemm
-from .vnni_kernels import Int8DotShape, int8_dot_dispatch, int8_dot_executable
+from .vnni_kernels import Int8DotShape, RowNorm, int8_dot_dispatch, int8_dot_executable
 from .vnni_kernels import supports as supports_int8_dot
 
 OP_NAME = "torch.foldline.qlinear"
@@ -235,13 +236,16 @@ def _rows_as_y(spec: QLinearSpec) -> str:
     return "%y = " + _reshape("expand", "%y2", y2_t, y_t, [list(range(lead)), [lead]], y_shape)
 
 
-def _function(spec: QLinearSpec, lines: list[str]) -> str:
-    params = [f"%x: {_tensor(spec.x_shape, 'f32')}", f"%codes: {_codes_t(spec)}", f"%scales: {_scales_t(spec)}"]
-    if spec.has_min:
-        params.append(f"%mins: {_scales_t(spec)}")
+def _function(spec: QLinearSpec, lines: list[str], params: list[str] | None = None, name: str | None = None) -> str:
+    """The util.func @name (default spec.name) returning %y; params default to (x, codes, scales[, mins])."""
+    if params is None:
+        params = [f"%x: {_tensor(spec.x_shape, 'f32')}", f"%codes: {_codes_t(spec)}", f"%scales: {_scales_t(spec)}"]
+        if spec.has_min:
+            params.append(f"%mins: {_scales_t(spec)}")
     y_t = _tensor((*spec.x_shape[:-1], spec.n), "f32")
     body = "\n  ".join(lines)
-    return f"util.func private @{spec.name}({', '.join(params)}) -> {y_t} {{\n  {body}\n  util.return %y : {y_t}\n}}"
+    return (f"util.func private @{name or spec.name}({', '.join(params)}) -> {y_t} {{\n  {body}\n"
+            f"  util.return %y : {y_t}\n}}")
 
 
 def fused_matvec_mlir(spec: QLinearSpec) -> str:
@@ -558,8 +562,8 @@ def _spec_of(op: ir.Operation) -> QLinearSpec:
     return spec
 
 
-def int8_dot_shape(spec: QLinearSpec) -> Int8DotShape:
-    return Int8DotShape(spec.fmt, spec.group, spec.scale_type, spec.has_min, spec.k, spec.n)
+def int8_dot_shape(spec: QLinearSpec, norm: RowNorm | None = None, residual: bool = False) -> Int8DotShape:
+    return Int8DotShape(spec.fmt, spec.group, spec.scale_type, spec.has_min, spec.k, spec.n, norm, residual)
 
 
 def uses_int8_dot(spec: QLinearSpec) -> bool:
@@ -567,18 +571,38 @@ def uses_int8_dot(spec: QLinearSpec) -> bool:
     return spec.m == 1 and supports_int8_dot(int8_dot_shape(spec))
 
 
-def int8_dot_mlir(spec: QLinearSpec) -> list[str]:
-    """The int8-activation decode kernel behind the usual util.func signature: its executable, then the func."""
-    shape = int8_dot_shape(spec)
+def int8_dot_function_name(spec: QLinearSpec, shape: Int8DotShape) -> str:
+    """The util.func of a site: spec.name, plus the kernel's fusion suffix (decode_fusion) where it fuses."""
+    return spec.name + shape.name[len(int8_dot_shape(spec).name):]
+
+
+def int8_dot_mlir(spec: QLinearSpec, shape: Int8DotShape | None = None) -> list[str]:
+    """The int8-activation decode kernel behind the util.func signature: its executable, then the func.
+
+    The func takes (x, codes, scales[, mins]); with a fused norm x is the un-normalized row and
+    %w [K] the norm weight follows it; with a fused residual %r (y's shape) comes last.
+    """
+    shape = shape or int8_dot_shape(spec)
     k, n = spec.k, spec.n
+    y_shape = (*spec.x_shape[:-1], n)
     lines = [
         _x_as_rows(spec),
         "%x1 = " + _reshape("collapse", "%x2", _tensor((1, k), "f32"), _tensor((k,), "f32"), [[0, 1]], []),
-        int8_dot_dispatch(shape, "%x1", "%codes", "%scales", "%mins" if spec.has_min else None, "%y1"),
+    ]
+    if shape.residual:
+        lines.append("%r1 = " + _reshape("collapse", "%r", _tensor(y_shape, "f32"), _tensor((n,), "f32"),
+                                         [list(range(len(y_shape)))], []))
+    lines += [
+        int8_dot_dispatch(shape, "%x1", "%codes", "%scales", "%mins" if spec.has_min else None, "%y1",
+                          norm_weight="%w" if shape.norm else None, residual="%r1" if shape.residual else None),
         "%y2 = " + _reshape("expand", "%y1", _tensor((n,), "f32"), _tensor((1, n), "f32"), [[0, 1]], [1, n]),
         _rows_as_y(spec),
     ]
-    return [int8_dot_executable(shape), _function(spec, lines)]
+    params = [f"%x: {_tensor(spec.x_shape, 'f32')}"] + ([f"%w: {_tensor((k,), 'f32')}"] if shape.norm else [])
+    params += [f"%codes: {_codes_t(spec)}", f"%scales: {_scales_t(spec)}"]
+    params += ([f"%mins: {_scales_t(spec)}"] if spec.has_min else [])
+    params += [f"%r: {_tensor(y_shape, 'f32')}"] if shape.residual else []
+    return [int8_dot_executable(shape), _function(spec, lines, params, int8_dot_function_name(spec, shape))]
 
 
 def int8_gemm_shape(spec: QLinearSpec) -> Int8GemmShape:
@@ -634,27 +658,42 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8_dot: bool = False) -> tu
             return ir.WalkResult.ADVANCE
 
         module.operation.walk(visit)
-        kernels: dict[str, QLinearSpec] = {}
+        kernels: dict[str, tuple[QLinearSpec, Int8DotShape | None]] = {}
         for op in found:
             spec = _spec_of(op)
             x, codes, scales, mins = op.operands[:4]
-            with ir.InsertionPoint(op), op.location:
-                operands = [_builtin(x, _tensor(spec.x_shape, "f32")), _builtin(codes, _codes_t(spec)),
-                            _builtin(scales, _scales_t(spec))]
+            dot = None
+            norm = residual = None
+            if cpu_tiles and int8_dot and uses_int8_dot(spec):
+                norm, residual = match_norm(x, spec.k), match_residual(op.results[0])
+                dot = int8_dot_shape(spec, norm.norm if norm else None, residual is not None)
+            name = int8_dot_function_name(spec, dot) if dot else spec.name
+            # The call goes where every operand is defined: at the residual add when it takes one.
+            site = residual.add if residual else op
+            with ir.InsertionPoint(site), op.location:
+                operands = [_builtin(norm.h if norm else x, _tensor(spec.x_shape, "f32"))]
+                if norm:
+                    operands.append(_builtin(norm.weight, _tensor((spec.k,), "f32")))
+                operands += [_builtin(codes, _codes_t(spec)), _builtin(scales, _scales_t(spec))]
                 if spec.has_min:
                     operands.append(_builtin(mins, _scales_t(spec)))
+                if residual:
+                    operands.append(_builtin(residual.residual, _tensor((*spec.x_shape[:-1], spec.n), "f32")))
                 call = ir.Operation.create(
                     "util.call", results=[ir.Type.parse(_tensor((*spec.x_shape[:-1], spec.n), "f32"))],
-                    operands=operands, attributes={"callee": ir.FlatSymbolRefAttr.get(spec.name)})
+                    operands=operands, attributes={"callee": ir.FlatSymbolRefAttr.get(name)})
                 back = ir.Operation.create("torch_c.from_builtin_tensor", results=[op.results[0].type],
                                            operands=[call.result])
-            op.results[0].replace_all_uses_with(back.result)
+            if residual:
+                residual.add.results[0].replace_all_uses_with(back.result)
+                residual.add.erase()
+            op.results[0].replace_all_uses_with(back.result)  # what is left: shape checks, or every use
             op.erase()
-            kernels[spec.name] = spec
+            kernels[name] = (spec, dot)
         inserted: set[str] = set()  # symbols already in the module (kernels of one K share a quantize dispatch)
-        for spec in kernels.values():
-            if cpu_tiles and int8_dot and uses_int8_dot(spec):
-                texts = int8_dot_mlir(spec)
+        for spec, dot in kernels.values():
+            if dot is not None:
+                texts = int8_dot_mlir(spec, dot)
             elif cpu_tiles and int8_dot and uses_int8_gemm(spec):
                 texts = int8_gemm_mlir(spec)
             elif cpu_tiles and fuses_rows(spec):

@@ -33,13 +33,16 @@ exact float kernel.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 # cpuinfo flags a CPU needs for these kernels (512-bit byte ops and vpdpbusd).
 REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
-# Output rows each workgroup computes; large matrices take more, so the activation
-# row is quantized fewer times per call.
-ROWS_PER_WORKGROUP = 64
+# Workgroups per call below LARGE_N rows: every workgroup quantizes (and normalizes) the whole
+# activation row again, a fifth of its instructions at 32 rows of K = 576, and each costs the task
+# system a tile; 8 (N / 8 rows each) took SmolLM2's decode step ~10% below 32-64-row tiles
+# (docs/quantization.md). Larger matrices take 1024 rows per workgroup.
+WORKGROUPS = 8
 ROWS_PER_WORKGROUP_LARGE = 1024
 LARGE_N = 8192
 MIN_ROWS_PER_WORKGROUP = 16
@@ -48,8 +51,26 @@ CHAINS = 2  # independent accumulators per row
 
 
 @dataclass(frozen=True)
+class RowNorm:
+    """An RMSNorm taken into the kernel: x = (h * rsqrt(mean(h^2) + eps)) * (w + offset).
+
+    The decode step's norm before a projection is two small dispatches of its
+    own (the sum of squares, then the scaling); inside the kernel it costs a
+    pass over K values per workgroup. offset None: the graph multiplies by w as it is.
+    """
+
+    eps: float
+    offset: float | None
+
+
+@dataclass(frozen=True)
 class Int8DotShape:
-    """What shapes one kernel: codes format, group, scale dtype, mins, K, N."""
+    """What shapes one kernel: codes format, group, scale dtype, mins, K, N, and what it fuses.
+
+    norm: the activation arrives un-normalized with its RMSNorm weight (RowNorm);
+    residual: the kernel adds a residual row to its output (y = r + W x), which
+    saves the decode step the dispatch of the residual add.
+    """
 
     fmt: str  # "q4" or "q8"
     group: int
@@ -57,6 +78,8 @@ class Int8DotShape:
     has_min: bool
     k: int
     n: int
+    norm: RowNorm | None = None
+    residual: bool = False
 
     @property
     def groups(self) -> int:
@@ -64,17 +87,35 @@ class Int8DotShape:
 
     @property
     def rows_per_workgroup(self) -> int:
-        """Rows per workgroup: a power of two dividing N, halved until the count is even (two threads
-        share it evenly: 9 workgroups leave one thread idle for a ninth of the call)."""
-        rows = ROWS_PER_WORKGROUP_LARGE if self.n >= LARGE_N else ROWS_PER_WORKGROUP
+        """Rows per workgroup: N / WORKGROUPS below LARGE_N (supports() makes N a multiple of 16);
+        above, a power of two dividing N, halved until the count is even (two threads share it
+        evenly: 9 workgroups leave one thread idle for a ninth of the call)."""
+        if self.n < LARGE_N:
+            return self.n // WORKGROUPS
+        rows = ROWS_PER_WORKGROUP_LARGE
         while self.n % rows or (rows > MIN_ROWS_PER_WORKGROUP and (self.n // rows) % 2):
             rows //= 2
         return rows
 
     @property
     def name(self) -> str:
+        fused = ""
+        if self.norm is not None:
+            offset = "" if self.norm.offset is None else f"o{_f32_bits(self.norm.offset)}"
+            fused += f"_rms{_f32_bits(self.norm.eps)}{offset}"
+        if self.residual:
+            fused += "_res"
         return (f"foldline_i8dot_{self.fmt}g{self.group}{self.scale_type}{'m' if self.has_min else ''}"
-                f"_k{self.k}_n{self.n}")
+                f"_k{self.k}_n{self.n}{fused}")
+
+
+def _f32_bits(value: float) -> str:
+    """A float32's bits in hex: a symbol-safe name and an exact MLIR constant."""
+    return f"{struct.unpack('<I', struct.pack('<f', value))[0]:08x}"
+
+
+def _f32_const(value: float) -> str:
+    return f"0x{_f32_bits(value).upper()} : f32"
 
 
 def supports(shape: Int8DotShape) -> bool:
@@ -143,10 +184,55 @@ def quantize_group_lines(g: int) -> list[str]:
     ]
 
 
-def _quantize_activation(s: Int8DotShape) -> list[str]:
-    """Lines filling %xq (int8 activations, k order), %dxe (dx per lane) and %cg (dx * sum xq per group)."""
-    g, G, lanes = s.group, s.groups, s.group // 4
+def _row_norm(s: Int8DotShape) -> list[str]:
+    """Lines defining %rr = rsqrt(mean(h^2) + eps) over the K values of %x (the un-normalized row)."""
+    assert s.norm is not None
+    return [
+        "%zs = arith.constant dense<0.0> : vector<16xf32>",
+        f"%nK = arith.constant {s.k} : index",
+        "%c16 = arith.constant 16 : index",
+        "%ssq = scf.for %i = %c0 to %nK step %c16 iter_args(%acc = %zs) -> (vector<16xf32>) {",
+        f"  %hv = vector.load %x[%i] : memref<{s.k}xf32>, vector<16xf32>",
+        "  %acc2 = math.fma %hv, %hv, %acc : vector<16xf32>",
+        "  scf.yield %acc2 : vector<16xf32>",
+        "}",
+        "%sumsq = vector.reduction <add>, %ssq : vector<16xf32> into f32",
+        f"%kf = arith.constant {float(s.k)} : f32",
+        "%mean = arith.divf %sumsq, %kf : f32",
+        f"%eps = arith.constant {_f32_const(s.norm.eps)}",
+        "%meps = arith.addf %mean, %eps : f32",
+        "%rr = math.rsqrt %meps : f32",
+    ]
+
+
+def _normed_group(s: Int8DotShape) -> list[str]:
+    """Lines turning group %v of h (at %off) into (h * rr) * (w + offset), the graph's order of operations."""
+    assert s.norm is not None
+    g = s.group
+    vf = f"vector<{g}xf32>"
     lines = [
+        f"%rrv = vector.broadcast %rr : f32 to {vf}",
+        f"%hr = arith.mulf %v0, %rrv : {vf}",
+        f"%wv0 = vector.load %w[%off] : memref<{s.k}xf32>, {vf}",
+    ]
+    weight = "%wv0"
+    if s.norm.offset is not None:
+        lines += [f"%wo = arith.constant {_f32_const(s.norm.offset)}",
+                  f"%wov = vector.broadcast %wo : f32 to {vf}",
+                  f"%wv = arith.addf %wv0, %wov : {vf}"]
+        weight = "%wv"
+    return lines + [f"%v = arith.mulf %hr, {weight} : {vf}"]
+
+
+def _quantize_activation(s: Int8DotShape) -> list[str]:
+    """Lines filling %xq (int8 activations, k order), %dxe (dx per lane) and %cg (dx * sum xq per group).
+
+    With a fused norm the row is normalized group by group on its way in.
+    """
+    g, G, lanes = s.group, s.groups, s.group // 4
+    load = (["%v0 = " + f"vector.load %x[%off] : memref<{s.k}xf32>, vector<{g}xf32>", *_normed_group(s)]
+            if s.norm is not None else [f"%v = vector.load %x[%off] : memref<{s.k}xf32>, vector<{g}xf32>"])
+    lines = [*(_row_norm(s) if s.norm is not None else []),
         f"%xq = memref.alloca() : memref<{s.k}xi8>",
         f"%dxe = memref.alloca() : memref<{s.k // 4}xf32>",
         f"%cg = memref.alloca() : memref<{G}xf32>",
@@ -157,7 +243,7 @@ def _quantize_activation(s: Int8DotShape) -> list[str]:
         "%f127 = arith.constant 127.0 : f32",
         "scf.for %gi = %c0 to %nG step %c1 {",
         "  %off = arith.muli %gi, %ng : index",
-        f"  %v = vector.load %x[%off] : memref<{s.k}xf32>, vector<{g}xf32>",
+        *[f"  {line}" for line in load],
         *[f"  {line}" for line in quantize_group_lines(g)],
         f"  vector.store %i8v, %xq[%off] : memref<{s.k}xi8>, vector<{g}xi8>",
         "  %fsum = arith.sitofp %isum : i32 to f32",
@@ -246,7 +332,11 @@ def _row(s: Int8DotShape) -> list[str]:
                   f"%mprod = arith.mulf {mrow}, %cgv : vector<{G}xf32>",
                   f"%msum = vector.reduction <add>, %mprod : vector<{G}xf32> into f32",
                   "%total = arith.addf %sum, %msum : f32"]
-    lines.append(f"memref.store {'%total' if s.has_min else '%sum'}, %y[%row] : memref<{s.n}xf32>")
+    out = "%total" if s.has_min else "%sum"
+    if s.residual:  # r + y, the graph's add (IEEE addition commutes exactly)
+        lines += [f"%rrow = memref.load %res[%row] : memref<{s.n}xf32>", f"%withres = arith.addf %rrow, {out} : f32"]
+        out = "%withres"
+    lines.append(f"memref.store {out}, %y[%row] : memref<{s.n}xf32>")
     return lines
 
 
@@ -263,16 +353,20 @@ def int8_dot_executable(s: Int8DotShape) -> str:
     if not supports(s):
         raise ValueError(f"no int8-dot kernel for {s}")
     rows = s.rows_per_workgroup
-    bindings = ["%xb: !stream.binding", "%cb: !stream.binding", "%sb: !stream.binding"]
-    bindings += (["%mb: !stream.binding"] if s.has_min else []) + ["%yb: !stream.binding"]
+    bindings = ["%xb: !stream.binding"] + (["%wb: !stream.binding"] if s.norm is not None else [])
+    bindings += ["%cb: !stream.binding", "%sb: !stream.binding"] + (["%mb: !stream.binding"] if s.has_min else [])
+    bindings += (["%rb: !stream.binding"] if s.residual else []) + ["%yb: !stream.binding"]
     body = [
         "%c0 = arith.constant 0 : index",
         "%c1 = arith.constant 1 : index",
         f"%x = stream.binding.subspan %xb[%c0] : !stream.binding -> memref<{s.k}xf32>",
+        *([f"%w = stream.binding.subspan %wb[%c0] : !stream.binding -> memref<{s.k}xf32>"]
+          if s.norm is not None else []),
         f"%codes = stream.binding.subspan %cb[%c0] : !stream.binding -> {_codes_memref(s)}",
         f"%scales = stream.binding.subspan %sb[%c0] : !stream.binding -> {_scales_memref(s)}",
         *([f"%mins = stream.binding.subspan %mb[%c0] : !stream.binding -> {_scales_memref(s)}"]
           if s.has_min else []),
+        *([f"%res = stream.binding.subspan %rb[%c0] : !stream.binding -> memref<{s.n}xf32>"] if s.residual else []),
         f"%y = stream.binding.subspan %yb[%c0] : !stream.binding -> memref<{s.n}xf32>",
         "%wg = stream.dispatch.workgroup.id[0] : index",
         *_quantize_activation(s),
@@ -310,11 +404,21 @@ def stream_executable(name: str, workgroups: int, bindings: list[str], body: lis
     ])
 
 
-def int8_dot_dispatch(s: Int8DotShape, x: str, codes: str, scales: str, mins: str | None, result: str) -> str:
-    """The `flow.dispatch` line computing `result` (tensor<N x f32>) from x (tensor<K x f32>) and the codes."""
+def int8_dot_dispatch(s: Int8DotShape, x: str, codes: str, scales: str, mins: str | None, result: str,
+                      norm_weight: str | None = None, residual: str | None = None) -> str:
+    """The `flow.dispatch` line computing `result` (tensor<N x f32>) from x (tensor<K x f32>) and the codes.
+
+    norm_weight (tensor<K x f32>) with s.norm, residual (tensor<N x f32>) with s.residual.
+    """
+    if (norm_weight is None) != (s.norm is None) or (residual is None) == s.residual:
+        raise ValueError(f"{s.name}: the norm weight and residual operands must match the shape's fusions")
     codes_t = _codes_memref(s).replace("memref", "tensor")
     scales_t = _scales_memref(s).replace("memref", "tensor")
-    operands = [x, codes, scales] + ([mins] if s.has_min else [])
-    types = [f"tensor<{s.k}xf32>", codes_t, scales_t] + ([scales_t] if s.has_min else [])
+    row_t = f"tensor<{s.k}xf32>"
+    operands = [x] + ([norm_weight] if norm_weight else []) + [codes, scales] + ([mins] if s.has_min else [])
+    types = [row_t] + ([row_t] if norm_weight else []) + [codes_t, scales_t] + ([scales_t] if s.has_min else [])
+    if residual:
+        operands.append(residual)
+        types.append(f"tensor<{s.n}xf32>")
     return (f"{result} = flow.dispatch @{s.name}_exe::@{s.name}({', '.join(operands)}) "
             f": ({', '.join(types)}) -> tensor<{s.n}xf32>")

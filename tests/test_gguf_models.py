@@ -109,6 +109,13 @@ def test_default_bundle_runs_int8_activations_where_the_cpu_has_vnni(name, gguf_
     vmfb = (bundle / module["file"]).read_bytes()
     head = {"smollm2-135m": b"foldline_i8dot_q8g32f16_k576_n49152", "gemma3-270m": b"foldline_i8dot_q8g32f16_k640_n262144"}
     assert (head[name] in vmfb) == vnni
+    # The decode kernels take in the RMSNorm before q/k/v, gate/up and the head, and (SmolLM2; Gemma's
+    # post-norms sit between) the residual add after o and down (backends/decode_fusion.py).
+    fused = {"smollm2-135m": [b"_k576_n960_rms", b"_k576_n3072_rms", b"_k576_n49152_rms", b"_k576_n576_res",
+                              b"_k1536_n576_res"],
+             "gemma3-270m": [b"_k640_n1536_rms", b"_k640_n4096_rms", b"_k640_n262144_rms"]}
+    for shape in fused[name]:
+        assert (re.search(rb"foldline_i8dot_\w+" + re.escape(shape), vmfb) is not None) == vnni, shape
     # every projection of a 64-token chunk: fused q/k/v, o, fused gate/up, down (Gemma: Q6_K and Q4_K downs)
     prefill = {"smollm2-135m": [b"_m64_k576_n960", b"_m64_k576_n576", b"_m64_k576_n3072", b"_m64_k1536_n576"],
                "gemma3-270m": [b"_m64_k640_n1536", b"_m64_k1024_n640", b"_m64_k640_n4096", b"_m64_k2048_n640"]}

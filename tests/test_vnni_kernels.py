@@ -19,24 +19,43 @@ needs_vnni = pytest.mark.skipif(not vk.cpu_has_int8_dot(host_cpu_features() or s
                                 reason="this CPU has no AVX-512 VNNI")
 
 
+def rms_normed(h: np.ndarray, weight: np.ndarray, norm: vk.RowNorm) -> np.ndarray:
+    """RMSNorm in float32, in frontend/layers.py's order: (h * rsqrt(mean(h^2) + eps)) * (w + offset)."""
+    r = np.float32(1) / np.sqrt(np.mean(h.astype(np.float64) ** 2) + norm.eps).astype(np.float32)
+    w = weight if norm.offset is None else weight + np.float32(norm.offset)
+    return ((h * r) * w).astype(np.float32)
+
+
 def _case(shape: vk.Int8DotShape, rng: np.random.Generator):
     n, k, g = shape.n, shape.k, shape.group
     x = rng.standard_normal(k).astype(np.float32)
     x[:g] = 0  # a group of zeros: scale 0, no division by zero
     codes, q, scales, mins, w = random_blocks(shape.fmt, g, shape.scale_type, n, k, rng)
     w = w + (mins.astype(np.float64)[..., None] if shape.has_min else 0)
+    args = [x]
+    if shape.norm is not None:  # the kernel takes the raw row h and the norm weight, and normalizes
+        h = (x * 7.5).astype(np.float32)  # far from unit RMS: the norm has something to do
+        weight = rng.uniform(0.5, 1.5, k).astype(np.float32)
+        x = rms_normed(h, weight, shape.norm)
+        args = [h, weight]
     exact = w.reshape(n, k) @ x.astype(np.float64)
     emulated = int8_product(x, q, scales, mins if shape.has_min else None, g)
-    args = [x, codes, scales] + ([mins] if shape.has_min else [])
+    args += [codes, scales] + ([mins] if shape.has_min else [])
+    if shape.residual:
+        residual = (rng.standard_normal(n) * np.abs(exact).max()).astype(np.float32)
+        exact, emulated = exact + residual, emulated + residual
+        args.append(residual)
     return args, emulated, exact
 
 
 def _module(shape: vk.Int8DotShape) -> str:
     codes_t = vk._codes_memref(shape).replace("memref", "tensor")
     scales_t = vk._scales_memref(shape).replace("memref", "tensor")
-    params = [f"%x: tensor<{shape.k}xf32>", f"%c: {codes_t}", f"%s: {scales_t}"] + (
-        [f"%m: {scales_t}"] if shape.has_min else [])
-    call = vk.int8_dot_dispatch(shape, "%x", "%c", "%s", "%m" if shape.has_min else None, "%y")
+    row = f"tensor<{shape.k}xf32>"
+    params = [f"%x: {row}"] + ([f"%w: {row}"] if shape.norm else []) + [f"%c: {codes_t}", f"%s: {scales_t}"] + (
+        [f"%m: {scales_t}"] if shape.has_min else []) + ([f"%r: tensor<{shape.n}xf32>"] if shape.residual else [])
+    call = vk.int8_dot_dispatch(shape, "%x", "%c", "%s", "%m" if shape.has_min else None, "%y",
+                                norm_weight="%w" if shape.norm else None, residual="%r" if shape.residual else None)
     return (f"{vk.int8_dot_executable(shape)}\nutil.func public @main({', '.join(params)}) -> tensor<{shape.n}xf32> {{\n"
             f"  {call}\n  util.return %y : tensor<{shape.n}xf32>\n}}\n")
 
@@ -48,6 +67,12 @@ SHAPES = [
     vk.Int8DotShape("q8", 32, "f16", False, 640, 320),  # Q8_0 / Q5_0 (Gemma's head and projections, K = 640)
     vk.Int8DotShape("q8", 16, "f32", False, 128, 16),  # Q6_K: groups of 16
     vk.Int8DotShape("q8", 32, "f32", True, 1024, 16384),  # Q5_K (mins); large N: 1024 rows per workgroup
+    # fused into the decode step: the RMSNorm in front (SmolLM2's eps, no offset; Gemma's offset 1), the residual add behind
+    vk.Int8DotShape("q4", 32, "f16", True, 576, 192, norm=vk.RowNorm(1e-5, 0.0)),
+    vk.Int8DotShape("q8", 32, "f16", False, 640, 320, norm=vk.RowNorm(1e-6, 1.0)),
+    vk.Int8DotShape("q4", 32, "f16", True, 576, 64, norm=vk.RowNorm(1e-5, None)),
+    vk.Int8DotShape("q4", 32, "f16", True, 1536, 576, residual=True),
+    vk.Int8DotShape("q8", 16, "f32", False, 128, 16, norm=vk.RowNorm(1e-6, 1.0), residual=True),
 ]
 
 
@@ -65,6 +90,17 @@ def test_int8_dot_kernel_matches_int8_emulation(shape, tmp_path):
         # 8-bit activations per group: a relative RMS error of a few tenths of a percent on random data.
         rel_rms = np.sqrt(np.mean((y - exact) ** 2)) / np.sqrt(np.mean(exact ** 2))
         assert rel_rms < 1e-2, f"relative RMS error {rel_rms:.2e} against float activations"
+
+
+def test_dispatch_operands_must_match_the_fusions():
+    shape = vk.Int8DotShape("q4", 32, "f16", True, 576, 64, norm=vk.RowNorm(1e-5, 0.0))
+    with pytest.raises(ValueError, match="norm weight and residual"):
+        vk.int8_dot_dispatch(shape, "%x", "%c", "%s", "%m", "%y")  # no norm weight
+    with pytest.raises(ValueError, match="norm weight and residual"):
+        vk.int8_dot_dispatch(shape, "%x", "%c", "%s", "%m", "%y", norm_weight="%w", residual="%r")
+    names = {vk.Int8DotShape("q4", 32, "f16", True, 576, 64, norm=vk.RowNorm(eps, off)).name
+             for eps, off in ((1e-5, 0.0), (1e-6, 0.0), (1e-5, 1.0), (1e-5, None))}
+    assert len(names) == 4, "each eps and offset needs its own kernel"
 
 
 def test_supports_only_whole_vector_shapes():

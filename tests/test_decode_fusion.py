@@ -1,0 +1,130 @@
+"""The RMSNorm and residual add taken into the int8-dot decode kernels (backends/decode_fusion.py).
+
+The matcher reads torch-dialect MLIR as the FX importer writes it; the compiled
+check builds the same quantized tiny models with and without the fusion and
+requires the same logits (and the fused kernels in the module).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from iree.compiler import ir
+
+from foldline.backends import decode_fusion, quant_kernels
+from foldline.backends.vnni_kernels import RowNorm, cpu_has_int8_dot
+from foldline.runtime.device import host_cpu_features
+
+# One RMSNorm, a projection and the residual add, as torch-mlir imports a llama layer's decode.
+LAYER = """
+func.func @step(%h: !torch.vtensor<[1,1,64],f32>, %w: !torch.vtensor<[64],f32>, %y: !torch.vtensor<[1,1,64],f32>)
+    -> (!torch.vtensor<[1,1,64],f32>, !torch.vtensor<[1,1,64],f32>) {
+  %int2 = torch.constant.int POWER
+  %0 = torch.aten.pow.Tensor_Scalar %h, %int2 : !torch.vtensor<[1,1,64],f32>, !torch.int -> !torch.vtensor<[1,1,64],f32>
+  %int-1 = torch.constant.int MEAN_DIM
+  %1 = torch.prim.ListConstruct %int-1 : (!torch.int) -> !torch.list<int>
+  %true = torch.constant.bool true
+  %none = torch.constant.none
+  %2 = torch.aten.mean.dim %0, %1, %true, %none : !torch.vtensor<[1,1,64],f32>, !torch.list<int>, !torch.bool, !torch.none -> !torch.vtensor<[1,1,1],f32>
+  %eps = torch.constant.float 1.000000e-05
+  %int1 = torch.constant.int 1
+  %3 = torch.aten.add.Scalar %2, %eps, %int1 : !torch.vtensor<[1,1,1],f32>, !torch.float, !torch.int -> !torch.vtensor<[1,1,1],f32>
+  %4 = torch.aten.rsqrt %3 : !torch.vtensor<[1,1,1],f32> -> !torch.vtensor<[1,1,1],f32>
+  %5 = torch.aten.mul.Tensor %h, %4 : !torch.vtensor<[1,1,64],f32>, !torch.vtensor<[1,1,1],f32> -> !torch.vtensor<[1,1,64],f32>
+  %offset = torch.constant.float 1.000000e+00
+  %6 = torch.aten.add.Scalar %w, %offset, %int1 : !torch.vtensor<[64],f32>, !torch.float, !torch.int -> !torch.vtensor<[64],f32>
+  %x = torch.aten.mul.Tensor %5, %6 : !torch.vtensor<[1,1,64],f32>, !torch.vtensor<[64],f32> -> !torch.vtensor<[1,1,64],f32>
+  %alpha = torch.constant.int ALPHA
+  %sum = torch.aten.add.Tensor %h, %y, %alpha : !torch.vtensor<[1,1,64],f32>, !torch.vtensor<[1,1,64],f32>, !torch.int -> !torch.vtensor<[1,1,64],f32>
+  return %x, %sum : !torch.vtensor<[1,1,64],f32>, !torch.vtensor<[1,1,64],f32>
+}
+"""
+
+
+def _parse(power: int = 2, mean_dim: int = -1, alpha: int = 1):
+    text = LAYER.replace("POWER", str(power)).replace("MEAN_DIM", str(mean_dim)).replace("ALPHA", str(alpha))
+    ctx = ir.Context()
+    ctx.allow_unregistered_dialects = True
+    with ctx:
+        module = ir.Module.parse(text)
+    func = module.body.operations[0]
+    ret = func.regions[0].blocks[0].operations[-1]
+    return ctx, module, func.regions[0].blocks[0].arguments, ret.operands
+
+
+def test_the_norm_and_the_residual_add_are_found():
+    ctx, _module, (h, w, y), (x, _sum) = _parse()
+    with ctx:
+        norm = decode_fusion.match_norm(x, 64)
+        assert norm is not None and norm.h == h and norm.weight == w
+        assert norm.norm == RowNorm(eps=pytest.approx(1e-5), offset=1.0)
+        residual = decode_fusion.match_residual(y)
+        assert residual is not None and residual.residual == h
+
+
+@pytest.mark.parametrize("change", [{"power": 3}, {"mean_dim": 1}])
+def test_anything_but_an_rms_norm_is_left_alone(change):
+    ctx, _module, _args, (x, _sum) = _parse(**change)
+    with ctx:
+        assert decode_fusion.match_norm(x, 64) is None
+        assert decode_fusion.match_norm(x, 32) is None  # not a row of K
+
+
+def test_a_scaled_add_is_no_residual():
+    ctx, _module, (_h, _w, y), _ = _parse(alpha=2)
+    with ctx:
+        assert decode_fusion.match_residual(y) is None
+
+
+needs_vnni = pytest.mark.skipif(not cpu_has_int8_dot(host_cpu_features() or set()),
+                                reason="this CPU has no AVX-512 VNNI: no int8-dot kernels to fuse into")
+
+
+def _compile(preset: str, fmt: str, out, fuse: bool, monkeypatch):
+    from test_quant_compile import _blocked
+
+    from foldline.backends.build import BuildOptions, compile_model
+
+    with monkeypatch.context() as m:
+        if not fuse:
+            m.setattr(quant_kernels, "match_norm", lambda x, k: None)
+            m.setattr(quant_kernels, "match_residual", lambda y: None)
+        compile_model(_blocked(preset, fmt), out, BuildOptions(weights="auto", activations="int8", kv_lengths=[]),
+                      progress=lambda _m: None)
+    return out
+
+
+def _int8_dot_kernels(bundle) -> set[str]:
+    return {m.decode() for m in re.findall(rb"foldline_i8dot_\w+", (bundle / "model.cpu.vmfb").read_bytes())}
+
+
+def _logits(bundle) -> np.ndarray:
+    from foldline.runtime import Model
+
+    with Model.load(bundle) as model:
+        session = model.session()
+        steps = [session.prefill(list(range(3, 23)))]
+        for token in range(40, 64):
+            steps.append(session.decode(token))
+    return np.stack(steps)
+
+
+# llama: norms before q/k/v, gate/up and the head, residual adds after o (its down has K = 160, no
+# int8-dot kernel); gemma3: post-norms between each projection and its residual add, so norms only.
+@pytest.mark.slow
+@needs_vnni
+@pytest.mark.parametrize("preset,fmt,residual", [("llama-tiny", "q4", True), ("gemma3-tiny", "q8", False)])
+def test_fused_decode_matches_the_unfused_kernels(preset, fmt, residual, tmp_path, monkeypatch):
+    fused = _compile(preset, fmt, tmp_path / "fused", True, monkeypatch)
+    plain = _compile(preset, fmt, tmp_path / "plain", False, monkeypatch)
+    fused_kernels, plain_kernels = _int8_dot_kernels(fused), _int8_dot_kernels(plain)
+    assert any("_rms" in k for k in fused_kernels) and not any("_rms" in k for k in plain_kernels)
+    assert any(k.endswith("_res") for k in fused_kernels) == residual
+    assert not any(k.endswith("_res") for k in plain_kernels)
+    a, b = _logits(fused), _logits(plain)
+    # The same int8 products; only the norm's sum of squares is added in another order.
+    scaled = np.abs(a - b).max(axis=1) / np.abs(b).max(axis=1)
+    assert scaled.max() < 1e-3, f"worst scaled difference {scaled.max():.2e}"
+    assert (a.argmax(axis=1) == b.argmax(axis=1)).all()
