@@ -12,6 +12,9 @@ the way in or out:
 - the residual add behind (`h + qlinear(x)`), where nothing sits between the
   projection and the add (Gemma's post-norms do, and stay).
 
+- SwiGLU's `silu(g) * u` in front of the down projection (one dispatch),
+  when g and u are the two halves of one row (the fused gate/up output).
+
 These functions read the torch-dialect MLIR (the FX importer's output) around
 a `torch.foldline.qlinear` op and say what matched; quant_kernels rewrites the
 site. A pattern that does not match exactly is left alone.
@@ -35,6 +38,13 @@ class NormMatch:
     h: ir.Value
     weight: ir.Value
     norm: RowNorm
+
+
+@dataclass
+class GateMatch:
+    """x = silu(g) * u with g, u the two halves of one row (the fused gate/up projection's output)."""
+
+    gate_up: ir.Value
 
 
 @dataclass
@@ -122,6 +132,39 @@ def match_norm(x: ir.Value, k: int) -> NormMatch | None:
                 _number(offset_add.operands[1]), (int, float)) and _is_vector(offset_add.operands[0], k):
             return NormMatch(h, offset_add.operands[0], RowNorm(eps, float(_number(offset_add.operands[1]))))
         return NormMatch(h, weight, RowNorm(eps, None))
+    return None
+
+
+def _half(value: ir.Value, k: int, rank: int) -> tuple[ir.Value, int] | None:
+    """(source, start) when value = source[..., start:start + K] of a source row of 2K values."""
+    op = _op_named(value, "torch.aten.slice.Tensor")
+    if op is None:
+        return None
+    source, dim, start, end, step = op.operands
+    dims = _f32_dims(source)
+    if dims is None or dims[-1] != 2 * k or _number(dim) not in (-1, rank - 1) or _number(step) != 1:
+        return None
+    begin = _number(start)
+    return (source, begin) if begin in (0, k) and _number(end) == begin + k else None
+
+
+def match_swiglu(x: ir.Value, k: int) -> GateMatch | None:
+    """SwiGLU's `(g * sigmoid(g)) * u` producing x [..., K] from one [..., 2K] row [g, u], or None."""
+    outer = _op_named(x, "torch.aten.mul.Tensor")
+    dims = _f32_dims(x)
+    if outer is None or dims is None or dims[-1] != k:
+        return None
+    for activated, up in (outer.operands, reversed(list(outer.operands))):
+        silu = _op_named(activated, "torch.aten.mul.Tensor")
+        if silu is None:
+            continue
+        for gate, sig in (silu.operands, reversed(list(silu.operands))):
+            sigmoid = _op_named(sig, "torch.aten.sigmoid")
+            if sigmoid is None or not _same(sigmoid.operands[0], gate):
+                continue
+            g, u = _half(gate, k, len(dims)), _half(up, k, len(dims))
+            if g is not None and u is not None and _same(g[0], u[0]) and (g[1], u[1]) == (0, k):
+                return GateMatch(g[0])
     return None
 
 

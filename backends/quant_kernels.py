@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from iree.compiler import ir
 
-from .decode_fusion import match_norm, match_residual
+from .decode_fusion import match_norm, match_residual, match_swiglu
 from .vnni_gemm import Int8GemmShape, gemm_executable, int8_gemm_dispatches, quantize_executable
 from .vnni_gemm import supports as supports_int8_gemm
 from .vnni_kernels import Int8DotShape, RowNorm, int8_dot_dispatch, int8_dot_executable
@@ -562,13 +562,25 @@ def _spec_of(op: ir.Operation) -> QLinearSpec:
     return spec
 
 
-def int8_dot_shape(spec: QLinearSpec, norm: RowNorm | None = None, residual: bool = False) -> Int8DotShape:
-    return Int8DotShape(spec.fmt, spec.group, spec.scale_type, spec.has_min, spec.k, spec.n, norm, residual)
+def int8_dot_shape(spec: QLinearSpec, norm: RowNorm | None = None, residual: bool = False,
+                   gated: bool = False) -> Int8DotShape:
+    return Int8DotShape(spec.fmt, spec.group, spec.scale_type, spec.has_min, spec.k, spec.n, norm, residual, gated)
 
 
 def uses_int8_dot(spec: QLinearSpec) -> bool:
     """Whether a one-row call of this shape can take the int8-activation kernel (backends/vnni_kernels.py)."""
     return spec.m == 1 and supports_int8_dot(int8_dot_shape(spec))
+
+
+def _flatten(result: str, src: str, shape: tuple[int, ...]) -> str:
+    """`result` = the f32 tensor `src` of `shape` as one dimension."""
+    size = 1
+    for d in shape:
+        size *= d
+    src_t, flat_t = _tensor(shape, "f32"), _tensor((size,), "f32")
+    if len(shape) == 1:
+        return f"{result} = tensor.cast {src} : {src_t} to {flat_t}"
+    return f"{result} = " + _reshape("collapse", src, src_t, flat_t, [list(range(len(shape)))], [])
 
 
 def int8_dot_function_name(spec: QLinearSpec, shape: Int8DotShape) -> str:
@@ -580,25 +592,21 @@ def int8_dot_mlir(spec: QLinearSpec, shape: Int8DotShape | None = None) -> list[
     """The int8-activation decode kernel behind the util.func signature: its executable, then the func.
 
     The func takes (x, codes, scales[, mins]); with a fused norm x is the un-normalized row and
-    %w [K] the norm weight follows it; with a fused residual %r (y's shape) comes last.
+    %w [K] the norm weight follows it; a gated x is the [g, u] row of 2K values; with a fused
+    residual %r (y's shape) comes last.
     """
     shape = shape or int8_dot_shape(spec)
     k, n = spec.k, spec.n
     y_shape = (*spec.x_shape[:-1], n)
-    lines = [
-        _x_as_rows(spec),
-        "%x1 = " + _reshape("collapse", "%x2", _tensor((1, k), "f32"), _tensor((k,), "f32"), [[0, 1]], []),
-    ]
-    if shape.residual:
-        lines.append("%r1 = " + _reshape("collapse", "%r", _tensor(y_shape, "f32"), _tensor((n,), "f32"),
-                                         [list(range(len(y_shape)))], []))
+    x_shape = (*spec.x_shape[:-1], shape.x_len)
+    lines = [_flatten("%x1", "%x", x_shape)] + ([_flatten("%r1", "%r", y_shape)] if shape.residual else [])
     lines += [
         int8_dot_dispatch(shape, "%x1", "%codes", "%scales", "%mins" if spec.has_min else None, "%y1",
                           norm_weight="%w" if shape.norm else None, residual="%r1" if shape.residual else None),
         "%y2 = " + _reshape("expand", "%y1", _tensor((n,), "f32"), _tensor((1, n), "f32"), [[0, 1]], [1, n]),
         _rows_as_y(spec),
     ]
-    params = [f"%x: {_tensor(spec.x_shape, 'f32')}"] + ([f"%w: {_tensor((k,), 'f32')}"] if shape.norm else [])
+    params = [f"%x: {_tensor(x_shape, 'f32')}"] + ([f"%w: {_tensor((k,), 'f32')}"] if shape.norm else [])
     params += [f"%codes: {_codes_t(spec)}", f"%scales: {_scales_t(spec)}"]
     params += ([f"%mins: {_scales_t(spec)}"] if spec.has_min else [])
     params += [f"%r: {_tensor(y_shape, 'f32')}"] if shape.residual else []
@@ -663,15 +671,17 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8_dot: bool = False) -> tu
             spec = _spec_of(op)
             x, codes, scales, mins = op.operands[:4]
             dot = None
-            norm = residual = None
+            norm = gate = residual = None
             if cpu_tiles and int8_dot and uses_int8_dot(spec):
                 norm, residual = match_norm(x, spec.k), match_residual(op.results[0])
-                dot = int8_dot_shape(spec, norm.norm if norm else None, residual is not None)
+                gate = None if norm else match_swiglu(x, spec.k)
+                dot = int8_dot_shape(spec, norm.norm if norm else None, residual is not None, gate is not None)
             name = int8_dot_function_name(spec, dot) if dot else spec.name
             # The call goes where every operand is defined: at the residual add when it takes one.
             site = residual.add if residual else op
             with ir.InsertionPoint(site), op.location:
-                operands = [_builtin(norm.h if norm else x, _tensor(spec.x_shape, "f32"))]
+                row = norm.h if norm else gate.gate_up if gate else x
+                operands = [_builtin(row, _tensor((*spec.x_shape[:-1], dot.x_len if dot else spec.k), "f32"))]
                 if norm:
                     operands.append(_builtin(norm.weight, _tensor((spec.k,), "f32")))
                 operands += [_builtin(codes, _codes_t(spec)), _builtin(scales, _scales_t(spec))]

@@ -68,8 +68,9 @@ class Int8DotShape:
     """What shapes one kernel: codes format, group, scale dtype, mins, K, N, and what it fuses.
 
     norm: the activation arrives un-normalized with its RMSNorm weight (RowNorm);
-    residual: the kernel adds a residual row to its output (y = r + W x), which
-    saves the decode step the dispatch of the residual add.
+    gated: the activation is SwiGLU's silu(g) * u, computed from the fused gate/up
+    row [g, u] (2K values) it arrives as; residual: the kernel adds a residual row
+    to its output (y = r + W x). Each saves the decode step a dispatch or two.
     """
 
     fmt: str  # "q4" or "q8"
@@ -80,6 +81,12 @@ class Int8DotShape:
     n: int
     norm: RowNorm | None = None
     residual: bool = False
+    gated: bool = False
+
+    @property
+    def x_len(self) -> int:
+        """Values of the activation input: K, or 2K for a gated row [g, u]."""
+        return 2 * self.k if self.gated else self.k
 
     @property
     def groups(self) -> int:
@@ -103,6 +110,8 @@ class Int8DotShape:
         if self.norm is not None:
             offset = "" if self.norm.offset is None else f"o{_f32_bits(self.norm.offset)}"
             fused += f"_rms{_f32_bits(self.norm.eps)}{offset}"
+        if self.gated:
+            fused += "_swiglu"
         if self.residual:
             fused += "_res"
         return (f"foldline_i8dot_{self.fmt}g{self.group}{self.scale_type}{'m' if self.has_min else ''}"
@@ -224,15 +233,40 @@ def _normed_group(s: Int8DotShape) -> list[str]:
     return lines + [f"%v = arith.mulf %hr, {weight} : {vf}"]
 
 
+def _gated_group(s: Int8DotShape) -> list[str]:
+    """Lines making group %v (at %off) of silu(g) * u from the row [g, u]: g * (1 / (1 + exp(-g))) * u,
+    the operations IREE lowers torch's sigmoid and the two products to."""
+    g = s.group
+    vf, mem = f"vector<{g}xf32>", f"memref<{s.x_len}xf32>"
+    return [
+        f"%gv = vector.load %x[%off] : {mem}, {vf}",
+        "%uoff = arith.addi %off, %nK : index",
+        f"%uv = vector.load %x[%uoff] : {mem}, {vf}",
+        f"%one = arith.constant dense<1.0> : {vf}",
+        f"%gneg = arith.negf %gv : {vf}",
+        f"%gexp = math.exp %gneg : {vf}",
+        f"%gden = arith.addf %gexp, %one : {vf}",
+        f"%gsig = arith.divf %one, %gden : {vf}",
+        f"%gsilu = arith.mulf %gv, %gsig : {vf}",
+        f"%v = arith.mulf %gsilu, %uv : {vf}",
+    ]
+
+
 def _quantize_activation(s: Int8DotShape) -> list[str]:
     """Lines filling %xq (int8 activations, k order), %dxe (dx per lane) and %cg (dx * sum xq per group).
 
-    With a fused norm the row is normalized group by group on its way in.
+    With a fused norm the row is normalized group by group on its way in; a gated row is
+    turned into silu(g) * u the same way.
     """
     g, G, lanes = s.group, s.groups, s.group // 4
-    load = (["%v0 = " + f"vector.load %x[%off] : memref<{s.k}xf32>, vector<{g}xf32>", *_normed_group(s)]
-            if s.norm is not None else [f"%v = vector.load %x[%off] : memref<{s.k}xf32>, vector<{g}xf32>"])
+    if s.norm is not None:
+        load = ["%v0 = " + f"vector.load %x[%off] : memref<{s.k}xf32>, vector<{g}xf32>", *_normed_group(s)]
+    elif s.gated:
+        load = _gated_group(s)
+    else:
+        load = [f"%v = vector.load %x[%off] : memref<{s.k}xf32>, vector<{g}xf32>"]
     lines = [*(_row_norm(s) if s.norm is not None else []),
+        *([f"%nK = arith.constant {s.k} : index"] if s.gated else []),
         f"%xq = memref.alloca() : memref<{s.k}xi8>",
         f"%dxe = memref.alloca() : memref<{s.k // 4}xf32>",
         f"%cg = memref.alloca() : memref<{G}xf32>",
@@ -359,7 +393,7 @@ def int8_dot_executable(s: Int8DotShape) -> str:
     body = [
         "%c0 = arith.constant 0 : index",
         "%c1 = arith.constant 1 : index",
-        f"%x = stream.binding.subspan %xb[%c0] : !stream.binding -> memref<{s.k}xf32>",
+        f"%x = stream.binding.subspan %xb[%c0] : !stream.binding -> memref<{s.x_len}xf32>",
         *([f"%w = stream.binding.subspan %wb[%c0] : !stream.binding -> memref<{s.k}xf32>"]
           if s.norm is not None else []),
         f"%codes = stream.binding.subspan %cb[%c0] : !stream.binding -> {_codes_memref(s)}",
@@ -412,11 +446,14 @@ def int8_dot_dispatch(s: Int8DotShape, x: str, codes: str, scales: str, mins: st
     """
     if (norm_weight is None) != (s.norm is None) or (residual is None) == s.residual:
         raise ValueError(f"{s.name}: the norm weight and residual operands must match the shape's fusions")
+    if s.gated and s.norm is not None:
+        raise ValueError(f"{s.name}: a row is either normalized or gated")
     codes_t = _codes_memref(s).replace("memref", "tensor")
     scales_t = _scales_memref(s).replace("memref", "tensor")
     row_t = f"tensor<{s.k}xf32>"
     operands = [x] + ([norm_weight] if norm_weight else []) + [codes, scales] + ([mins] if s.has_min else [])
-    types = [row_t] + ([row_t] if norm_weight else []) + [codes_t, scales_t] + ([scales_t] if s.has_min else [])
+    types = [f"tensor<{s.x_len}xf32>"] + ([row_t] if norm_weight else []) + [codes_t, scales_t] + (
+        [scales_t] if s.has_min else [])
     if residual:
         operands.append(residual)
         types.append(f"tensor<{s.n}xf32>")

@@ -72,6 +72,37 @@ def test_anything_but_an_rms_norm_is_left_alone(change):
         assert decode_fusion.match_norm(x, 32) is None  # not a row of K
 
 
+SWIGLU = """
+func.func @mlp(%gu: !torch.vtensor<[1,1,256],f32>) -> !torch.vtensor<[1,1,128],f32> {
+  %dim = torch.constant.int -1
+  %int0 = torch.constant.int 0
+  %int128 = torch.constant.int 128
+  %int256 = torch.constant.int UP_END
+  %int1 = torch.constant.int 1
+  %g = torch.aten.slice.Tensor %gu, %dim, %int0, %int128, %int1 : !torch.vtensor<[1,1,256],f32>, !torch.int, !torch.int, !torch.int, !torch.int -> !torch.vtensor<[1,1,128],f32>
+  %u = torch.aten.slice.Tensor %gu, %dim, %int128, %int256, %int1 : !torch.vtensor<[1,1,256],f32>, !torch.int, !torch.int, !torch.int, !torch.int -> !torch.vtensor<[1,1,128],f32>
+  %s = torch.aten.sigmoid %g : !torch.vtensor<[1,1,128],f32> -> !torch.vtensor<[1,1,128],f32>
+  %a = torch.aten.mul.Tensor %g, %s : !torch.vtensor<[1,1,128],f32>, !torch.vtensor<[1,1,128],f32> -> !torch.vtensor<[1,1,128],f32>
+  %x = torch.aten.mul.Tensor %a, %u : !torch.vtensor<[1,1,128],f32>, !torch.vtensor<[1,1,128],f32> -> !torch.vtensor<[1,1,128],f32>
+  return %x : !torch.vtensor<[1,1,128],f32>
+}
+"""
+
+
+@pytest.mark.parametrize("up_end,found", [(256, True), (255, False)])
+def test_swiglu_of_the_gate_up_halves_is_found(up_end, found):
+    ctx = ir.Context()
+    ctx.allow_unregistered_dialects = True
+    with ctx:
+        module = ir.Module.parse(SWIGLU.replace("UP_END", str(up_end)))
+        block = module.body.operations[0].regions[0].blocks[0]
+        x = block.operations[-1].operands[0]
+        match = decode_fusion.match_swiglu(x, 128)
+        assert (match is not None) == found
+        if found:
+            assert match.gate_up == block.arguments[0]
+
+
 def test_a_scaled_add_is_no_residual():
     ctx, _module, (_h, _w, y), _ = _parse(alpha=2)
     with ctx:
@@ -82,17 +113,33 @@ needs_vnni = pytest.mark.skipif(not cpu_has_int8_dot(host_cpu_features() or set(
                                 reason="this CPU has no AVX-512 VNNI: no int8-dot kernels to fuse into")
 
 
-def _compile(preset: str, fmt: str, out, fuse: bool, monkeypatch):
-    from test_quant_compile import _blocked
+def _blocked(preset: str, fmt: str, intermediate: int | None):
+    """The preset with block-exact weights (test_quant_compile._blocked), its MLP width changed if asked:
+    llama-tiny's 160 is no multiple of 64, so its down projection takes no int8-dot kernel."""
+    import dataclasses
 
+    import test_quant_compile
+
+    from foldline.frontend import arch
+
+    if intermediate is None:
+        return test_quant_compile._blocked(preset, fmt)
+    cfg = dataclasses.replace(arch.get_preset(preset), intermediate_size=intermediate)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(test_quant_compile, "get_preset", lambda _name: cfg)
+        return test_quant_compile._blocked(preset, fmt)
+
+
+def _compile(preset: str, fmt: str, intermediate: int | None, out, fuse: bool, monkeypatch):
     from foldline.backends.build import BuildOptions, compile_model
 
     with monkeypatch.context() as m:
         if not fuse:
             m.setattr(quant_kernels, "match_norm", lambda x, k: None)
+            m.setattr(quant_kernels, "match_swiglu", lambda x, k: None)
             m.setattr(quant_kernels, "match_residual", lambda y: None)
-        compile_model(_blocked(preset, fmt), out, BuildOptions(weights="auto", activations="int8", kv_lengths=[]),
-                      progress=lambda _m: None)
+        compile_model(_blocked(preset, fmt, intermediate), out,
+                      BuildOptions(weights="auto", activations="int8", kv_lengths=[]), progress=lambda _m: None)
     return out
 
 
@@ -111,18 +158,22 @@ def _logits(bundle) -> np.ndarray:
     return np.stack(steps)
 
 
-# llama: norms before q/k/v, gate/up and the head, residual adds after o (its down has K = 160, no
-# int8-dot kernel); gemma3: post-norms between each projection and its residual add, so norms only.
+# llama (MLP width 128): norms before q/k/v, gate/up and the head, SwiGLU into the down projection,
+# residual adds after o and down; gemma3: GELU, and post-norms between each projection and its
+# residual add, so norms only.
 @pytest.mark.slow
 @needs_vnni
-@pytest.mark.parametrize("preset,fmt,residual", [("llama-tiny", "q4", True), ("gemma3-tiny", "q8", False)])
-def test_fused_decode_matches_the_unfused_kernels(preset, fmt, residual, tmp_path, monkeypatch):
-    fused = _compile(preset, fmt, tmp_path / "fused", True, monkeypatch)
-    plain = _compile(preset, fmt, tmp_path / "plain", False, monkeypatch)
+@pytest.mark.parametrize("preset,fmt,intermediate,fusions", [
+    ("llama-tiny", "q4", 128, {"_rms", "_swiglu", "_res"}),
+    ("gemma3-tiny", "q8", None, {"_rms"}),
+])
+def test_fused_decode_matches_the_unfused_kernels(preset, fmt, intermediate, fusions, tmp_path, monkeypatch):
+    fused = _compile(preset, fmt, intermediate, tmp_path / "fused", True, monkeypatch)
+    plain = _compile(preset, fmt, intermediate, tmp_path / "plain", False, monkeypatch)
     fused_kernels, plain_kernels = _int8_dot_kernels(fused), _int8_dot_kernels(plain)
-    assert any("_rms" in k for k in fused_kernels) and not any("_rms" in k for k in plain_kernels)
-    assert any(k.endswith("_res") for k in fused_kernels) == residual
-    assert not any(k.endswith("_res") for k in plain_kernels)
+    for marker in ("_rms", "_swiglu", "_res"):
+        assert any(marker in k for k in fused_kernels) == (marker in fusions), marker
+        assert not any(marker in k for k in plain_kernels), marker
     a, b = _logits(fused), _logits(plain)
     # The same int8 products; only the norm's sum of squares is added in another order.
     scaled = np.abs(a - b).max(axis=1) / np.abs(b).max(axis=1)

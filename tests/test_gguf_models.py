@@ -110,9 +110,10 @@ def test_default_bundle_runs_int8_activations_where_the_cpu_has_vnni(name, gguf_
     head = {"smollm2-135m": b"foldline_i8dot_q8g32f16_k576_n49152", "gemma3-270m": b"foldline_i8dot_q8g32f16_k640_n262144"}
     assert (head[name] in vmfb) == vnni
     # The decode kernels take in the RMSNorm before q/k/v, gate/up and the head, and (SmolLM2; Gemma's
-    # post-norms sit between) the residual add after o and down (backends/decode_fusion.py).
+    # post-norms sit between, and its MLP is GELU) the residual add after o and down and SwiGLU before
+    # down (backends/decode_fusion.py).
     fused = {"smollm2-135m": [b"_k576_n960_rms", b"_k576_n3072_rms", b"_k576_n49152_rms", b"_k576_n576_res",
-                              b"_k1536_n576_res"],
+                              b"_k1536_n576_swiglu_res"],
              "gemma3-270m": [b"_k640_n1536_rms", b"_k640_n4096_rms", b"_k640_n262144_rms"]}
     for shape in fused[name]:
         assert (re.search(rb"foldline_i8dot_\w+" + re.escape(shape), vmfb) is not None) == vnni, shape

@@ -33,6 +33,11 @@ def _case(shape: vk.Int8DotShape, rng: np.random.Generator):
     codes, q, scales, mins, w = random_blocks(shape.fmt, g, shape.scale_type, n, k, rng)
     w = w + (mins.astype(np.float64)[..., None] if shape.has_min else 0)
     args = [x]
+    if shape.gated:  # the kernel takes the fused gate/up row [g, u] and makes silu(g) * u
+        gate_up = (rng.standard_normal(2 * k) * 2).astype(np.float32)
+        gate, up = gate_up[:k], gate_up[k:]
+        x = (gate * (np.float32(1) / (np.float32(1) + np.exp(-gate))) * up).astype(np.float32)
+        args = [gate_up]
     if shape.norm is not None:  # the kernel takes the raw row h and the norm weight, and normalizes
         h = (x * 7.5).astype(np.float32)  # far from unit RMS: the norm has something to do
         weight = rng.uniform(0.5, 1.5, k).astype(np.float32)
@@ -52,7 +57,7 @@ def _module(shape: vk.Int8DotShape) -> str:
     codes_t = vk._codes_memref(shape).replace("memref", "tensor")
     scales_t = vk._scales_memref(shape).replace("memref", "tensor")
     row = f"tensor<{shape.k}xf32>"
-    params = [f"%x: {row}"] + ([f"%w: {row}"] if shape.norm else []) + [f"%c: {codes_t}", f"%s: {scales_t}"] + (
+    params = [f"%x: tensor<{shape.x_len}xf32>"] + ([f"%w: {row}"] if shape.norm else []) + [f"%c: {codes_t}", f"%s: {scales_t}"] + (
         [f"%m: {scales_t}"] if shape.has_min else []) + ([f"%r: tensor<{shape.n}xf32>"] if shape.residual else [])
     call = vk.int8_dot_dispatch(shape, "%x", "%c", "%s", "%m" if shape.has_min else None, "%y",
                                 norm_weight="%w" if shape.norm else None, residual="%r" if shape.residual else None)
@@ -72,6 +77,8 @@ SHAPES = [
     vk.Int8DotShape("q8", 32, "f16", False, 640, 320, norm=vk.RowNorm(1e-6, 1.0)),
     vk.Int8DotShape("q4", 32, "f16", True, 576, 64, norm=vk.RowNorm(1e-5, None)),
     vk.Int8DotShape("q4", 32, "f16", True, 1536, 576, residual=True),
+    vk.Int8DotShape("q4", 32, "f16", True, 1536, 576, residual=True, gated=True),  # SmolLM2's down
+    vk.Int8DotShape("q8", 32, "f16", False, 256, 64, gated=True),
     vk.Int8DotShape("q8", 16, "f32", False, 128, 16, norm=vk.RowNorm(1e-6, 1.0), residual=True),
 ]
 
