@@ -1,19 +1,18 @@
-"""What a one-row qlinear can take into its int8-dot kernel: the RMSNorm before it, the residual add after it.
+"""What a one-row qlinear can take into its int8-dot kernel: the norm or SwiGLU before it, the add after it.
 
 A decode step of a small model is mostly dispatches, not bytes: on SmolLM2
 575 per step, ~4 us apiece in IREE's task system against 1-40 us of work
-for the projections. Two patterns around nearly every projection are small
+for the projections. Three patterns around the projections are small
 dispatches of their own that the int8-dot kernel (vnni_kernels.py) can do on
 the way in or out:
 
 - the RMSNorm in front (a sum-of-squares dispatch and a scaling dispatch):
   `x = (h * rsqrt(mean(h^2, -1) + eps)) * (w + offset)`, as RMSNorm in
   frontend/layers.py exports it;
+- SwiGLU's `silu(g) * u` in front of the down projection (one dispatch),
+  when g and u are the two halves of one row (the fused gate/up output);
 - the residual add behind (`h + qlinear(x)`), where nothing sits between the
   projection and the add (Gemma's post-norms do, and stay).
-
-- SwiGLU's `silu(g) * u` in front of the down projection (one dispatch),
-  when g and u are the two halves of one row (the fused gate/up output).
 
 These functions read the torch-dialect MLIR (the FX importer's output) around
 a `torch.foldline.qlinear` op and say what matched; quant_kernels rewrites the
@@ -55,19 +54,20 @@ class ResidualMatch:
     residual: ir.Value
 
 
-def _op(value: ir.Value) -> ir.Operation | None:
+def defining_op(value: ir.Value) -> ir.Operation | None:
+    """The operation that produced `value`, or None for a block argument."""
     owner = value.owner
     return getattr(owner, "operation", owner) if isinstance(owner, (ir.Operation, ir.OpView)) else None
 
 
 def _op_named(value: ir.Value, name: str) -> ir.Operation | None:
-    op = _op(value)
+    op = defining_op(value)
     return op if op is not None and op.name == name else None
 
 
 def _number(value: ir.Value) -> float | int | None:
     """A torch.constant.int / float operand's value, else None."""
-    op = _op(value)
+    op = defining_op(value)
     if op is None:
         return None
     if op.name == "torch.constant.int":
@@ -99,7 +99,7 @@ def _rsqrt_of_mean_square(r: ir.Value, h: ir.Value, rank: int) -> float | None:
     mean = _op_named(add.operands[0], "torch.aten.mean.dim")
     if mean is None or not isinstance(eps, float):
         return None
-    dims, keepdim = _int_list(mean.operands[1]), _op(mean.operands[2])
+    dims, keepdim = _int_list(mean.operands[1]), defining_op(mean.operands[2])
     if dims not in ([-1], [rank - 1]) or keepdim is None or keepdim.name != "torch.constant.bool":
         return None
     if not ir.BoolAttr(keepdim.attributes["value"]).value or _op_named(mean.operands[3], "torch.constant.none") is None:
@@ -116,15 +116,16 @@ def match_norm(x: ir.Value, k: int) -> NormMatch | None:
     if outer is None:
         return None
     dims = _f32_dims(x)
-    rank = len(dims) if dims else None
+    if dims is None:
+        return None
     for scaled, weight in (outer.operands, reversed(list(outer.operands))):
         inner = _op_named(scaled, "torch.aten.mul.Tensor")
         if inner is None or str(scaled.type) != str(x.type) or not _is_vector(weight, k):
             continue
         h, r = inner.operands
-        if str(h.type) != str(x.type) or rank is None:
+        if str(h.type) != str(x.type):
             continue
-        eps = _rsqrt_of_mean_square(r, h, rank)
+        eps = _rsqrt_of_mean_square(r, h, len(dims))
         if eps is None:
             continue
         offset_add = _op_named(weight, "torch.aten.add.Scalar")

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from iree.compiler import ir
 
-from .decode_fusion import match_norm, match_residual, match_swiglu
+from .decode_fusion import defining_op, match_norm, match_residual, match_swiglu
 from .vnni_gemm import Int8GemmShape, gemm_executable, int8_gemm_dispatches, quantize_executable
 from .vnni_gemm import supports as supports_int8_gemm
 from .vnni_kernels import Int8DotShape, RowNorm, int8_dot_dispatch, int8_dot_executable
@@ -521,14 +521,9 @@ def _shape_and_type(value: ir.Value) -> tuple[tuple[int, ...], str]:
     return dims, m.group(2)
 
 
-def _owner(value: ir.Value) -> ir.Operation | None:
-    owner = value.owner
-    return getattr(owner, "operation", owner) if isinstance(owner, (ir.Operation, ir.OpView)) else None
-
-
 def _constant(value: ir.Value) -> object:
     """The Python value of a torch.constant.{int,str,none} operand."""
-    op = _owner(value)
+    op = defining_op(value)
     if op is None or not op.name.startswith("torch.constant."):
         raise QuantKernelError(f"qlinear expects a constant here, got {value}")
     if op.name == "torch.constant.none":
@@ -539,7 +534,7 @@ def _constant(value: ir.Value) -> object:
 
 def _builtin(value: ir.Value, want: str) -> ir.Value:
     """The builtin tensor behind a !torch.vtensor operand (a weight's util.global.load, else a cast)."""
-    op = _owner(value)
+    op = defining_op(value)
     if op is not None and op.name == "torch_c.from_builtin_tensor":
         return op.operands[0]
     return ir.Operation.create("torch_c.to_builtin_tensor", results=[ir.Type.parse(want)], operands=[value]).result
@@ -552,7 +547,7 @@ def _spec_of(op: ir.Operation) -> QLinearSpec:
         raise QuantKernelError(f"qlinear activations must be f32, got {x_type}")
     (n, _), _ = _shape_and_type(codes)
     _, s_type = _shape_and_type(scales)
-    mins_op = _owner(mins)
+    mins_op = defining_op(mins)
     has_min = not (mins_op is not None and mins_op.name == "torch.constant.none")
     spec = QLinearSpec(str(_constant(fmt)), int(_constant(group)), s_type, has_min, x_shape, n)
     if spec.fmt not in ("q8", "q4") or spec.scale_type not in ("f16", "f32") or spec.k % spec.group:
