@@ -19,6 +19,7 @@ from ..frontend.types import LoadedModel
 from ..passes.manager import CompileUnit, run_pipeline
 from ..runtime.bundle import FORMAT, FORMAT_VERSION, MANIFEST, seal_manifest, sha256_file, vmfb_info
 from .abi_declaration import declare_entry_points
+from .attention_kernels import expand_decode_attention_ops
 from .importer import import_programs, params_to_numpy
 from .inplace_state import ElideReport, elide_inplace_aliases
 from .quant_kernels import expand_qlinear_ops
@@ -182,7 +183,13 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
 
     progress("[3/4] importing to MLIR (torch dialect), weights to params.irpa")
     progress(f"      {len(unit.programs)} entry points: {', '.join(unit.programs)}")
-    mlir, params = import_programs(unit.programs.items())
+    # CPU targets keep the decode attention ops for their hand-written kernel; GPU targets
+    # import the decomposed form (a second import only when both kinds are asked for).
+    kinds = sorted({t.device == "cpu" for t in options.targets}, reverse=True)
+    imported = {}
+    for cpu in kinds:
+        imported[cpu] = import_programs(unit.programs.items(), decode_attention_kernel=cpu)
+    mlir, params = imported[kinds[0]]
     if options.keep_mlir:
         (out / "model.mlir").write_text(mlir)
     index = rt.ParameterIndex()
@@ -196,8 +203,10 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
     for target in options.targets:
         progress(f"[4/4] iree-compile for {target.description}")
         t1 = time.time()
-        target_mlir, _ = expand_qlinear_ops(mlir, cpu_tiles=target.device == "cpu",
-                                            int8_dot=activations[target.device] == "int8")
+        cpu = target.device == "cpu"
+        target_mlir, _ = expand_qlinear_ops(imported[cpu][0], cpu_tiles=cpu, int8_dot=activations[target.device] == "int8")
+        if cpu:
+            target_mlir, _ = expand_decode_attention_ops(target_mlir)
         vmfb, inplace = compile_torch_module(target_mlir, target.flags)
         progress(f"      {inplace.elided} cache update(s) kept in place, {inplace.kept} state result(s) placed by IREE")
         name = f"model.{target.device}.vmfb"

@@ -1,4 +1,4 @@
-"""What a one-row qlinear can take into its int8-dot kernel: the norm or SwiGLU before it, the add after it.
+"""What a one-row qlinear can take into its int8-dot kernel: the norm or gated activation before it, the add after it.
 
 A decode step of a small model is mostly dispatches, not bytes: on SmolLM2
 575 per step, ~4 us apiece in IREE's task system against 1-40 us of work
@@ -9,8 +9,9 @@ the way in or out:
 - the RMSNorm in front (a sum-of-squares dispatch and a scaling dispatch):
   `x = (h * rsqrt(mean(h^2, -1) + eps)) * (w + offset)`, as RMSNorm in
   frontend/layers.py exports it;
-- SwiGLU's `silu(g) * u` in front of the down projection (one dispatch),
-  when g and u are the two halves of one row (the fused gate/up output);
+- a gated MLP's `act(g) * u` in front of the down projection (one
+  dispatch), when g and u are the two halves of one row (the fused gate/up
+  output): SwiGLU's silu, or GeGLU's tanh-approximated GELU (Gemma);
 - the residual add behind (`h + qlinear(x)`), where nothing sits between the
   projection and the add (Gemma's post-norms do, and stay).
 
@@ -41,9 +42,13 @@ class NormMatch:
 
 @dataclass
 class GateMatch:
-    """x = silu(g) * u with g, u the two halves of one row (the fused gate/up projection's output)."""
+    """x = act(g) * u with g, u the two halves of one row (the fused gate/up projection's output).
+
+    activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU with the tanh approximation, Gemma's).
+    """
 
     gate_up: ir.Value
+    activation: str = "silu"
 
 
 @dataclass
@@ -149,23 +154,40 @@ def _half(value: ir.Value, k: int, rank: int) -> tuple[ir.Value, int] | None:
     return (source, begin) if begin in (0, k) and _number(end) == begin + k else None
 
 
-def match_swiglu(x: ir.Value, k: int) -> GateMatch | None:
-    """SwiGLU's `(g * sigmoid(g)) * u` producing x [..., K] from one [..., 2K] row [g, u], or None."""
+def _activated_gates(activated: ir.Value) -> list[tuple[ir.Value, str]]:
+    """(g, activation) for each way `activated` is silu(g) = g * sigmoid(g) or gelu(g, "tanh")."""
+    gelu = _op_named(activated, "torch.aten.gelu")
+    if gelu is not None:
+        mode = defining_op(gelu.operands[1])
+        if mode is not None and mode.name == "torch.constant.str" and ir.StringAttr(
+                mode.attributes["value"]).value == "tanh":
+            return [(gelu.operands[0], "gelu_tanh")]
+        return []
+    silu = _op_named(activated, "torch.aten.mul.Tensor")
+    if silu is None:
+        return []
+    found = []
+    for gate, sig in (silu.operands, reversed(list(silu.operands))):
+        sigmoid = _op_named(sig, "torch.aten.sigmoid")
+        if sigmoid is not None and _same(sigmoid.operands[0], gate):
+            found.append((gate, "silu"))
+    return found
+
+
+def match_gate(x: ir.Value, k: int) -> GateMatch | None:
+    """A gated MLP's `act(g) * u` producing x [..., K] from one [..., 2K] row [g, u], or None.
+
+    act: SwiGLU's `g * sigmoid(g)` or GeGLU's `gelu(g, approximate="tanh")`.
+    """
     outer = _op_named(x, "torch.aten.mul.Tensor")
     dims = _f32_dims(x)
     if outer is None or dims is None or dims[-1] != k:
         return None
     for activated, up in (outer.operands, reversed(list(outer.operands))):
-        silu = _op_named(activated, "torch.aten.mul.Tensor")
-        if silu is None:
-            continue
-        for gate, sig in (silu.operands, reversed(list(silu.operands))):
-            sigmoid = _op_named(sig, "torch.aten.sigmoid")
-            if sigmoid is None or not _same(sigmoid.operands[0], gate):
-                continue
+        for gate, activation in _activated_gates(activated):
             g, u = _half(gate, k, len(dims)), _half(up, k, len(dims))
             if g is not None and u is not None and _same(g[0], u[0]) and (g[1], u[1]) == (0, k):
-                return GateMatch(g[0])
+                return GateMatch(g[0], activation)
     return None
 
 

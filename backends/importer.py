@@ -93,28 +93,41 @@ class _ParameterHooks(FxImporterHooks):
 # Custom ops that reach MLIR as `torch.operator` for a backend rewrite instead of being decomposed
 # (backends/quant_kernels.py lowers foldline::qlinear to a fused dequantize-matmul kernel).
 KEPT_OPS = (torch.ops.foldline.qlinear.default,)
+# Kept in decode entry points (`decode`, `decode_<L>`) for targets with a hand-written decode
+# attention kernel (backends/attention_kernels.py); every other program decomposes them.
+DECODE_ATTENTION_OPS = (torch.ops.foldline.cache_attention.default, torch.ops.foldline.ring_decode_attention.default)
 
 
-def lower_to_aten(program: ExportedProgram) -> ExportedProgram:
-    """Decompose foldline custom ops (and everything else) to core aten for import, but KEPT_OPS."""
+def lower_to_aten(program: ExportedProgram, keep: tuple = ()) -> ExportedProgram:
+    """Decompose foldline custom ops (and everything else) to core aten for import, but KEPT_OPS and `keep`."""
     table = torch.export.default_decompositions()
     table.update(DECOMPOSITIONS)
-    for op in KEPT_OPS:
+    for op in (*KEPT_OPS, *keep):
         table.pop(op, None)
     return program.run_decompositions(table)
 
 
+def is_decode_entry(name: str) -> bool:
+    return name == "decode" or name.startswith("decode_")
+
+
 def import_programs(
-    programs: Iterable[tuple[str, ExportedProgram]], externalize_params: bool = True
+    programs: Iterable[tuple[str, ExportedProgram]], externalize_params: bool = True,
+    decode_attention_kernel: bool = False,
 ) -> tuple[str, ExternalParams]:
-    """Import named programs into one MLIR module; returns (MLIR text, lifted weights)."""
+    """Import named programs into one MLIR module; returns (MLIR text, lifted weights).
+
+    decode_attention_kernel: decode entry points keep their attention ops for
+    backends/attention_kernels.expand_decode_attention_ops (CPU targets only).
+    """
     context = ir.Context()
     module = ir.Module.create(ir.Location.unknown(context))
     params = ExternalParams()
     hooks = _ParameterHooks(module, params, externalize_params)
     importer = FxImporter(module=module, config_check=False, hooks=hooks)
     for name, program in programs:
-        importer.import_program(lower_to_aten(program), func_name=name)
+        keep = DECODE_ATTENTION_OPS if decode_attention_kernel and is_decode_entry(name) else ()
+        importer.import_program(lower_to_aten(program, keep), func_name=name)
     return str(module), params
 
 

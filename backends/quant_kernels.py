@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from iree.compiler import ir
 
-from .decode_fusion import defining_op, match_norm, match_residual, match_swiglu
+from .decode_fusion import defining_op, match_gate, match_norm, match_residual
 from .vnni_gemm import Int8GemmShape, gemm_executable, int8_gemm_dispatches, quantize_executable
 from .vnni_gemm import supports as supports_int8_gemm
 from .vnni_kernels import Int8DotShape, RowNorm, int8_dot_dispatch, int8_dot_executable
@@ -558,8 +558,10 @@ def _spec_of(op: ir.Operation) -> QLinearSpec:
 
 
 def int8_dot_shape(spec: QLinearSpec, norm: RowNorm | None = None, residual: bool = False,
-                   gated: bool = False) -> Int8DotShape:
-    return Int8DotShape(spec.fmt, spec.group, spec.scale_type, spec.has_min, spec.k, spec.n, norm, residual, gated)
+                   gate: str | None = None) -> Int8DotShape:
+    """The int8-dot kernel of a site; gate: the gated MLP activation it takes in (vnni_kernels.GATES), if any."""
+    return Int8DotShape(spec.fmt, spec.group, spec.scale_type, spec.has_min, spec.k, spec.n, norm, residual,
+                        gate is not None, gate or "silu")
 
 
 def uses_int8_dot(spec: QLinearSpec) -> bool:
@@ -669,8 +671,9 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8_dot: bool = False) -> tu
             norm = gate = residual = None
             if cpu_tiles and int8_dot and uses_int8_dot(spec):
                 norm, residual = match_norm(x, spec.k), match_residual(op.results[0])
-                gate = None if norm else match_swiglu(x, spec.k)
-                dot = int8_dot_shape(spec, norm.norm if norm else None, residual is not None, gate is not None)
+                gate = None if norm else match_gate(x, spec.k)
+                dot = int8_dot_shape(spec, norm.norm if norm else None, residual is not None,
+                                     gate.activation if gate else None)
             name = int8_dot_function_name(spec, dot) if dot else spec.name
             # The call goes where every operand is defined: at the residual add when it takes one.
             site = residual.add if residual else op

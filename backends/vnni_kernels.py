@@ -50,6 +50,13 @@ CODES_PER_STEP = 64  # one 512-bit vector of codes
 CHAINS = 2  # independent accumulators per row
 
 
+# The gated MLP activations a kernel can take in, and their name suffixes.
+GATES = {"silu": "_swiglu", "gelu_tanh": "_geglu"}
+# GELU's tanh approximation: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+GELU_TANH_BETA = 0.7978845608028654
+GELU_TANH_KAPPA = 0.044715
+
+
 @dataclass(frozen=True)
 class RowNorm:
     """An RMSNorm taken into the kernel: x = (h * rsqrt(mean(h^2) + eps)) * (w + offset).
@@ -68,9 +75,10 @@ class Int8DotShape:
     """What shapes one kernel: codes format, group, scale dtype, mins, K, N, and what it fuses.
 
     norm: the activation arrives un-normalized with its RMSNorm weight (RowNorm);
-    gated: the activation is SwiGLU's silu(g) * u, computed from the fused gate/up
-    row [g, u] (2K values) it arrives as; residual: the kernel adds a residual row
-    to its output (y = r + W x). Each saves the decode step a dispatch or two.
+    gated: the activation is a gated MLP's act(g) * u, computed from the fused gate/up
+    row [g, u] (2K values) it arrives as, act being `gate` (GATES: SwiGLU's silu,
+    GeGLU's tanh-approximated GELU); residual: the kernel adds a residual row to its
+    output (y = r + W x). Each saves the decode step a dispatch or two.
     """
 
     fmt: str  # "q4" or "q8"
@@ -82,6 +90,7 @@ class Int8DotShape:
     norm: RowNorm | None = None
     residual: bool = False
     gated: bool = False
+    gate: str = "silu"
 
     @property
     def x_len(self) -> int:
@@ -111,7 +120,7 @@ class Int8DotShape:
             offset = "" if self.norm.offset is None else f"o{_f32_bits(self.norm.offset)}"
             fused += f"_rms{_f32_bits(self.norm.eps)}{offset}"
         if self.gated:
-            fused += "_swiglu"
+            fused += GATES[self.gate]
         if self.residual:
             fused += "_res"
         return (f"foldline_i8dot_{self.fmt}g{self.group}{self.scale_type}{'m' if self.has_min else ''}"
@@ -131,7 +140,7 @@ def supports(shape: Int8DotShape) -> bool:
     """Whether these kernels take this shape: groups of 16, 32 or 64, whole vectors of codes, whole row steps."""
     return (shape.fmt in ("q4", "q8") and shape.group in (16, 32, 64) and shape.k % CODES_PER_STEP == 0
             and shape.n % 16 == 0 and shape.scale_type in ("f16", "f32")
-            and (shape.fmt == "q8" or shape.has_min))
+            and (shape.fmt == "q8" or shape.has_min) and shape.gate in GATES)
 
 
 def cpu_has_int8_dot(cpu_flags: list[str] | set[str] | tuple[str, ...]) -> bool:
@@ -234,22 +243,42 @@ def _normed_group(s: Int8DotShape) -> list[str]:
 
 
 def _gated_group(s: Int8DotShape) -> list[str]:
-    """Lines making group %v (at %off) of silu(g) * u from the row [g, u]: g * (1 / (1 + exp(-g))) * u,
-    the operations IREE lowers torch's sigmoid and the two products to."""
+    """Lines making group %v (at %off) of act(g) * u from the row [g, u].
+
+    silu: g * (1 / (1 + exp(-g))), the operations IREE lowers torch's sigmoid and
+    product to; gelu_tanh: 0.5 g (1 + tanh(beta (g + kappa g^3))), torch's formula.
+    """
     g = s.group
     vf, mem = f"vector<{g}xf32>", f"memref<{s.x_len}xf32>"
-    return [
+    lines = [
         f"%gv = vector.load %x[%off] : {mem}, {vf}",
         "%uoff = arith.addi %off, %nK : index",
         f"%uv = vector.load %x[%uoff] : {mem}, {vf}",
         f"%one = arith.constant dense<1.0> : {vf}",
-        f"%gneg = arith.negf %gv : {vf}",
-        f"%gexp = math.exp %gneg : {vf}",
-        f"%gden = arith.addf %gexp, %one : {vf}",
-        f"%gsig = arith.divf %one, %gden : {vf}",
-        f"%gsilu = arith.mulf %gv, %gsig : {vf}",
-        f"%v = arith.mulf %gsilu, %uv : {vf}",
     ]
+    if s.gate == "silu":
+        lines += [
+            f"%gneg = arith.negf %gv : {vf}",
+            f"%gexp = math.exp %gneg : {vf}",
+            f"%gden = arith.addf %gexp, %one : {vf}",
+            f"%gsig = arith.divf %one, %gden : {vf}",
+            f"%gact = arith.mulf %gv, %gsig : {vf}",
+        ]
+    else:
+        lines += [
+            f"%half = arith.constant dense<0.5> : {vf}",
+            f"%kappa = arith.constant dense<{GELU_TANH_KAPPA}> : {vf}",
+            f"%beta = arith.constant dense<{GELU_TANH_BETA}> : {vf}",
+            f"%g2 = arith.mulf %gv, %gv : {vf}",
+            f"%g3 = arith.mulf %g2, %gv : {vf}",
+            f"%inner0 = math.fma %kappa, %g3, %gv : {vf}",
+            f"%inner = arith.mulf %beta, %inner0 : {vf}",
+            f"%th = math.tanh %inner : {vf}",
+            f"%th1 = arith.addf %th, %one : {vf}",
+            f"%hg = arith.mulf %half, %gv : {vf}",
+            f"%gact = arith.mulf %hg, %th1 : {vf}",
+        ]
+    return lines + [f"%v = arith.mulf %gact, %uv : {vf}"]
 
 
 def _quantize_activation(s: Int8DotShape) -> list[str]:

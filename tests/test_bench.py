@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from foldline.tools.bench_cmd import format_table, prompt_ids
+from foldline.tools.bench_cmd import combine_rounds, format_table, prompt_ids, round_ratios
 from foldline.tools.cli import main
 
 
@@ -30,16 +30,33 @@ def test_table_has_one_ratio_column_per_peer():
     assert "/" not in format_table({"foldline": compiled}, 128, 128).splitlines()[0]
 
 
+def _figures(decode: float, rss: float = 300.0) -> dict:
+    return {"prefill_tok_s": 2 * decode, "decode_tok_s": decode, "prefill_cpu_ms_tok": 5.0,
+            "decode_cpu_ms_tok": 1000 / decode, "peak_rss_mib": rss, "load_s": 1.0}
+
+
+def test_rounds_combine_into_medians_and_the_largest_peak_rss():
+    ours = combine_rounds([_figures(100.0, 300), _figures(60.0, 320), _figures(110.0, 310)])
+    assert ours["decode_tok_s"] == 100.0 and ours["prefill_tok_s"] == 200.0  # medians, not means
+    assert ours["peak_rss_mib"] == 320
+    assert [r["decode_tok_s"] for r in ours["rounds"]] == [100.0, 60.0, 110.0]
+    peer = combine_rounds([_figures(50.0), _figures(60.0), _figures(55.0)])
+    ratios = round_ratios({"foldline": ours, "llama.cpp": peer})
+    assert ratios == {"llama.cpp": [2.0, 1.0, 2.0]}  # round by round, in the order they ran
+
+
 @pytest.mark.slow
 def test_bench_cli_on_a_compiled_bundle(bundle_factory, tmp_path, capsys):
     bundle = bundle_factory("llama-tiny")
     out = tmp_path / "bench.json"
     rc = main(["bench", str(bundle), "--prompt-len", "20", "--new-tokens", "8", "--eager", "llama-tiny",
-               "--json", str(out)])
+               "--rounds", "2", "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "prefill tok/s (20 tokens)" in printed and "foldline (cpu) / reference eager" in printed
+    assert "decode ratio to reference eager by round: " in printed
     data = json.loads(out.read_text())
+    assert data["rounds"] == 2 and len(data["engines"]["reference eager"]["rounds"]) == 2
     for engine in ("foldline (cpu)", "reference eager"):
         figures = data["engines"][engine]
         assert figures["prefill_tok_s"] > 0 and figures["decode_tok_s"] > 0

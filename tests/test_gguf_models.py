@@ -109,14 +109,21 @@ def test_default_bundle_runs_int8_activations_where_the_cpu_has_vnni(name, gguf_
     vmfb = (bundle / module["file"]).read_bytes()
     head = {"smollm2-135m": b"foldline_i8dot_q8g32f16_k576_n49152", "gemma3-270m": b"foldline_i8dot_q8g32f16_k640_n262144"}
     assert (head[name] in vmfb) == vnni
-    # The decode kernels take in the RMSNorm before q/k/v, gate/up and the head, and (SmolLM2; Gemma's
-    # post-norms sit between, and its MLP is GELU) the residual add after o and down and SwiGLU before
-    # down (backends/decode_fusion.py).
+    # The decode kernels take in the RMSNorm before q/k/v, gate/up and the head, the gated activation
+    # before down (SmolLM2's SwiGLU, Gemma's GELU), and (SmolLM2; Gemma's post-norms sit between) the
+    # residual add after o and down (backends/decode_fusion.py).
     fused = {"smollm2-135m": [b"_k576_n960_rms", b"_k576_n3072_rms", b"_k576_n49152_rms", b"_k576_n576_res",
                               b"_k1536_n576_swiglu_res"],
-             "gemma3-270m": [b"_k640_n1536_rms", b"_k640_n4096_rms", b"_k640_n262144_rms"]}
+             "gemma3-270m": [b"_k640_n1536_rms", b"_k640_n4096_rms", b"_k640_n262144_rms", b"_k2048_n640_geglu"]}
     for shape in fused[name]:
         assert (re.search(rb"foldline_i8dot_\w+" + re.escape(shape), vmfb) is not None) == vnni, shape
+    # Decode attention is one hand-written dispatch per layer on any CPU (backends/attention_kernels.py):
+    # SmolLM2's 9 query heads on 3 kv heads of 64; Gemma's 4 on 1 of 256, over rings of 512 and full caches.
+    attention = {"smollm2-135m": [b"foldline_attn_b1_h9x3_d64_s8192_l256_"],
+                 "gemma3-270m": [b"foldline_attn_b1_h4x1_d256_s512_l256_", b"foldline_attn_b1_h4x1_d256_s512_l512_",
+                                 b"foldline_attn_b1_h4x1_d256_s8192_l1024_"]}
+    for kernel in attention[name]:
+        assert kernel in vmfb, kernel
     # every projection of a 64-token chunk: fused q/k/v, o, fused gate/up, down (Gemma: Q6_K and Q4_K downs)
     prefill = {"smollm2-135m": [b"_m64_k576_n960", b"_m64_k576_n576", b"_m64_k576_n3072", b"_m64_k1536_n576"],
                "gemma3-270m": [b"_m64_k640_n1536", b"_m64_k1024_n640", b"_m64_k640_n4096", b"_m64_k2048_n640"]}

@@ -26,6 +26,14 @@ def rms_normed(h: np.ndarray, weight: np.ndarray, norm: vk.RowNorm) -> np.ndarra
     return ((h * r) * w).astype(np.float32)
 
 
+def gated_activation(gate: str, g: np.ndarray) -> np.ndarray:
+    """SwiGLU's silu or GeGLU's tanh-approximated GELU, in float32 as torch computes them."""
+    if gate == "silu":
+        return g * (np.float32(1) / (np.float32(1) + np.exp(-g)))
+    inner = np.float32(vk.GELU_TANH_BETA) * (g + np.float32(vk.GELU_TANH_KAPPA) * g * g * g)
+    return np.float32(0.5) * g * (np.float32(1) + np.tanh(inner))
+
+
 def _case(shape: vk.Int8DotShape, rng: np.random.Generator):
     n, k, g = shape.n, shape.k, shape.group
     x = rng.standard_normal(k).astype(np.float32)
@@ -33,10 +41,10 @@ def _case(shape: vk.Int8DotShape, rng: np.random.Generator):
     codes, q, scales, mins, w = random_blocks(shape.fmt, g, shape.scale_type, n, k, rng)
     w = w + (mins.astype(np.float64)[..., None] if shape.has_min else 0)
     args = [x]
-    if shape.gated:  # the kernel takes the fused gate/up row [g, u] and makes silu(g) * u
+    if shape.gated:  # the kernel takes the fused gate/up row [g, u] and makes act(g) * u
         gate_up = (rng.standard_normal(2 * k) * 2).astype(np.float32)
         gate, up = gate_up[:k], gate_up[k:]
-        x = (gate * (np.float32(1) / (np.float32(1) + np.exp(-gate))) * up).astype(np.float32)
+        x = (gated_activation(shape.gate, gate) * up).astype(np.float32)
         args = [gate_up]
     if shape.norm is not None:  # the kernel takes the raw row h and the norm weight, and normalizes
         h = (x * 7.5).astype(np.float32)  # far from unit RMS: the norm has something to do
@@ -78,6 +86,9 @@ SHAPES = [
     vk.Int8DotShape("q4", 32, "f16", True, 576, 64, norm=vk.RowNorm(1e-5, None)),
     vk.Int8DotShape("q4", 32, "f16", True, 1536, 576, residual=True),
     vk.Int8DotShape("q4", 32, "f16", True, 1536, 576, residual=True, gated=True),  # SmolLM2's down
+    # Gemma 3's down projections (Q6_K and Q4_K), GELU(tanh) of the gate half taken in
+    vk.Int8DotShape("q8", 16, "f32", False, 2048, 640, gated=True, gate="gelu_tanh"),
+    vk.Int8DotShape("q4", 32, "f32", True, 2048, 640, gated=True, gate="gelu_tanh"),
     vk.Int8DotShape("q8", 32, "f16", False, 256, 64, gated=True),
     vk.Int8DotShape("q8", 16, "f32", False, 128, 16, norm=vk.RowNorm(1e-6, 1.0), residual=True),
 ]
@@ -94,9 +105,10 @@ def test_int8_dot_kernel_matches_int8_emulation(shape, tmp_path):
         y = module.main(*args).to_host()
         scale = np.abs(exact).max()
         np.testing.assert_allclose(y, emulated, rtol=1e-5, atol=1e-5 * scale)
-        # 8-bit activations per group: a relative RMS error of a few tenths of a percent on random data.
+        # 8-bit activations per group: a relative RMS error of a few tenths of a percent on random data;
+        # a gated row act(g) * u is a product of two normals, heavy-tailed, and loses more to 8 bits.
         rel_rms = np.sqrt(np.mean((y - exact) ** 2)) / np.sqrt(np.mean(exact ** 2))
-        assert rel_rms < 1e-2, f"relative RMS error {rel_rms:.2e} against float activations"
+        assert rel_rms < (2e-2 if shape.gated else 1e-2), f"relative RMS error {rel_rms:.2e} against float activations"
 
 
 def test_dispatch_operands_must_match_the_fusions():

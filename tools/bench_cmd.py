@@ -6,6 +6,12 @@ HF transformers eager on the same checkpoint (`tools/bench_peers.py`), and
 optionally foldline's own torch reference module. Each engine runs in its own
 child process so its peak RSS is its own (and the runtime's process never
 imports torch); all are timed by the same loop (`tools/bench_timer.py`).
+
+`--rounds N` runs the engines in turn N times (foldline, then each peer, then
+foldline again...) and reports each figure's median: on a shared 2-core host
+one 128-token decode moves by 10-20% between runs of the same engine, so a
+single pair of runs can rank two engines either way; alternating rounds meet
+the same host load.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ def add_parser(sub) -> None:
                         "(default: the GGUF the bundle came from)")
     p.add_argument("--eager", default=None, metavar="MODEL",
                    help="also time foldline's own torch reference module on MODEL (what compiling buys; not a peer)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="run the engines in turn this many times and report medians (default 3)")
     p.add_argument("--threads", type=int, default=None, help="threads for the peers (default: all cores)")
     p.add_argument("--peer-context", type=int, default=None, metavar="N",
                    help="llama.cpp's context (KV capacity; default: the bundle's max_context, so both hold "
@@ -137,6 +145,32 @@ def format_table(engines: dict[str, dict[str, Any]], prompt_len: int, new_tokens
                      for r in table)
 
 
+# Figures that are a rate or a time take the median over rounds; peak RSS takes the largest round.
+_MEDIAN_KEYS = ("prefill_tok_s", "decode_tok_s", "prefill_cpu_ms_tok", "decode_cpu_ms_tok", "load_s",
+                "prefill_s", "decode_s")
+
+
+def combine_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's figures over its rounds: medians of the rates and times, the largest peak RSS.
+
+    Keeps every round's decode and prefill rate (`rounds`) so the spread is on record.
+    """
+    out = dict(runs[0])
+    for key in _MEDIAN_KEYS:
+        if all(key in r for r in runs):
+            out[key] = float(np.median([r[key] for r in runs]))
+    out["peak_rss_mib"] = max(r["peak_rss_mib"] for r in runs)
+    out["rounds"] = [{"prefill_tok_s": r["prefill_tok_s"], "decode_tok_s": r["decode_tok_s"]} for r in runs]
+    return out
+
+
+def round_ratios(engines: dict[str, dict[str, Any]], key: str = "decode_tok_s") -> dict[str, list[float]]:
+    """Per peer, foldline's figure over the peer's in each round (rounds run back to back)."""
+    names = list(engines)
+    first = engines[names[0]]["rounds"]
+    return {o: [a[key] / b[key] for a, b in zip(first, engines[o]["rounds"]) if b[key]] for o in names[1:]}
+
+
 def _source_model(manifest, given: str) -> str:
     """The checkpoint a peer should load: the one given, else the GGUF the bundle was compiled from."""
     if given != "auto":
@@ -166,30 +200,41 @@ def run(args) -> int:
     common = {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "seed": args.seed}
     ids = prompt_ids(manifest.vocab_size, args.prompt_len, args.seed)
     threads = args.threads or os.cpu_count() or 1
-    engines = {f"foldline ({args.device})": _child("compiled", {"bundle": str(args.bundle), "device": args.device,
-                                                                **common})}
-    skipped = []
+    if args.rounds < 1:
+        raise CliError("--rounds must be >= 1")
+    runners = {f"foldline ({args.device})": lambda: _child("compiled", {"bundle": str(args.bundle),
+                                                                       "device": args.device, **common})}
     if args.llama_cpp:
-        try:
-            engines["llama.cpp"] = bench_llama_cpp(_source_model(manifest, args.llama_cpp), ids, args.new_tokens,
-                                                   threads, python=args.llama_python,
-                                                   n_ctx=args.peer_context or manifest.max_context)
-        except PeerUnavailable as e:
-            skipped.append(str(e))
+        gguf = _source_model(manifest, args.llama_cpp)
+        runners["llama.cpp"] = lambda: bench_llama_cpp(gguf, ids, args.new_tokens, threads, python=args.llama_python,
+                                                       n_ctx=args.peer_context or manifest.max_context)
     if args.hf:
-        try:
-            engines["HF eager"] = bench_hf_eager(_source_model(manifest, args.hf), ids, args.new_tokens, threads)
-        except PeerUnavailable as e:
-            skipped.append(str(e))
+        hf_model = _source_model(manifest, args.hf)
+        runners["HF eager"] = lambda: bench_hf_eager(hf_model, ids, args.new_tokens, threads)
     if args.eager:
-        engines["reference eager"] = _child("eager", {"spec": args.eager, "max_context": manifest.max_context,
-                                                      "chunk": manifest.prefill_chunk, **common})
+        runners["reference eager"] = lambda: _child("eager", {"spec": args.eager, "max_context": manifest.max_context,
+                                                             "chunk": manifest.prefill_chunk, **common})
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in runners}
+    skipped: dict[str, str] = {}
+    for r in range(args.rounds):
+        for name, runner in runners.items():
+            if name in skipped:
+                continue
+            print(f"round {r + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
+            try:
+                runs[name].append(runner())
+            except PeerUnavailable as e:
+                skipped[name] = str(e)
+    engines = {name: combine_rounds(rs) for name, rs in runs.items() if rs}
     name = manifest.config.get("name", args.bundle)
     print(f"bench {name}: prompt {args.prompt_len} tokens (foldline in chunks of {manifest.prefill_chunk}), "
           f"{args.new_tokens} greedy decoded tokens, {threads} threads, load average "
-          f"{os.getloadavg()[0]:.1f}")
+          f"{os.getloadavg()[0]:.1f}, median of {args.rounds} alternating round(s)")
     print(format_table(engines, args.prompt_len, args.new_tokens))
-    for line in skipped:
+    if args.rounds > 1:
+        for peer, ratios in round_ratios(engines).items():
+            print(f"decode ratio to {peer} by round: {', '.join(f'{x:.2f}x' for x in ratios)}")
+    for line in skipped.values():
         print(f"skipped {line}")
     compiled = next(iter(engines.values()))
     if args.hadamard_online:
@@ -200,7 +245,7 @@ def run(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bundle": str(args.bundle), "model": name, **common, "threads": threads,
-                       "engines": engines}, f, indent=2)
+                       "rounds": args.rounds, "engines": engines}, f, indent=2)
     return 0
 
 

@@ -1,0 +1,119 @@
+"""The hand-written decode attention kernel (backends/attention_kernels.py) against the ops' eager form.
+
+Each case exports one cache_attention or ring_decode_attention call as a decode
+entry point, imports it with the op kept, expands it into the kernel, compiles
+it for this CPU with IREE and runs it at several positions (runtime inputs, so
+one compile serves them all) against the aten implementation the other targets
+compile (frontend/ops.py).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from foldline.backends import importer
+from foldline.backends.attention_kernels import (
+    DecodeAttentionShape,
+    decode_attention_executable,
+    supports,
+)
+from foldline.frontend import ops
+
+
+class _Attend(torch.nn.Module):
+    def __init__(self, ring: bool, window: int, scale: float, kv_mapping: str, length: int):
+        super().__init__()
+        self.ring, self.window, self.scale, self.kv_mapping, self.length = ring, window, scale, kv_mapping, length
+
+    def forward(self, q, k, v, start_pos):
+        op = torch.ops.foldline.ring_decode_attention if self.ring else torch.ops.foldline.cache_attention
+        return op(q, k, v, start_pos, self.window, self.scale, self.kv_mapping, self.length)
+
+
+def _eager(case, q, k, v, pos):
+    impl = ops.ring_decode_attention_impl if case["ring"] else ops.cache_attention_impl
+    return impl(q, k, v, pos, case["window"], case["scale"], case["kv_mapping"], case["length"])
+
+
+def _compile(module, example):
+    import iree.compiler as ireec
+    import iree.runtime as rt
+
+    from foldline.backends.attention_kernels import expand_decode_attention_ops
+    from foldline.backends.targets import make_target
+
+    with torch.no_grad():
+        program = torch.export.export(module, example, strict=False)
+    mlir, _ = importer.import_programs([("decode", program)], decode_attention_kernel=True)
+    mlir, sites = expand_decode_attention_ops(mlir)
+    assert sites == 1 and "foldline_attn_" in mlir
+    vmfb = ireec.compile_str(mlir, input_type="torch", extra_args=make_target("cpu").flags)
+    return rt.load_vm_flatbuffer(vmfb, driver="local-task")
+
+
+CASES = {
+    # SmolLM2's shape: 9 query heads on 3 kv heads, f16 cache read up to a length bucket below its size
+    "global-f16-blocked": dict(ring=False, batch=1, hq=9, hkv=3, d=64, slots=96, length=64, window=0,
+                               kv_mapping="blocked", dtype=torch.float16, positions=[[0], [17], [63]]),
+    # a sliding-window layer left as a full cache: the window bounds the keys from below
+    "window-f32-interleaved": dict(ring=False, batch=1, hq=4, hkv=2, d=32, slots=64, length=64, window=8,
+                                   kv_mapping="interleaved", dtype=torch.float32, positions=[[3], [20], [63]]),
+    "global-bf16": dict(ring=False, batch=1, hq=2, hkv=1, d=16, slots=32, length=32, window=0,
+                        kv_mapping="blocked", dtype=torch.bfloat16, positions=[[5], [31]]),
+    # Gemma 3's local layers: a ring of W slots, partly filled, then wrapped
+    "ring-f16-d256": dict(ring=True, batch=1, hq=4, hkv=1, d=256, slots=16, length=0, window=16,
+                          kv_mapping="blocked", dtype=torch.float16, positions=[[0], [9], [40]]),
+    # a ring read only up to a length bucket (positions below it)
+    "ring-length-bucket": dict(ring=True, batch=1, hq=4, hkv=2, d=32, slots=32, length=8, window=32,
+                               kv_mapping="interleaved", dtype=torch.float16, positions=[[2], [7]]),
+    # f16 compute (--dtype f16): q and the output in f16, the kernel's arithmetic in f32
+    "f16-compute": dict(ring=False, batch=1, hq=4, hkv=2, d=32, slots=32, length=32, window=0,
+                        kv_mapping="blocked", dtype=torch.float16, qdtype=torch.float16, positions=[[9], [31]]),
+    # a batched bundle: each row at its own position
+    "batch-rows": dict(ring=False, batch=2, hq=4, hkv=2, d=32, slots=48, length=48, window=0,
+                       kv_mapping="blocked", dtype=torch.float16, positions=[[3, 40], [47, 0]]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_the_decomposed_attention(name):
+    case = dict(CASES[name], scale=0.125)
+    torch.manual_seed(0)
+    b, hq, hkv, d, slots = case["batch"], case["hq"], case["hkv"], case["d"], case["slots"]
+    q = torch.randn(b, hq, 1, d).to(case.get("qdtype", torch.float32))
+    k = torch.randn(b, hkv, slots, d).to(case["dtype"])
+    v = torch.randn(b, hkv, slots, d).to(case["dtype"])
+    module = _Attend(case["ring"], case["window"], case["scale"], case["kv_mapping"], case["length"])
+    compiled = _compile(module, (q, k, v, torch.tensor(case["positions"][0])))
+    if case["dtype"] == torch.bfloat16:  # numpy has no bfloat16: the bits, as the runtime's ml_dtypes arrays
+        def as_numpy(t):
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    else:
+        def as_numpy(t):
+            return t.numpy()
+    for positions in case["positions"]:
+        pos = torch.tensor(positions)
+        want = _eager(case, q, k, v, pos).float().numpy()
+        got = compiled.decode(q.numpy(), as_numpy(k), as_numpy(v), pos.numpy()).to_host().astype(np.float32)
+        scaled = np.abs(got - want).max() / np.abs(want).max()
+        tol = 1e-5 if q.dtype == torch.float32 else 1e-3  # an f16 output rounds to 2^-11
+        assert scaled < tol, f"{name} at {positions}: scaled error {scaled:.2e}"
+
+
+def test_shapes_the_kernel_does_not_take_are_refused():
+    base = DecodeAttentionShape(1, 4, 2, 32, 64, 64, 0, "blocked", "f16", 0.125)
+    assert supports(base)
+    for bad in (dict(head_dim=24), dict(q_heads=5), dict(cache_type="f8"), dict(kv_mapping="other"),
+                dict(length=65), dict(length=0)):
+        shape = DecodeAttentionShape(**{**base.__dict__, **bad})
+        assert not supports(shape)
+        with pytest.raises(ValueError, match="no decode attention kernel"):
+            decode_attention_executable(shape)
+
+
+def test_only_decode_entry_points_keep_the_attention_ops():
+    assert importer.is_decode_entry("decode") and importer.is_decode_entry("decode_256")
+    assert not importer.is_decode_entry("prefill") and not importer.is_decode_entry("prefill_256")
