@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from iree.compiler import ir
 
-from .decode_fusion import defining_op
+from .torch_sites import builtin_tensor, defining_op, torch_operators
 from .vnni_kernels import stream_executable
 
 OP_NAMES = ("torch.foldline.cache_attention", "torch.foldline.ring_decode_attention")
@@ -298,22 +298,14 @@ def expand_decode_attention_ops(mlir: str) -> tuple[str, int]:
     with ir.Context() as ctx:
         ctx.allow_unregistered_dialects = True
         module = ir.Module.parse(mlir)
-        found: list[ir.Operation] = []
-
-        def visit(op):
-            if op.name == "torch.operator" and ir.StringAttr(op.attributes["name"]).value.removesuffix(
-                    ".default") in OP_NAMES:
-                found.append(op)
-            return ir.WalkResult.ADVANCE
-
-        module.operation.walk(visit)
+        found = torch_operators(module, OP_NAMES)
         shapes: dict[str, DecodeAttentionShape] = {}
         for op in found:
             s = shape_of(op)
             t = _types(s)
             with ir.InsertionPoint(op), op.location:
-                operands = [_builtin(op.operands[0], _tensor(*t["q"])), _builtin(op.operands[1], _tensor(*t["kv"])),
-                            _builtin(op.operands[2], _tensor(*t["kv"])), _builtin(op.operands[3], _tensor(*t["pos"]))]
+                operands = [builtin_tensor(op.operands[0], _tensor(*t["q"])), builtin_tensor(op.operands[1], _tensor(*t["kv"])),
+                            builtin_tensor(op.operands[2], _tensor(*t["kv"])), builtin_tensor(op.operands[3], _tensor(*t["pos"]))]
                 call = ir.Operation.create("util.call", results=[ir.Type.parse(_tensor(*t["q"]))], operands=operands,
                                            attributes={"callee": ir.FlatSymbolRefAttr.get(s.name)})
                 back = ir.Operation.create("torch_c.from_builtin_tensor", results=[op.results[0].type],
@@ -326,9 +318,3 @@ def expand_decode_attention_ops(mlir: str) -> tuple[str, int]:
                 ir.InsertionPoint(module.body).insert(ir.Operation.parse(text))
         return str(module), len(found)
 
-
-def _builtin(value: ir.Value, want: str) -> ir.Value:
-    op = defining_op(value)
-    if op is not None and op.name == "torch_c.from_builtin_tensor":
-        return op.operands[0]
-    return ir.Operation.create("torch_c.to_builtin_tensor", results=[ir.Type.parse(want)], operands=[value]).result

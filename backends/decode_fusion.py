@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from iree.compiler import ir
 
+from .torch_sites import defining_op
 from .vnni_kernels import RowNorm
 
 _ASSERT = "torch.aten._assert_tensor_metadata"  # a check with no effect on values; never a real use
@@ -57,12 +58,6 @@ class ResidualMatch:
 
     add: ir.Operation
     residual: ir.Value
-
-
-def defining_op(value: ir.Value) -> ir.Operation | None:
-    """The operation that produced `value`, or None for a block argument."""
-    owner = value.owner
-    return getattr(owner, "operation", owner) if isinstance(owner, (ir.Operation, ir.OpView)) else None
 
 
 def _op_named(value: ir.Value, name: str) -> ir.Operation | None:

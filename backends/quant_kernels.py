@@ -55,7 +55,8 @@ from dataclasses import dataclass
 
 from iree.compiler import ir
 
-from .decode_fusion import defining_op, match_gate, match_norm, match_residual
+from .decode_fusion import match_gate, match_norm, match_residual
+from .torch_sites import builtin_tensor, defining_op, torch_operators
 from .vnni_gemm import Int8GemmShape, gemm_executable, int8_gemm_dispatches, quantize_executable
 from .vnni_gemm import supports as supports_int8_gemm
 from .vnni_kernels import Int8DotShape, RowNorm, int8_dot_dispatch, int8_dot_executable
@@ -532,14 +533,6 @@ def _constant(value: ir.Value) -> object:
     return ir.StringAttr(attr).value if op.name == "torch.constant.str" else ir.IntegerAttr(attr).value
 
 
-def _builtin(value: ir.Value, want: str) -> ir.Value:
-    """The builtin tensor behind a !torch.vtensor operand (a weight's util.global.load, else a cast)."""
-    op = defining_op(value)
-    if op is not None and op.name == "torch_c.from_builtin_tensor":
-        return op.operands[0]
-    return ir.Operation.create("torch_c.to_builtin_tensor", results=[ir.Type.parse(want)], operands=[value]).result
-
-
 def _spec_of(op: ir.Operation) -> QLinearSpec:
     x, codes, scales, mins, fmt, group = op.operands
     x_shape, x_type = _shape_and_type(x)
@@ -654,15 +647,7 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8_dot: bool = False) -> tu
     with ir.Context() as ctx:
         ctx.allow_unregistered_dialects = True
         module = ir.Module.parse(mlir)
-        found: list[ir.Operation] = []
-
-        def visit(op):
-            if op.name == "torch.operator" and ir.StringAttr(op.attributes["name"]).value in (OP_NAME,
-                                                                                              OP_NAME + ".default"):
-                found.append(op)
-            return ir.WalkResult.ADVANCE
-
-        module.operation.walk(visit)
+        found = torch_operators(module, (OP_NAME,))
         kernels: dict[str, tuple[QLinearSpec, Int8DotShape | None]] = {}
         for op in found:
             spec = _spec_of(op)
@@ -679,14 +664,14 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8_dot: bool = False) -> tu
             site = residual.add if residual else op
             with ir.InsertionPoint(site), op.location:
                 row = norm.h if norm else gate.gate_up if gate else x
-                operands = [_builtin(row, _tensor((*spec.x_shape[:-1], dot.x_len if dot else spec.k), "f32"))]
+                operands = [builtin_tensor(row, _tensor((*spec.x_shape[:-1], dot.x_len if dot else spec.k), "f32"))]
                 if norm:
-                    operands.append(_builtin(norm.weight, _tensor((spec.k,), "f32")))
-                operands += [_builtin(codes, _codes_t(spec)), _builtin(scales, _scales_t(spec))]
+                    operands.append(builtin_tensor(norm.weight, _tensor((spec.k,), "f32")))
+                operands += [builtin_tensor(codes, _codes_t(spec)), builtin_tensor(scales, _scales_t(spec))]
                 if spec.has_min:
-                    operands.append(_builtin(mins, _scales_t(spec)))
+                    operands.append(builtin_tensor(mins, _scales_t(spec)))
                 if residual:
-                    operands.append(_builtin(residual.residual, _tensor((*spec.x_shape[:-1], spec.n), "f32")))
+                    operands.append(builtin_tensor(residual.residual, _tensor((*spec.x_shape[:-1], spec.n), "f32")))
                 call = ir.Operation.create(
                     "util.call", results=[ir.Type.parse(_tensor((*spec.x_shape[:-1], spec.n), "f32"))],
                     operands=operands, attributes={"callee": ir.FlatSymbolRefAttr.get(name)})
