@@ -68,6 +68,7 @@ def test_decode_reads_only_codes_and_no_float_weight_outlives_a_prefill_call(blo
     chunks); no initializer keeps a float copy of any weight."""
     import iree.compiler as ireec
 
+    from foldline.backends.attention_kernels import expand_decode_attention_ops
     from foldline.backends.quant_kernels import expand_qlinear_ops
     from foldline.backends.targets import make_target
     from foldline.testing.dispatches import (
@@ -79,6 +80,9 @@ def test_decode_reads_only_codes_and_no_float_weight_outlives_a_prefill_call(blo
     loaded, bundle = blocked_bundles("llama-tiny", "q4")
     mlir, sites = expand_qlinear_ops((bundle / "model.mlir").read_text(), cpu_tiles=True)
     assert sites > 0
+    # model.mlir is the CPU import: its decode attention ops become the hand-written kernel, as in the build
+    mlir, attention_sites = expand_decode_attention_ops(mlir)
+    assert attention_sites > 0
     dump = tmp_path / "dispatches"
     flags = [*make_target("cpu").flags, f"--iree-hal-dump-executable-sources-to={dump}"]
     ireec.compile_str(mlir, input_type="torch", extra_args=flags)

@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-pass", action="append", default=[], metavar="NAME", help="drop a pass")
     p.add_argument("--dump-after", nargs=2, action="append", default=[], metavar=("PASS", "DIR"),
                    help="write the graph after PASS to DIR")
-    p.add_argument("--keep-mlir", action="store_true", help="also write model.mlir into the bundle")
+    p.add_argument("--keep-mlir", action="store_true", help="also write model.mlir (torch dialect, as imported for the first target) into the bundle")
     p.add_argument("--hadamard", choices=["fold", "online"], default="fold",
                    help="Hadamard-folded weights: fold the rotation into float weights (default) or keep it online")
     p.add_argument("--weights", choices=["auto", "f32", "int8", "int4"], default="auto",
