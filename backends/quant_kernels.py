@@ -553,8 +553,7 @@ def _spec_of(op: ir.Operation) -> QLinearSpec:
 def int8_dot_shape(spec: QLinearSpec, norm: RowNorm | None = None, residual: bool = False,
                    gate: str | None = None) -> Int8DotShape:
     """The int8-dot kernel of a site; gate: the gated MLP activation it takes in (vnni_kernels.GATES), if any."""
-    return Int8DotShape(spec.fmt, spec.group, spec.scale_type, spec.has_min, spec.k, spec.n, norm, residual,
-                        gate is not None, gate or "silu")
+    return Int8DotShape(spec.fmt, spec.group, spec.scale_type, spec.has_min, spec.k, spec.n, norm, residual, gate)
 
 
 def uses_int8_dot(spec: QLinearSpec) -> bool:

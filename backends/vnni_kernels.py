@@ -75,7 +75,7 @@ class Int8DotShape:
     """What shapes one kernel: codes format, group, scale dtype, mins, K, N, and what it fuses.
 
     norm: the activation arrives un-normalized with its RMSNorm weight (RowNorm);
-    gated: the activation is a gated MLP's act(g) * u, computed from the fused gate/up
+    gate: the activation is a gated MLP's act(g) * u, computed from the fused gate/up
     row [g, u] (2K values) it arrives as, act being `gate` (GATES: SwiGLU's silu,
     GeGLU's tanh-approximated GELU); residual: the kernel adds a residual row to its
     output (y = r + W x). Each saves the decode step a dispatch or two.
@@ -89,8 +89,11 @@ class Int8DotShape:
     n: int
     norm: RowNorm | None = None
     residual: bool = False
-    gated: bool = False
-    gate: str = "silu"
+    gate: str | None = None  # a key of GATES: the gated activation taken in, if any
+
+    @property
+    def gated(self) -> bool:
+        return self.gate is not None
 
     @property
     def x_len(self) -> int:
@@ -140,7 +143,7 @@ def supports(shape: Int8DotShape) -> bool:
     """Whether these kernels take this shape: groups of 16, 32 or 64, whole vectors of codes, whole row steps."""
     return (shape.fmt in ("q4", "q8") and shape.group in (16, 32, 64) and shape.k % CODES_PER_STEP == 0
             and shape.n % 16 == 0 and shape.scale_type in ("f16", "f32")
-            and (shape.fmt == "q8" or shape.has_min) and shape.gate in GATES)
+            and (shape.fmt == "q8" or shape.has_min) and (shape.gate is None or shape.gate in GATES))
 
 
 def cpu_has_int8_dot(cpu_flags: list[str] | set[str] | tuple[str, ...]) -> bool:

@@ -85,11 +85,11 @@ SHAPES = [
     vk.Int8DotShape("q8", 32, "f16", False, 640, 320, norm=vk.RowNorm(1e-6, 1.0)),
     vk.Int8DotShape("q4", 32, "f16", True, 576, 64, norm=vk.RowNorm(1e-5, None)),
     vk.Int8DotShape("q4", 32, "f16", True, 1536, 576, residual=True),
-    vk.Int8DotShape("q4", 32, "f16", True, 1536, 576, residual=True, gated=True),  # SmolLM2's down
+    vk.Int8DotShape("q4", 32, "f16", True, 1536, 576, residual=True, gate="silu"),  # SmolLM2's down
     # Gemma 3's down projections (Q6_K and Q4_K), GELU(tanh) of the gate half taken in
-    vk.Int8DotShape("q8", 16, "f32", False, 2048, 640, gated=True, gate="gelu_tanh"),
-    vk.Int8DotShape("q4", 32, "f32", True, 2048, 640, gated=True, gate="gelu_tanh"),
-    vk.Int8DotShape("q8", 32, "f16", False, 256, 64, gated=True),
+    vk.Int8DotShape("q8", 16, "f32", False, 2048, 640, gate="gelu_tanh"),
+    vk.Int8DotShape("q4", 32, "f32", True, 2048, 640, gate="gelu_tanh"),
+    vk.Int8DotShape("q8", 32, "f16", False, 256, 64, gate="silu"),
     vk.Int8DotShape("q8", 16, "f32", False, 128, 16, norm=vk.RowNorm(1e-6, 1.0), residual=True),
 ]
 
