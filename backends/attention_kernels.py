@@ -37,6 +37,7 @@ import re
 import struct
 from dataclasses import dataclass
 
+import torch
 from iree.compiler import ir
 
 from .torch_sites import builtin_tensor, defining_op, torch_operators
@@ -271,21 +272,49 @@ def _constant(value: ir.Value) -> int | float | str:
 def shape_of(op: ir.Operation) -> DecodeAttentionShape:
     """The kernel shape of a kept cache_attention / ring_decode_attention op (one query token per row)."""
     q, k, v, _pos, window, scale, kv_mapping, length = op.operands
-    (batch, q_heads, chunk, head_dim), q_type = _shape_and_type(q)
-    (_, kv_heads, slots, _), cache_type = _shape_and_type(k)
-    if chunk != 1 or _shape_and_type(v) != _shape_and_type(k):
-        raise AttentionKernelError(f"decode attention takes one query token per row; got {q.type}, {k.type}")
+    if _shape_and_type(v) != _shape_and_type(k):
+        raise AttentionKernelError(f"decode attention takes equal key and value caches; got {k.type}, {v.type}")
     name = ir.StringAttr(op.attributes["name"]).value.removesuffix(".default")
-    window, length = int(_constant(window)), int(_constant(length))
-    if name.endswith("ring_decode_attention"):  # the ring holds the window: every slot up to pos
-        length, window = (length if 0 < length < slots else slots), 0
-    else:
-        length = min(length, slots)
-    shape = DecodeAttentionShape(batch, q_heads, kv_heads, head_dim, slots, length, window, str(_constant(kv_mapping)),
-                                 cache_type, float(_constant(scale)), q_type)
+    shape = kernel_shape(*_shape_and_type(q), *_shape_and_type(k), ring=name.endswith("ring_decode_attention"),
+                         window=int(_constant(window)), scale=float(_constant(scale)),
+                         kv_mapping=str(_constant(kv_mapping)), length=int(_constant(length)))
     if not supports(shape):
         raise AttentionKernelError(f"no decode attention kernel for {shape}")
     return shape
+
+
+def kernel_shape(q_dims: tuple[int, ...], q_type: str, k_dims: tuple[int, ...], cache_type: str, *, ring: bool,
+                 window: int, scale: float, kv_mapping: str, length: int) -> DecodeAttentionShape:
+    """The kernel shape of one decode attention call, from its operands' geometry and constants."""
+    (batch, q_heads, chunk, head_dim), (_, kv_heads, slots, _) = q_dims, k_dims
+    if chunk != 1:
+        raise AttentionKernelError(f"decode attention takes one query token per row; got q {q_dims}")
+    if ring:  # the ring holds the window: every slot up to pos
+        length, window = (length if 0 < length < slots else slots), 0
+    else:
+        length = min(length, slots)
+    return DecodeAttentionShape(batch, q_heads, kv_heads, head_dim, slots, length, window, kv_mapping,
+                                cache_type, scale, q_type)
+
+
+_TORCH_ELEMENT = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def covers(node: torch.fx.Node) -> bool:
+    """Whether a kernel here covers an FX cache_attention / ring_decode_attention node (else: decomposed form)."""
+    q, k, v, _pos, window, scale, kv_mapping, length = (*node.args, *(0,) * 8)[:8]  # `length` defaults to 0
+    qv, kv, vv = q.meta["val"], k.meta["val"], v.meta["val"]
+    if (tuple(kv.shape), kv.dtype) != (tuple(vv.shape), vv.dtype) or qv.dim() != 4 or kv.dim() != 4:
+        return False
+    if qv.dtype not in _TORCH_ELEMENT or kv.dtype not in _TORCH_ELEMENT:
+        return False
+    try:
+        shape = kernel_shape(tuple(qv.shape), _TORCH_ELEMENT[qv.dtype], tuple(kv.shape), _TORCH_ELEMENT[kv.dtype],
+                             ring="ring_decode_attention" in str(node.target), window=int(window),
+                             scale=float(scale), kv_mapping=str(kv_mapping), length=int(length))
+    except AttentionKernelError:
+        return False
+    return supports(shape)
 
 
 def expand_decode_attention_ops(mlir: str) -> tuple[str, int]:

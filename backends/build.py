@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -14,19 +15,59 @@ import iree.runtime as rt
 
 from ..dtypes import FLOAT_DTYPES, DTypeError
 from ..frontend.export import export_model, parameter_target
-from ..frontend.sources import load_model
+from ..frontend.sources import checkpoint_fingerprint, load_model
 from ..frontend.types import LoadedModel
 from ..passes.manager import CompileUnit, run_pipeline
 from ..runtime.bundle import FORMAT, FORMAT_VERSION, MANIFEST, seal_manifest, sha256_file, vmfb_info
 from .abi_declaration import declare_entry_points
 from .attention_kernels import expand_decode_attention_ops
-from .importer import import_programs, params_to_numpy
+from .compile_cache import CompileCache, cache_key
+from .importer import import_lowered, kernel_keep_rule, params_to_numpy
 from .inplace_state import ElideReport, elide_inplace_aliases
+from .lowering import lower_entries
 from .quant_kernels import expand_qlinear_ops
 from .targets import Target, TargetError, make_target
 from .vnni_kernels import cpu_has_int8_dot
 
 Progress = Callable[[str], None]
+
+
+class StageClock:
+    """Times the stages of a compile and tells the progress display where it is.
+
+    `progress` is called with each message; a display that also has
+    `start_stage(name, total)` and `advance(detail)` (tools/compile_progress.py)
+    draws a bar per stage from them.
+    """
+
+    def __init__(self, progress: Progress):
+        self.progress = progress
+        self.times: dict[str, float] = {}
+        self._current: str | None = None
+        self._since = time.perf_counter()
+
+    def stage(self, name: str, message: str, total: int | None = None) -> None:
+        self._close()
+        self._current, self._since = name, time.perf_counter()
+        self.progress(message)
+        start = getattr(self.progress, "start_stage", None)
+        if start is not None:
+            start(name, total)
+
+    def advance(self, detail: str) -> None:
+        step = getattr(self.progress, "advance", None)
+        if step is not None:
+            step(detail)
+
+    def _close(self) -> None:
+        if self._current is not None:
+            self.times[self._current] = self.times.get(self._current, 0.0) + time.perf_counter() - self._since
+            self._current = None
+
+    def summary(self) -> str:
+        self._close()
+        total = sum(self.times.values())
+        return "stage times: " + ", ".join(f"{n} {t:.1f} s" for n, t in self.times.items()) + f" (total {total:.1f} s)"
 
 
 def compile_torch_module(mlir: str, flags: list[str]) -> tuple[bytes, ElideReport]:
@@ -154,11 +195,44 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def compile_model(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, progress: Progress = print) -> Path:
-    """Write a bundle for an already-loaded model; returns the bundle directory."""
+def build_cache_key(fingerprint: dict | None, options: BuildOptions) -> str | None:
+    """The compile cache's key for a checkpoint and options; None when the result must not be cached
+    (a model built by hand has no fingerprint; --dump-after writes files beside the bundle)."""
+    if fingerprint is None or options.dump_after:
+        return None
+    fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+              if f.name not in ("targets", "dump_after")}
+    return cache_key(fingerprint, fields, [dataclasses.asdict(t) for t in options.targets])
+
+
+def _from_cache(cache: CompileCache | None, key: str | None, out_dir: str | Path, progress: Progress) -> bool:
+    if cache is None or key is None:
+        return False
+    t0 = time.perf_counter()
+    if not cache.fetch(key, Path(out_dir)):
+        return False
+    progress(f"unchanged inputs: bundle reused from the compile cache ({cache.root / key[:16]}...) "
+             f"into {out_dir} in {time.perf_counter() - t0:.1f} s (--no-cache compiles again)")
+    return True
+
+
+def compile_model(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, progress: Progress = print,
+                  cache: CompileCache | None = None) -> Path:
+    """Write a bundle for an already-loaded model; returns the bundle directory.
+
+    With a `cache`, a model whose checkpoint fingerprint and options were compiled
+    before is copied from it, and a new bundle is stored in it.
+    """
+    key = build_cache_key(loaded.fingerprint, options)
+    if _from_cache(cache, key, out_dir, progress):
+        return Path(out_dir)
     dtype, kv_dtype = resolve_dtypes(loaded, options)
     with loaded.reconfigured(dtype=dtype, kv_dtype=kv_dtype if kv_dtype != dtype else None):
-        return _compile(loaded, out_dir, options, progress)
+        out = _compile(loaded, out_dir, options, progress)
+    if cache is not None and key is not None:
+        cache.store(key, out, {"model": loaded.source, "name": loaded.config.name,
+                               "targets": [t.description for t in options.targets]})
+    return out
 
 
 def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, progress: Progress) -> Path:
@@ -167,9 +241,10 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
     out.mkdir(parents=True, exist_ok=True)
     cfg = loaded.config
     t0 = time.time()
+    clock = StageClock(progress)
 
     chunk = options.chunk or default_chunk(loaded, options.weights)
-    progress(f"[1/4] exporting {cfg.name}: {cfg.dtype} compute, context {cfg.max_context} (K/V {cfg.cache_dtype}), "
+    clock.stage("export", f"[1/4] exporting {cfg.name}: {cfg.dtype} compute, context {cfg.max_context} (K/V {cfg.cache_dtype}), "
              f"prefill chunk {chunk}, decode, batch {options.batch}; quantized-product activations "
              + ", ".join(f"{a} ({d})" for d, a in activations.items()))
     entries = export_model(loaded.module, options.batch, chunk)
@@ -178,17 +253,23 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
                                 "kv_lengths": options.kv_lengths},
                        source_blocks={parameter_target(k): v for k, v in loaded.source_blocks.items()})
 
-    progress("[2/4] running passes")
+    del entries  # the unit holds the programs; their first copies can go
+    clock.stage("passes", "[2/4] running passes")
     report = run_pipeline(unit, options.passes, dump_after=options.dump_after, progress=progress)
 
-    progress("[3/4] importing to MLIR (torch dialect), weights to params.irpa")
-    progress(f"      {len(unit.programs)} entry points: {', '.join(unit.programs)}")
+    kinds_count = len({t.device == "cpu" for t in options.targets})
+    clock.stage("import", "[3/4] importing to MLIR (torch dialect), weights to params.irpa",
+                total=len(unit.programs) * kinds_count)
+    progress(f"      {len(unit.programs)} entry points: {', '.join(unit.programs)}; "
+             f"{len(unit.variants)} derived from their base's decomposition")
     # CPU targets keep the decode attention ops for their hand-written kernel; GPU targets
     # import the decomposed form (a second import only when both kinds are asked for).
     kinds = sorted({t.device == "cpu" for t in options.targets}, reverse=True)
+    lowered = lower_entries(unit.programs.items(), unit.variants)
     imported = {}
     for cpu in kinds:
-        imported[cpu] = import_programs(unit.programs.items(), decode_attention_kernel=cpu)
+        imported[cpu] = import_lowered(lowered, kernel_keep_rule(decode_attention_kernel=cpu), progress=clock.advance)
+    del lowered
     mlir, params = imported[kinds[0]]
     if options.keep_mlir:
         (out / "model.mlir").write_text(mlir)
@@ -199,9 +280,15 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
     index.create_archive_file(str(params_file))
     params_sha = sha256_file(params_file)
 
+    params_count = len(params.tensors)
+    del params  # written to params.irpa
+    unit.programs.clear()  # what iree-compile needs is in the MLIR text now
     modules = {}
-    for target in options.targets:
-        progress(f"[4/4] iree-compile for {target.description}")
+    for i, target in enumerate(options.targets):
+        if i == 0:
+            clock.stage("iree-compile", f"[4/4] iree-compile for {target.description}", total=len(options.targets))
+        else:
+            progress(f"[4/4] iree-compile for {target.description}")
         t1 = time.time()
         cpu = target.device == "cpu"
         target_mlir, _ = expand_qlinear_ops(imported[cpu][0], cpu_tiles=cpu, int8_dot=activations[target.device] == "int8")
@@ -224,6 +311,7 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
             "executable_formats": vmfb_info(out / name).formats,
         }
         progress(f"      {name}: {len(vmfb) / 1e6:.1f} MB in {time.time() - t1:.0f} s")
+        clock.advance(target.description)
 
     tokenizer_name = None
     if loaded.tokenizer_json is not None:
@@ -256,7 +344,7 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
         ],
         "state_bytes": sum(s.nbytes for s in unit.state_specs),
         "params": {"file": params_file.name, "sha256": params_sha, "size": params_file.stat().st_size,
-                   "scope": "model", "count": len(params.tensors)},
+                   "scope": "model", "count": params_count},
         "modules": modules,
         "tokenizer": tokenizer_name,
         "tokenizer_sha256": sha256_file(out / tokenizer_name) if tokenizer_name else None,
@@ -266,11 +354,17 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
         "versions": _versions(),
     }
     (out / MANIFEST).write_text(json.dumps(seal_manifest(manifest), indent=2))
+    progress(clock.summary())
     progress(f"bundle written to {out} in {time.time() - t0:.0f} s")
     return out
 
 
-def compile_spec(spec: str, out_dir: str | Path, options: BuildOptions, progress: Progress = print) -> Path:
+def compile_spec(spec: str, out_dir: str | Path, options: BuildOptions, progress: Progress = print,
+                 cache: CompileCache | None = None) -> Path:
+    """Compile MODEL (a preset, shipped name, .gguf or HF dir); the cache is asked before anything is loaded."""
+    key = build_cache_key(checkpoint_fingerprint(spec, options.max_context), options)
+    if _from_cache(cache, key, out_dir, progress):
+        return Path(out_dir)
     progress(f"loading {spec}")
     loaded = load_model(spec, max_context=options.max_context)
-    return compile_model(loaded, out_dir, options, progress)
+    return compile_model(loaded, out_dir, options, progress, cache=None if key is None else cache)

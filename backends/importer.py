@@ -10,7 +10,7 @@ place (`torch.overwrite.tensor.contents`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,8 +20,9 @@ from iree.compiler.extras.fx_importer import FxImporter, FxImporterHooks
 from torch.export import ExportedProgram
 
 from ..dtypes import DTYPES
-from ..frontend import quant  # noqa: F401  (registers foldline::qlinear)
-from ..frontend.ops import DECOMPOSITIONS
+from ..passes.kv_length_buckets import Variant
+from .attention_kernels import covers
+from .lowering import DECODE_ATTENTION_OPS, KeepRule, LoweredEntries, is_decode_entry, lower_entries
 
 PARAM_SCOPE = "model"
 INLINE_LIMIT = 64  # tensors with at most this many elements stay inline constants
@@ -90,45 +91,42 @@ class _ParameterHooks(FxImporterHooks):
         return name
 
 
-# Custom ops that reach MLIR as `torch.operator` for a backend rewrite instead of being decomposed
-# (backends/quant_kernels.py lowers foldline::qlinear to a fused dequantize-matmul kernel).
-KEPT_OPS = (torch.ops.foldline.qlinear.default,)
-# Kept in decode entry points (`decode`, `decode_<L>`) for targets with a hand-written decode
-# attention kernel (backends/attention_kernels.py); every other program decomposes them.
-DECODE_ATTENTION_OPS = (torch.ops.foldline.cache_attention.default, torch.ops.foldline.ring_decode_attention.default)
+def kernel_keep_rule(decode_attention_kernel: bool) -> KeepRule:
+    """Which attention nodes stay ops: a decode entry point's, where the CPU kernel covers the shape."""
+    def keep(name: str, node: torch.fx.Node) -> bool:
+        return (decode_attention_kernel and is_decode_entry(name) and node.target in DECODE_ATTENTION_OPS
+                and covers(node))
+    return keep
 
 
-def lower_to_aten(program: ExportedProgram, keep: tuple = ()) -> ExportedProgram:
-    """Decompose foldline custom ops (and everything else) to core aten for import, but KEPT_OPS and `keep`."""
-    table = torch.export.default_decompositions()
-    table.update(DECOMPOSITIONS)
-    for op in (*KEPT_OPS, *keep):
-        table.pop(op, None)
-    return program.run_decompositions(table)
-
-
-def is_decode_entry(name: str) -> bool:
-    return name == "decode" or name.startswith("decode_")
-
-
-def import_programs(
-    programs: Iterable[tuple[str, ExportedProgram]], externalize_params: bool = True,
-    decode_attention_kernel: bool = False,
-) -> tuple[str, ExternalParams]:
-    """Import named programs into one MLIR module; returns (MLIR text, lifted weights).
-
-    decode_attention_kernel: decode entry points keep their attention ops for
-    backends/attention_kernels.expand_decode_attention_ops (CPU targets only).
-    """
+def import_lowered(lowered: LoweredEntries, keep: KeepRule, externalize_params: bool = True,
+                   progress: Callable[[str], None] | None = None) -> tuple[str, ExternalParams]:
+    """Import lowered entry points into one MLIR module; returns (MLIR text, lifted weights)."""
     context = ir.Context()
     module = ir.Module.create(ir.Location.unknown(context))
     params = ExternalParams()
     hooks = _ParameterHooks(module, params, externalize_params)
     importer = FxImporter(module=module, config_check=False, hooks=hooks)
-    for name, program in programs:
-        keep = DECODE_ATTENTION_OPS if decode_attention_kernel and is_decode_entry(name) else ()
-        importer.import_program(lower_to_aten(program, keep), func_name=name)
+    for name in lowered.order:
+        importer.import_program(lowered.program(name, keep), func_name=name)
+        if progress is not None:
+            progress(name)
     return str(module), params
+
+
+def import_programs(
+    programs: Iterable[tuple[str, ExportedProgram]], externalize_params: bool = True,
+    decode_attention_kernel: bool = False, variants: Mapping[str, Variant] | None = None,
+) -> tuple[str, ExternalParams]:
+    """Import named programs into one MLIR module; returns (MLIR text, lifted weights).
+
+    decode_attention_kernel: decode entry points keep their attention ops for
+    backends/attention_kernels.expand_decode_attention_ops (CPU targets only).
+    variants: kv-length-buckets variants among `programs`, derived from their base's
+    decomposition instead of being decomposed again (backends/lowering.py).
+    """
+    lowered = lower_entries(programs, variants)
+    return import_lowered(lowered, kernel_keep_rule(decode_attention_kernel), externalize_params)
 
 
 def params_to_numpy(t: torch.Tensor) -> np.ndarray:

@@ -61,6 +61,9 @@ class LoadedModel:
     # The checkpoint's block-quantized weights, exactly repacked (quant.QuantizedTensor by parameter
     # name); the module holds their float32 dequantization, the eager reference.
     source_blocks: dict[str, Any] = field(default_factory=dict)
+    # What identifies the checkpoint (frontend/fingerprint.py); None for a module built by hand,
+    # which the compile cache then never serves.
+    fingerprint: dict[str, Any] | None = None
 
     @contextmanager
     def reconfigured(self, **changes: Any) -> Iterator[ModelConfig]:

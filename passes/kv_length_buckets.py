@@ -28,7 +28,11 @@ Runs last: it multiplies programs, so the passes before it see two.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch.export import ExportedProgram
+from torch.fx import GraphModule
 
 from ..frontend import ops  # noqa: F401  (registers torch.ops.foldline.*)
 from ..frontend.export import ENTRY_POINTS
@@ -46,7 +50,28 @@ RING_LENGTH_ARG = {
 }
 # ... and of its `window`
 RING_WINDOW_ARG = {torch.ops.foldline.ring_attention.default: 7, torch.ops.foldline.ring_decode_attention.default: 4}
+# Every attention op whose reads a length cuts (the backends keep them as leaves through decomposition).
+ATTENTION_OPS = (CACHE_ATTN, *RING_LENGTH_ARG)
 SMALLEST_LENGTH = 256
+
+
+@dataclass(frozen=True, eq=False)
+class Variant:
+    """An entry point that is its base with every attention read cut to `length` slots.
+
+    The backends derive a variant from the base's decomposed graph instead of
+    decomposing it again (backends/lowering.py); `derives` says whether a set of
+    programs still holds exactly the two programs this pass made and left.
+    """
+
+    name: str
+    base: str
+    length: int
+    base_program: ExportedProgram
+    program: ExportedProgram
+
+    def derives(self, programs: dict[str, ExportedProgram]) -> bool:
+        return programs.get(self.base) is self.base_program and programs.get(self.name) is self.program
 
 
 def length_ladder(max_context: int, smallest: int = SMALLEST_LENGTH) -> list[int]:
@@ -72,9 +97,11 @@ def _ring_nodes(program_or_module) -> list[torch.fx.Node]:
     return [n for n in program_or_module.graph.nodes if n.op == "call_function" and n.target in RING_LENGTH_ARG]
 
 
-def _with_length(program, length: int) -> tuple[object, int]:
-    """The program with every attention read cut to `length` slots, and how many ring reads were cut."""
-    gm = copy_graph_module(program)
+def set_attention_length(gm: GraphModule, length: int) -> int:
+    """Cut every attention read of `gm` to `length` slots, in place; returns how many ring reads were cut.
+
+    Works on the exported graph and on a decomposed one that kept the attention ops.
+    """
     for node in _attention_nodes(gm):
         cache_len = node.args[1].meta["val"].shape[SEQ_DIM]
         args = list(node.args)
@@ -86,6 +113,13 @@ def _with_length(program, length: int) -> tuple[object, int]:
             at = RING_LENGTH_ARG[node.target]
             node.args = (*node.args[:at], length)
             rings += 1
+    return rings
+
+
+def _with_length(program, length: int) -> tuple[object, int]:
+    """The program with every attention read cut to `length` slots, and how many ring reads were cut."""
+    gm = copy_graph_module(program)
+    rings = set_attention_length(gm, length)
     return rebuild(program, gm), rings
 
 
@@ -102,12 +136,16 @@ def kv_length_buckets(unit: CompileUnit) -> PassResult:
     if not bases or not lengths:
         why = "no full-cache attention" if not bases else f"max_context {unit.config.max_context} is short"
         unit.kv_lengths = []
+        unit.variants = {}
         return PassResult(changed=False, notes=[f"{why}: one length per entry point"])
     sites = 0
+    unit.variants = {}
     for name, program in bases.items():
         sites += len(_attention_nodes(program)) * len(lengths)
         for length in lengths:
-            unit.programs[variant_name(name, length)], rings = _with_length(program, length)
+            variant = variant_name(name, length)
+            unit.programs[variant], rings = _with_length(program, length)
+            unit.variants[variant] = Variant(variant, name, length, program, unit.programs[variant])
             sites += rings
     unit.kv_lengths = lengths
     return PassResult(

@@ -30,6 +30,8 @@ class CompileUnit:
     source_blocks: dict[str, Any] = field(default_factory=dict)
     # Attention lengths below max_context that have their own entry points (kv-length-buckets).
     kv_lengths: list[int] = field(default_factory=list)
+    # Entry points that are a base with shorter attention reads (kv_length_buckets.Variant), by name.
+    variants: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -10,8 +10,10 @@ import pytest
 
 @pytest.fixture(scope="session")
 def bundle_factory(tmp_path_factory) -> Callable[..., Path]:
-    """compile(spec, target="cpu", passes=None, chunk=16, ..., batch=1) -> bundle dir, cached per session."""
+    """compile(spec, target="cpu", passes=None, chunk=16, ..., batch=1) -> bundle dir, once per session
+    and from the compile cache when an earlier run compiled the same inputs with the same sources."""
     from foldline.backends.build import BuildOptions, compile_model
+    from foldline.backends.compile_cache import CompileCache
     from foldline.backends.targets import make_target
     from foldline.frontend.sources import load_model
 
@@ -27,7 +29,7 @@ def bundle_factory(tmp_path_factory) -> Callable[..., Path]:
             options = BuildOptions(targets=[make_target(target)], passes=list(passes) if passes is not None else None,
                                    chunk=chunk, kv_dtype=kv_dtype, batch=batch,
                                    kv_lengths=list(kv_lengths) if kv_lengths is not None else None)
-            compile_model(loaded, out, options, progress=lambda _msg: None)
+            compile_model(loaded, out, options, progress=lambda _msg: None, cache=CompileCache())
             cache[key] = out
         return cache[key]
 
@@ -76,12 +78,13 @@ def other_weights_bundle(tmp_path_factory) -> Path:
     """llama-tiny with different weights (seed 1), for cpu and cuda sm_80: the source of
     foreign files in the integrity tests and the CUDA bundle of the backend tests."""
     from foldline.backends.build import BuildOptions, compile_model
+    from foldline.backends.compile_cache import CompileCache
     from foldline.backends.targets import make_target
     from foldline.frontend.sources import load_model
 
     out = tmp_path_factory.mktemp("other_weights") / "bundle"
     options = BuildOptions(targets=[make_target("cpu"), make_target("cuda", cuda_arch="sm_80")])
-    compile_model(load_model("llama-tiny", seed=1), out, options, progress=lambda _msg: None)
+    compile_model(load_model("llama-tiny", seed=1), out, options, progress=lambda _msg: None, cache=CompileCache())
     return out
 
 
@@ -104,15 +107,15 @@ def gguf_models() -> Callable[[str], object]:
 
 
 @pytest.fixture(scope="session")
-def gguf_bundles(gguf_models) -> Callable[[str], Path]:
-    """name -> bundle dir (default pipeline, IREE CPU), compiled once per source state (disk cache)."""
+def gguf_bundles(gguf_models, tmp_path_factory) -> Callable[[str], Path]:
+    """name -> bundle dir (default pipeline, IREE CPU), compiled once per source state (compile cache)."""
     from gguf_reference import compiled_bundle
 
     cache: dict[str, Path] = {}
 
     def get(name: str) -> Path:
         if name not in cache:
-            cache[name] = compiled_bundle(name, gguf_models(name))
+            cache[name] = compiled_bundle(name, gguf_models(name), tmp_path_factory.mktemp(name) / "bundle")
         return cache[name]
 
     return get

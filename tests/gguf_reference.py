@@ -4,8 +4,9 @@ Compiling a real model and loading it into HF transformers take minutes on a
 small CPU, so both are cached on disk under $FOLDLINE_CACHE (default
 ~/.cache/foldline):
 
-- bundles/<model>-<hash>: keyed by the model file and every foldline source
-  file that shapes the bundle, so any change to the compiler rebuilds it;
+- compiled/<key>: the compile cache (backends/compile_cache.py), keyed by the
+  model file, the options and every foldline source file that shapes the
+  bundle, so any change to the compiler rebuilds it;
 - reference/<model>-<hash>.npz: HF's tokens and logits, keyed by the model
   file, the transformers version and the prompts. FOLDLINE_REFRESH_REFERENCE=1
   recomputes them.
@@ -16,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -101,32 +101,12 @@ def model_file_key(path: Path) -> tuple[str, int, int]:
     return (path.name, st.st_size, int(st.st_mtime))
 
 
-def source_hash() -> str:
-    """Every foldline source file that can change a bundle (compiler side and the bundle format), plus versions."""
-    h = hashlib.sha256()
-    files = [f for folder in ("frontend", "passes", "backends") for f in sorted((REPO / folder).rglob("*.py"))]
-    for f in [*files, REPO / "runtime" / "bundle.py"]:
-        h.update(str(f.relative_to(REPO)).encode())
-        h.update(f.read_bytes())
-    for pkg in ("torch", "iree-base-compiler"):
-        h.update(metadata.version(pkg).encode())
-    return h.hexdigest()[:16]
-
-
-def compiled_bundle(name: str, loaded: Any) -> Path:
-    """The bundle for a shipped model, compiled once per source state and reused from the cache."""
+def compiled_bundle(name: str, loaded: Any, out: Path) -> Path:
+    """The default bundle of a shipped model in `out`, from the compile cache when its inputs are unchanged."""
     from foldline.backends.build import BuildOptions, compile_model
-    from foldline.frontend.shipped import locate_shipped
+    from foldline.backends.compile_cache import CompileCache
 
-    key = _digest(model_file_key(locate_shipped(name)), source_hash(), loaded.config.max_context)
-    out = cache_root() / "bundles" / f"{name}-{key}"
-    if (out / "manifest.json").is_file():
-        return out
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    compile_model(loaded, tmp, BuildOptions(), progress=lambda _msg: None)
-    tmp.rename(out)
-    return out
+    return compile_model(loaded, out, BuildOptions(), progress=lambda _msg: None, cache=CompileCache())
 
 
 def _hf_dir_and_file(name: str) -> tuple[str, str]:

@@ -192,7 +192,7 @@ def test_gdn_state_specs_constant_in_context():
 
 def test_export_keeps_gdn_ops_and_lowers_them():
     """The frontend emits the anchor ops; lowering to aten removes every foldline op."""
-    from foldline.backends.importer import lower_to_aten
+    from foldline.backends.lowering import lower_to_aten
     from foldline.frontend.export import export_entry_point
 
     cfg = get_preset("qwen35-tiny").replace(layer_types=("gdn", "global"))

@@ -124,7 +124,7 @@ def test_fold_removes_every_rotation_and_restores_the_weights(exported):
 
 
 def test_online_shares_rotations_and_lowers_to_a_butterfly(exported):
-    from foldline.backends.importer import lower_to_aten
+    from foldline.backends.lowering import lower_to_aten
 
     _, rot, _, entries = exported
     online = _unit(entries, "online")

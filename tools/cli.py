@@ -24,6 +24,7 @@ COMMANDS = {
     "bench": "bench_cmd",
     "inspect": "inspect_cmd",
     "serve": "serve_cmd",
+    "cache": "cache_cmd",
 }
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..dtypes import canonical
 from .cli import CliError
+from .compile_progress import CompileProgress
 
 
 def add_parser(sub) -> None:
@@ -51,6 +52,9 @@ def add_parser(sub) -> None:
                    help="what quantized weights meet in prefill and decode: auto (default: int8 activations per weight "
                         "group with VNNI dot products where the CPU target has AVX-512 VNNI, as llama.cpp; "
                         "else f32), int8, or f32 (exact float products everywhere)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="compile even when the compile cache ($FOLDLINE_CACHE/compiled) holds this bundle, "
+                        "and store nothing in it")
     p.set_defaults(func=run)
 
 
@@ -70,6 +74,7 @@ def _parse_lengths(text: str | None) -> list[int] | None:
 
 def run(args) -> int:
     from ..backends.build import BuildOptions, compile_spec
+    from ..backends.compile_cache import CompileCache
     from ..backends.targets import make_target
     from ..passes.manager import resolve_pipeline
 
@@ -97,5 +102,7 @@ def run(args) -> int:
         kv_lengths=_parse_lengths(args.kv_lengths),
         activations=args.activations,
     )
-    compile_spec(args.model, args.output, options)
+    cache = None if args.no_cache else CompileCache()
+    with CompileProgress() as progress:
+        compile_spec(args.model, args.output, options, progress=progress, cache=cache)
     return 0

@@ -1,0 +1,170 @@
+"""A content-addressed cache of compiled bundles under $FOLDLINE_CACHE/compiled.
+
+`foldline compile` with inputs it has seen before copies the bundle it wrote
+then instead of compiling again. The key is a SHA-256 over everything that
+shapes a bundle:
+
+- the checkpoint (frontend/fingerprint.py): a file up to 64 MiB by its full
+  SHA-256; a larger one by its size, its modification time and the SHA-256 of
+  16 evenly spaced 1 MiB samples (a multi-GB GGUF is not read whole on every
+  compile; an edit that keeps size and mtime and misses every sample would
+  go unseen, which no tool writing GGUF files does); a preset by its name,
+  config and weight seed;
+- the build options;
+- foldline's compiler sources (every file under frontend/, passes/ and
+  backends/, plus the bundle format), so any change to the compiler misses;
+- the torch and IREE versions;
+- each target's iree-compile flags and the CPU features they resolve to
+  (`--cpu host` on another CPU is another key).
+
+An entry is written to a temporary directory and renamed into place, so
+concurrent writers never expose a partial entry (the first rename wins, the
+loser discards its copy). The cache holds foldline's own outputs only and is
+bounded (FOLDLINE_CACHE_MAX_GB, default 20): the least recently used entries
+go first. `foldline cache ls|clear` lists and empties it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from ..frontend.shipped import cache_dir
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+SOURCE_FOLDERS = ("frontend", "passes", "backends")
+SOURCE_FILES = ("dtypes.py", "runtime/bundle.py")
+DEFAULT_MAX_GB = 20.0
+ENTRY_FILE = "entry.json"
+BUNDLE_DIR = "bundle"
+
+
+def _sha256(*parts: Any) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part if isinstance(part, bytes) else json.dumps(part, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def compiler_source_hash() -> str:
+    """SHA-256 of every foldline source that can change a bundle, with the torch and IREE versions."""
+    h = hashlib.sha256()
+    files = [f for folder in SOURCE_FOLDERS for f in sorted((PACKAGE_ROOT / folder).rglob("*.py"))]
+    for f in [*files, *(PACKAGE_ROOT / name for name in SOURCE_FILES)]:
+        h.update(str(f.relative_to(PACKAGE_ROOT)).encode())
+        h.update(f.read_bytes())
+    for pkg in ("torch", "iree-base-compiler"):
+        h.update(_version(pkg).encode())
+    return h.hexdigest()
+
+
+def _version(pkg: str) -> str:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def cache_key(checkpoint: dict[str, Any], options: dict[str, Any], targets: list[dict[str, Any]]) -> str:
+    """The entry's name: a SHA-256 of the checkpoint, options, compiler sources, versions and targets."""
+    return _sha256({"checkpoint": checkpoint, "options": options, "targets": targets,
+                    "compiler": compiler_source_hash(), "iree": _version("iree-base-compiler"),
+                    "torch": _version("torch")})
+
+
+@dataclass
+class CacheEntry:
+    key: str
+    path: Path
+    info: dict[str, Any]
+    size: int
+    last_used: float
+
+
+def _tree_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+class CompileCache:
+    """Bundles by key under `root` (default $FOLDLINE_CACHE/compiled), at most `max_bytes` in all."""
+
+    def __init__(self, root: Path | None = None, max_bytes: int | None = None):
+        self.root = Path(root) if root is not None else cache_dir() / "compiled"
+        if max_bytes is None:
+            max_bytes = int(float(os.environ.get("FOLDLINE_CACHE_MAX_GB", DEFAULT_MAX_GB)) * (1 << 30))
+        self.max_bytes = max_bytes
+
+    def _entry_dir(self, key: str) -> Path:
+        return self.root / key
+
+    def fetch(self, key: str, out_dir: Path) -> bool:
+        """Copy the bundle stored under `key` into out_dir; False when there is none."""
+        entry = self._entry_dir(key)
+        bundle = entry / BUNDLE_DIR
+        if not (bundle / "manifest.json").is_file():
+            return False
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for f in bundle.iterdir():
+            shutil.copy2(f, out_dir / f.name)  # copies: a user may edit or damage their bundle
+        os.utime(entry / ENTRY_FILE)  # least-recently-used order
+        return True
+
+    def store(self, key: str, bundle_dir: Path, info: dict[str, Any]) -> None:
+        """Keep a copy of a freshly written bundle; atomic against concurrent writers, then bounded."""
+        if (self._entry_dir(key) / ENTRY_FILE).is_file():
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-{uuid.uuid4().hex}"
+        try:
+            shutil.copytree(bundle_dir, tmp / BUNDLE_DIR)
+            (tmp / ENTRY_FILE).write_text(json.dumps({**info, "key": key, "created": time.time()}, indent=2))
+            try:
+                os.rename(tmp, self._entry_dir(key))
+            except OSError:  # another writer stored the same key first
+                pass
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.evict()
+
+    def entries(self) -> list[CacheEntry]:
+        """Complete entries, most recently used first."""
+        if not self.root.is_dir():
+            return []
+        out = []
+        for d in self.root.iterdir():
+            meta = d / ENTRY_FILE
+            if d.name.startswith(".") or not meta.is_file():
+                continue
+            try:
+                info = json.loads(meta.read_text())
+            except (OSError, json.JSONDecodeError):
+                info = {}
+            out.append(CacheEntry(d.name, d, info, _tree_size(d), meta.stat().st_mtime))
+        return sorted(out, key=lambda e: e.last_used, reverse=True)
+
+    def evict(self) -> list[str]:
+        """Drop least recently used entries until the cache fits its bound; returns their keys."""
+        entries, dropped = self.entries(), []
+        total = sum(e.size for e in entries)
+        while entries and total > self.max_bytes:
+            e = entries.pop()
+            shutil.rmtree(e.path, ignore_errors=True)
+            total -= e.size
+            dropped.append(e.key)
+        return dropped
+
+    def clear(self) -> int:
+        """Remove every entry (and abandoned temporaries); returns the bytes freed."""
+        if not self.root.is_dir():
+            return 0
+        freed = _tree_size(self.root)
+        shutil.rmtree(self.root, ignore_errors=True)
+        return freed

@@ -1,0 +1,121 @@
+"""The compile cache: keys that change with every input, atomic stores, the bound, and the CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from foldline.backends.build import BuildOptions, build_cache_key
+from foldline.backends.compile_cache import CompileCache
+from foldline.backends.targets import make_target
+from foldline.frontend.fingerprint import FULL_HASH_LIMIT, file_fingerprint
+from foldline.frontend.sources import checkpoint_fingerprint
+
+
+def _bundle(root: Path, text: str) -> Path:
+    root.mkdir(parents=True)
+    (root / "manifest.json").write_text(text)
+    (root / "params.irpa").write_bytes(text.encode() * 100)
+    return root
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir())}
+
+
+def test_store_then_fetch_copies_the_bundle(tmp_path):
+    cache = CompileCache(tmp_path / "cache")
+    src = _bundle(tmp_path / "b", "one")
+    assert not cache.fetch("k1", tmp_path / "out0")
+    cache.store("k1", src, {"name": "m"})
+    assert cache.fetch("k1", tmp_path / "out")
+    assert _digest(tmp_path / "out") == _digest(src)
+    (tmp_path / "out" / "params.irpa").write_bytes(b"damaged")  # a copy: the entry stays intact
+    assert cache.fetch("k1", tmp_path / "out2") and _digest(tmp_path / "out2") == _digest(src)
+    assert [e.key for e in cache.entries()] == ["k1"]
+
+
+def test_concurrent_writers_leave_one_whole_entry(tmp_path):
+    cache = CompileCache(tmp_path / "cache")
+    sources = [_bundle(tmp_path / f"b{i}", "same") for i in range(6)]
+    threads = [threading.Thread(target=cache.store, args=("k", s, {})) for s in sources]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [e.key for e in cache.entries()] == ["k"]
+    assert sorted(p.name for p in cache.root.iterdir()) == ["k"]  # no temporaries left
+    assert cache.fetch("k", tmp_path / "out") and _digest(tmp_path / "out") == _digest(sources[0])
+
+
+def test_the_bound_drops_least_recently_used_entries(tmp_path):
+    cache = CompileCache(tmp_path / "cache", max_bytes=10**9)
+    for i in range(3):
+        cache.store(f"k{i}", _bundle(tmp_path / f"b{i}", "x" * 1000), {})
+        os.utime(cache.root / f"k{i}" / "entry.json", (1000 + i, 1000 + i))
+    assert cache.fetch("k0", tmp_path / "out")  # k0 is now the most recently used
+    one = cache.entries()[0].size
+    cache.max_bytes = 2 * one
+    assert cache.evict() == ["k1"]
+    assert {e.key for e in cache.entries()} == {"k0", "k2"}
+    assert cache.clear() > 0 and cache.entries() == []
+
+
+def test_file_fingerprint_full_and_sampled(tmp_path):
+    small = tmp_path / "small.gguf"
+    small.write_bytes(b"a" * 1000)
+    before = file_fingerprint(small)
+    small.write_bytes(b"a" * 999 + b"b")
+    assert file_fingerprint(small) != before and "sha256" in before
+
+    big = tmp_path / "big.gguf"
+    with big.open("wb") as f:
+        f.truncate(FULL_HASH_LIMIT + (8 << 20))
+    first = file_fingerprint(big)
+    assert "sampled_sha256" in first and file_fingerprint(big) == first
+    with big.open("r+b") as f:  # the first sample starts at offset 0
+        f.write(b"\x01")
+    os.utime(big, ns=(first["mtime_ns"], first["mtime_ns"]))
+    assert file_fingerprint(big)["sampled_sha256"] != first["sampled_sha256"]
+    os.utime(big, ns=(first["mtime_ns"] + 10**9, first["mtime_ns"] + 10**9))
+    assert file_fingerprint(big)["mtime_ns"] != first["mtime_ns"]
+
+
+def test_keys_follow_every_input():
+    fp = checkpoint_fingerprint("llama-tiny")
+    base = build_cache_key(fp, BuildOptions())
+    assert base == build_cache_key(checkpoint_fingerprint("llama-tiny"), BuildOptions())
+    assert base != build_cache_key(checkpoint_fingerprint("llama-tiny", seed=1), BuildOptions())
+    assert base != build_cache_key(checkpoint_fingerprint("gemma3-tiny"), BuildOptions())
+    assert base != build_cache_key(fp, BuildOptions(kv_dtype="float32"))
+    assert base != build_cache_key(fp, BuildOptions(targets=[make_target("cpu", cpu="x86-64-v3")]))
+    assert base != build_cache_key(fp, BuildOptions(targets=[make_target("cpu"), make_target("cuda")]))
+    assert build_cache_key(None, BuildOptions()) is None  # a model built by hand
+    assert build_cache_key(fp, BuildOptions(dump_after={"quantize-weights": Path("/tmp/x")})) is None
+
+
+@pytest.mark.slow
+def test_cli_reuses_an_unchanged_compile(tmp_path, monkeypatch, capsys):
+    from foldline.tools.cli import main
+
+    monkeypatch.setenv("FOLDLINE_CACHE", str(tmp_path / "cache"))
+    args = ["compile", "llama-tiny", "--kv-lengths", "none"]
+    assert main([*args, "-o", str(tmp_path / "a")]) == 0
+    first = capsys.readouterr().err
+    assert "stage times: export" in first and "iree-compile" in first and "reused" not in first
+    assert main([*args, "-o", str(tmp_path / "b")]) == 0
+    assert "reused from the compile cache" in capsys.readouterr().err
+    assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
+    assert main([*args, "--no-cache", "-o", str(tmp_path / "c")]) == 0
+    assert "reused" not in capsys.readouterr().err
+    assert main([*args, "--max-context", "64", "-o", str(tmp_path / "d")]) == 0  # other options: a miss
+    assert "reused" not in capsys.readouterr().err
+    assert main(["cache", "ls"]) == 0
+    listing = capsys.readouterr().out
+    assert "2 bundle(s)" in listing and listing.count("llama-tiny") == 2
+    assert main(["cache", "clear"]) == 0
+    assert main(["cache", "ls"]) == 0 and "0 bundle(s)" in capsys.readouterr().out

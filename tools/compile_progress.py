@@ -1,0 +1,57 @@
+"""What `foldline compile` shows while it works: a bar per stage with its elapsed time.
+
+backends/build.StageClock calls `start_stage(name, total)` when a stage begins
+and `advance(detail)` after each unit of it (an entry point imported, a
+target compiled); every other message is printed above the bars. On a
+terminal that is not interactive (CI logs, pipes) rich draws no live bars
+and the messages come out as plain lines.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+
+class CompileProgress:
+    """A progress callable for backends.build with one rich task per stage."""
+
+    def __init__(self, console: Console | None = None):
+        self.console = console or Console(stderr=True, highlight=False)
+        self.bars = Progress(SpinnerColumn(), TextColumn("{task.description:<13}"), BarColumn(),
+                             MofNCompleteColumn(), TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
+                             console=self.console, transient=False)
+        self._task = None
+
+    def __enter__(self) -> CompileProgress:
+        self.bars.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._finish_task()
+        self.bars.stop()
+
+    def __call__(self, message: str) -> None:
+        self.bars.console.print(message, markup=False, soft_wrap=True)
+
+    def start_stage(self, name: str, total: int | None) -> None:
+        self._finish_task()
+        self._task = self.bars.add_task(name, total=total, detail="")
+
+    def advance(self, detail: str) -> None:
+        if self._task is not None:
+            self.bars.update(self._task, advance=1, detail=detail)
+
+    def _finish_task(self) -> None:
+        if self._task is not None:
+            task = self.bars.tasks[self._task]
+            self.bars.update(self._task, total=task.completed or 1, completed=task.completed or 1)
+            self.bars.stop_task(self._task)
+            self._task = None
