@@ -36,8 +36,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-# cpuinfo flags a CPU needs for these kernels (512-bit byte ops and vpdpbusd).
-REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
+from .int8_isa import AVX512_VNNI, DECODE_ISAS, Int8Isa, best_isa
+
 # Workgroups per call below LARGE_N rows: every workgroup quantizes (and normalizes) the whole
 # activation row again, a fifth of its instructions at 32 rows of K = 576, and each costs the task
 # system a tile; 8 (N / 8 rows each) took SmolLM2's decode step ~10% below 32-64-row tiles
@@ -46,7 +46,7 @@ WORKGROUPS = 8
 ROWS_PER_WORKGROUP_LARGE = 1024
 LARGE_N = 8192
 MIN_ROWS_PER_WORKGROUP = 16
-CODES_PER_STEP = 64  # one 512-bit vector of codes
+CODES_PER_STEP = 64  # codes per row step: one 512-bit vector, two 256-bit ones
 CHAINS = 2  # independent accumulators per row
 
 
@@ -90,6 +90,8 @@ class Int8DotShape:
     norm: RowNorm | None = None
     residual: bool = False
     gate: str | None = None  # a key of GATES: the gated activation taken in, if any
+    # The dot-product instruction (int8_isa.py). Not in the name: a module holds one ISA's kernels.
+    isa: Int8Isa = AVX512_VNNI
 
     @property
     def gated(self) -> bool:
@@ -147,7 +149,8 @@ def supports(shape: Int8DotShape) -> bool:
 
 
 def cpu_has_int8_dot(cpu_flags: list[str] | set[str] | tuple[str, ...]) -> bool:
-    return REQUIRED_CPU_FLAGS <= set(cpu_flags)
+    """Whether a CPU with these flags runs one of the decode kernels' ISAs (int8_isa.DECODE_ISAS)."""
+    return best_isa(DECODE_ISAS, cpu_flags) is not None
 
 
 def _codes_memref(s: Int8DotShape) -> str:
@@ -334,18 +337,12 @@ def _step(s: Int8DotShape, i: int, acc: str) -> list[str]:
             f"%lo{i} = arith.andi %b{i}, %m15 : vector<32xi8>",
             f"%hi{i} = arith.shrui %b{i}, %s4 : vector<32xi8>",
             f"%q{i} = vector.shuffle %lo{i}, %hi{i} {_nibble_mask(s)} : vector<32xi8>, vector<32xi8>",
-            f'%d{i} = llvm.call_intrinsic "llvm.x86.avx512.vpdpbusd.512"(%zi, %q{i}, %xs{i}) '
-            ": (vector<16xi32>, vector<64xi8>, vector<64xi8>) -> vector<16xi32>",
+            *s.isa.dot_unsigned(f"%d{i}", "%isa_zi", f"%q{i}", f"%xs{i}"),
         ]
     else:
         lines += [
             f"%q{i} = vector.load %codes[%row, %k{i}] : {_codes_memref(s)}, vector<64xi8>",
-            f"%xu{i} = arith.xori %xs{i}, %x128 : vector<64xi8>",  # xq + 128, read as unsigned bytes
-            f'%dp{i} = llvm.call_intrinsic "llvm.x86.avx512.vpdpbusd.512"(%zi, %xu{i}, %q{i}) '
-            ": (vector<16xi32>, vector<64xi8>, vector<64xi8>) -> vector<16xi32>",
-            f'%do{i} = llvm.call_intrinsic "llvm.x86.avx512.vpdpbusd.512"(%zi, %x128, %q{i}) '
-            ": (vector<16xi32>, vector<64xi8>, vector<64xi8>) -> vector<16xi32>",
-            f"%d{i} = arith.subi %dp{i}, %do{i} : vector<16xi32>",
+            *s.isa.dot_signed(f"%d{i}", "%isa_zi", f"%xs{i}", f"%q{i}"),
         ]
     spread = _spread_mask(s)
     lines += [
@@ -436,11 +433,10 @@ def int8_dot_executable(s: Int8DotShape) -> str:
         f"%y = stream.binding.subspan %yb[%c0] : !stream.binding -> memref<{s.n}xf32>",
         "%wg = stream.dispatch.workgroup.id[0] : index",
         *_quantize_activation(s),
-        "%zi = arith.constant dense<0> : vector<16xi32>",
+        *s.isa.constants(),
         "%zf = arith.constant dense<0.0> : vector<16xf32>",
         "%m15 = arith.constant dense<15> : vector<32xi8>",
         "%s4 = arith.constant dense<4> : vector<32xi8>",
-        "%x128 = arith.constant dense<-128> : vector<64xi8>",
         f"%nrows = arith.constant {rows} : index",
         "%rowbase = arith.muli %wg, %nrows : index",
         "%rowend = arith.addi %rowbase, %nrows : index",
