@@ -1,4 +1,4 @@
-"""Decode kernels for x86 CPUs with AVX-512 VNNI: 8-bit activations against the narrow codes.
+"""Decode kernels for x86 CPUs with AVX-512 VNNI or AVX2: 8-bit activations against the narrow codes.
 
 The float decode kernel (quant_kernels.half_group_mlir) converts every code to
 float32 before its multiply: on SmolLM2 its Q4 matvecs ran at 10-12 GB/s of
@@ -10,16 +10,17 @@ four products summed into each 32-bit lane), then scaled in float:
 
     y[n] = sum_g s[n, g] * dx[g] * sum_k q[n, g, k] * xq[g, k]   (+ m[n, g] * dx[g] * sum_k xq[g, k])
 
-q4 codes are unsigned (0..15) and meet the signed activation directly. q8
-codes are signed, so the activation goes in as the unsigned operand, offset by
-128, and a second `vpdpbusd` against bytes of 128 takes the offset back out
-(128 * sum_k q): the product stays exact in int32.
+q4 codes are unsigned (0..15) and meet the signed activation directly; q8
+codes are signed and take each ISA's signed form. The dot-product lines come
+from backends/int8_isa.py (the shape's `isa`): on CPUs without VNNI the same
+kernel runs each 64-code step as two 256-bit `vpmaddubsw` + `vpmaddwd`, and
+int8_isa.py says why every form is exact in int32.
 
 The codes keep the bundle's layout (frontend/quant.py: [N, K/2] q4 bytes in
 ggml's nibble order, [N, K] q8 codes), so the prefill, embedding and GPU paths
 read the same parameters. The kernel is a hand-written dispatch
-(`stream.executable` with vector-dialect code and the `llvm.x86.avx512.vpdpbusd.512`
-intrinsic, called with `flow.dispatch`): linalg offers no way to keep an int32
+(`stream.executable` with vector-dialect code and the ISA's x86 intrinsics,
+called with `flow.dispatch`): linalg offers no way to keep an int32
 sum per group and a float sum across groups in one op. Each workgroup
 quantizes the activation row itself (K values, a few percent of its work) and
 computes its rows one at a time, each row's codes read in order (see
