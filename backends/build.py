@@ -24,6 +24,7 @@ from .attention_kernels import expand_decode_attention_ops
 from .compile_cache import CompileCache, cache_key
 from .importer import import_lowered, kernel_keep_rule, params_to_numpy
 from .inplace_state import ElideReport, elide_inplace_aliases
+from .int8_isa import FLOAT_KERNELS, choose_kernels
 from .lowering import lower_entries
 from .quant_kernels import expand_qlinear_ops
 from .targets import Target, TargetError, make_target
@@ -94,7 +95,7 @@ class BuildOptions:
     kv_dtype: str = "auto"  # attention cache element type: auto (default_kv_dtype), float32, float16, bfloat16
     dtype: str = "auto"  # compute dtype: auto (default_compute_dtype), float32, float16, bfloat16
     kv_lengths: list[int] | None = None  # attention lengths with their own entry points; None: 256, 512, ...
-    activations: str = "auto"  # quantized products: auto (int8 where the CPU has VNNI), int8, f32
+    activations: str = "auto"  # quantized products: auto (int8 where the CPU has AVX2 or VNNI), int8, f32
 
 
 # Prefill chunk lengths. A quantized linear dequantizes each weight once per prefill call
@@ -172,16 +173,17 @@ ACTIVATIONS = ("auto", "int8", "f32")
 def target_activations(target: Target, activations: str) -> str:
     """What a quantized decode product multiplies its codes by on this target: "int8" or "f32".
 
-    int8 (backends/vnni_kernels.py) needs an x86 CPU with AVX-512 VNNI; auto takes it
-    there and f32 everywhere else (GPU targets, other CPUs, `--cpu generic`).
+    int8 (backends/vnni_kernels.py) needs an x86 CPU with AVX2 or AVX-512 VNNI
+    (backends/int8_isa.py); auto takes it there and f32 everywhere else (GPU targets,
+    other CPUs, `--cpu generic`).
     """
     if activations not in ACTIVATIONS:
         raise TargetError(f"unknown activations {activations!r}; expected one of {', '.join(ACTIVATIONS)}")
     capable = target.device == "cpu" and target.arch == "x86_64" and cpu_has_int8_dot(target.cpu_flags)
     if activations == "int8" and not capable:
-        raise TargetError(f"--activations int8 needs an x86 CPU target with AVX-512 VNNI "
-                          f"(avx512f, avx512bw, avx512_vnni); {target.description} has none: "
-                          "use --activations f32 or name such a CPU with --cpu (e.g. znver4, sapphirerapids)")
+        raise TargetError(f"--activations int8 needs an x86 CPU target with AVX2 (avx2, fma, f16c) or AVX-512 VNNI "
+                          f"(avx512f, avx512bw, avx512_vnni); {target.description} has neither: "
+                          "use --activations f32 or name such a CPU with --cpu (e.g. x86-64-v3, znver4)")
     return "int8" if activations != "f32" and capable else "f32"
 
 
@@ -291,7 +293,8 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
             progress(f"[4/4] iree-compile for {target.description}")
         t1 = time.time()
         cpu = target.device == "cpu"
-        target_mlir, _ = expand_qlinear_ops(imported[cpu][0], cpu_tiles=cpu, int8_dot=activations[target.device] == "int8")
+        int8 = choose_kernels(target.cpu_flags) if activations[target.device] == "int8" else FLOAT_KERNELS
+        target_mlir, _ = expand_qlinear_ops(imported[cpu][0], cpu_tiles=cpu, int8=int8)
         if cpu:
             target_mlir, _ = expand_decode_attention_ops(target_mlir)
         vmfb, inplace = compile_torch_module(target_mlir, target.flags)
@@ -308,6 +311,7 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
             "arch": target.arch,
             "cpu_flags": target.cpu_flags,
             "activations": activations[target.device],
+            "kernel_isa": int8.record(),  # which int8 kernels (or f32) decode and prefill products took
             "executable_formats": vmfb_info(out / name).formats,
         }
         progress(f"      {name}: {len(vmfb) / 1e6:.1f} MB in {time.time() - t1:.0f} s")

@@ -18,9 +18,10 @@ replaces each one with a `util.call` to a generated `util.func`:
   bytes (tests/test_quant_compile.py checks the dispatches). With several
   rows (decode of a batched bundle) the codes are read once for all of them.
   Why this form, and what IREE does with the alternatives: docs/quantization.md;
-- decode (one row) on an x86 CPU with AVX-512 VNNI, int8 activations asked
-  for (the default there): `int8_dot_mlir`, the hand-written int8-dot dispatch
-  of backends/vnni_kernels.py behind the same util.func signature;
+- decode (one row) on an x86 CPU with AVX2 or AVX-512 VNNI, int8 activations
+  asked for (the default there): `int8_dot_mlir`, the hand-written int8-dot
+  dispatch of backends/vnni_kernels.py, in the target's best form
+  (backends/int8_isa.py), behind the same util.func signature;
 - prefill chunks (M rows, M a multiple of 16) of a one-row bundle on an x86
   CPU with AVX-512 VNNI, int8 activations asked for: `int8_gemm_mlir`, the two hand-written
   dispatches of backends/vnni_gemm.py (quantize the chunk's activations, then
@@ -56,6 +57,7 @@ from dataclasses import dataclass
 from iree.compiler import ir
 
 from .decode_fusion import match_gate, match_norm, match_residual
+from .int8_isa import AVX512_VNNI, FLOAT_KERNELS, Int8Isa, Int8Kernels
 from .torch_sites import builtin_tensor, defining_op, torch_operators
 from .vnni_gemm import Int8GemmShape, gemm_executable, int8_gemm_dispatches, quantize_executable
 from .vnni_gemm import supports as supports_int8_gemm
@@ -551,9 +553,10 @@ def _spec_of(op: ir.Operation) -> QLinearSpec:
 
 
 def int8_dot_shape(spec: QLinearSpec, norm: RowNorm | None = None, residual: bool = False,
-                   gate: str | None = None) -> Int8DotShape:
+                   gate: str | None = None, isa: Int8Isa = AVX512_VNNI) -> Int8DotShape:
     """The int8-dot kernel of a site; gate: the gated MLP activation it takes in (vnni_kernels.GATES), if any."""
-    return Int8DotShape(spec.fmt, spec.group, spec.scale_type, spec.has_min, spec.k, spec.n, norm, residual, gate)
+    return Int8DotShape(spec.fmt, spec.group, spec.scale_type, spec.has_min, spec.k, spec.n, norm, residual, gate,
+                        isa)
 
 
 def uses_int8_dot(spec: QLinearSpec) -> bool:
@@ -630,14 +633,15 @@ def int8_gemm_mlir(spec: QLinearSpec) -> list[str]:
     return [quantize_executable(shape), gemm_executable(shape), _function(spec, lines)]
 
 
-def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8_dot: bool = False) -> tuple[str, int]:
+def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8: Int8Kernels = FLOAT_KERNELS) -> tuple[str, int]:
     """Replace every foldline::qlinear op in the module text with a call to its kernel.
 
     cpu_tiles: a CPU target: the fused, tiled kernel for single rows (decode) and
     dequantize-then-matmul for prefill chunks; otherwise dequantize-then-matmul.
-    int8_dot: a CPU with AVX-512 VNNI, and int8 activations asked for: one-row
-    calls whose shape allows take the int8-activation kernel (vnni_kernels.py),
-    prefill chunks the int8 GEMM (vnni_gemm.py).
+    int8: the int8-activation kernels the target's CPU takes (int8_isa.choose_kernels), where int8
+    activations are asked for: with int8.decode, one-row calls whose shape allows take the
+    int8-dot kernel of that ISA (vnni_kernels.py); with int8.prefill, prefill chunks the int8
+    GEMM (vnni_gemm.py). Every other call keeps its float kernel.
 
     Returns the new module text and the number of sites rewritten.
     """
@@ -653,11 +657,11 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8_dot: bool = False) -> tu
             x, codes, scales, mins = op.operands[:4]
             dot = None
             norm = gate = residual = None
-            if cpu_tiles and int8_dot and uses_int8_dot(spec):
+            if cpu_tiles and int8.decode is not None and uses_int8_dot(spec):
                 norm, residual = match_norm(x, spec.k), match_residual(op.results[0])
                 gate = None if norm else match_gate(x, spec.k)
                 dot = int8_dot_shape(spec, norm.norm if norm else None, residual is not None,
-                                     gate.activation if gate else None)
+                                     gate.activation if gate else None, int8.decode)
             name = int8_dot_function_name(spec, dot) if dot else spec.name
             # The call goes where every operand is defined: at the residual add when it takes one.
             site = residual.add if residual else op
@@ -686,7 +690,7 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8_dot: bool = False) -> tu
         for spec, dot in kernels.values():
             if dot is not None:
                 texts = int8_dot_mlir(spec, dot)
-            elif cpu_tiles and int8_dot and uses_int8_gemm(spec):
+            elif cpu_tiles and int8.prefill is not None and uses_int8_gemm(spec):
                 texts = int8_gemm_mlir(spec)
             elif cpu_tiles and fuses_rows(spec):
                 texts = [fused_rows_mlir(spec)]

@@ -38,9 +38,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .int8_isa import AVX512_VNNI
 from .vnni_kernels import quantize_group_lines, stream_executable
 
-VPDPBUSD = "llvm.x86.avx512.vpdpbusd.512"
+ISA = AVX512_VNNI  # the only form written (int8_isa.PREFILL_ISAS)
 ROW_VECTORS = 2  # row vectors of 16 per register block
 CHANNELS = 4  # output channels per register block
 MAX_TILE_CHANNELS = 32
@@ -226,7 +227,7 @@ def _group_step(s: Int8GemmShape) -> list[str]:
     for r in range(R):
         if s.fmt == "q8":  # the int32 sum starts at -128 * sum xq, taking the codes' offset back out
             lines.append(f"%init{r} = vector.load %ofs[%gi, %mr{r}] : {_per_group_memref(s, 'i32')}, vector<16xi32>")
-    acc = {(r, j): (f"%init{r}" if s.fmt == "q8" else "%zi") for r in range(R) for j in range(J)}
+    acc = {(r, j): (f"%init{r}" if s.fmt == "q8" else "%isa_zi") for r in range(R) for j in range(J)}
     for q in range(g // 4):
         lines += [f"%kq{q} = arith.addi %q0, %cq{q} : index", f"%wk{q} = arith.addi %wq0, %cq{q} : index"]
         for r in range(R):
@@ -239,8 +240,7 @@ def _group_step(s: Int8GemmShape) -> list[str]:
             ]
             for r in range(R):
                 new = f"%d{q}_{r}_{j}"
-                lines.append(f'{new} = llvm.call_intrinsic "{VPDPBUSD}"({acc[r, j]}, %wb{q}_{j}, %a{q}_{r}) '
-                             ": (vector<16xi32>, vector<64xi8>, vector<64xi8>) -> vector<16xi32>")
+                lines += ISA.dot_unsigned(new, acc[r, j], f"%wb{q}_{j}", f"%a{q}_{r}")
                 acc[r, j] = new
     for r in range(R):
         lines.append(f"%dxv{r} = vector.load %dx[%gi, %mr{r}] : {_per_group_memref(s, 'f32')}, vector<16xf32>")
@@ -303,7 +303,7 @@ def gemm_executable(s: Int8GemmShape) -> str:
         f"%nq = arith.constant {g // 4} : index",
         f"%nGc = arith.constant {s.chunk // g} : index",
         f"%nG = arith.constant {s.groups} : index",
-        "%zi = arith.constant dense<0> : vector<16xi32>",
+        *ISA.constants(),
         "%zf = arith.constant dense<0.0> : vector<16xf32>",
         f"%cJ = arith.constant {J} : index",
         f"%cM = arith.constant {s.m} : index",

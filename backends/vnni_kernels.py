@@ -1,4 +1,4 @@
-"""Decode kernels for x86 CPUs with AVX-512 VNNI: 8-bit activations against the narrow codes.
+"""Decode kernels for x86 CPUs with AVX-512 VNNI or AVX2: 8-bit activations against the narrow codes.
 
 The float decode kernel (quant_kernels.half_group_mlir) converts every code to
 float32 before its multiply: on SmolLM2 its Q4 matvecs ran at 10-12 GB/s of
@@ -10,16 +10,17 @@ four products summed into each 32-bit lane), then scaled in float:
 
     y[n] = sum_g s[n, g] * dx[g] * sum_k q[n, g, k] * xq[g, k]   (+ m[n, g] * dx[g] * sum_k xq[g, k])
 
-q4 codes are unsigned (0..15) and meet the signed activation directly. q8
-codes are signed, so the activation goes in as the unsigned operand, offset by
-128, and a second `vpdpbusd` against bytes of 128 takes the offset back out
-(128 * sum_k q): the product stays exact in int32.
+q4 codes are unsigned (0..15) and meet the signed activation directly; q8
+codes are signed and take each ISA's signed form. The dot-product lines come
+from backends/int8_isa.py (the shape's `isa`): on CPUs without VNNI the same
+kernel runs each 64-code step as two 256-bit `vpmaddubsw` + `vpmaddwd`, and
+int8_isa.py says why every form is exact in int32.
 
 The codes keep the bundle's layout (frontend/quant.py: [N, K/2] q4 bytes in
 ggml's nibble order, [N, K] q8 codes), so the prefill, embedding and GPU paths
 read the same parameters. The kernel is a hand-written dispatch
-(`stream.executable` with vector-dialect code and the `llvm.x86.avx512.vpdpbusd.512`
-intrinsic, called with `flow.dispatch`): linalg offers no way to keep an int32
+(`stream.executable` with vector-dialect code and the ISA's x86 intrinsics,
+called with `flow.dispatch`): linalg offers no way to keep an int32
 sum per group and a float sum across groups in one op. Each workgroup
 quantizes the activation row itself (K values, a few percent of its work) and
 computes its rows one at a time, each row's codes read in order (see
@@ -36,8 +37,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-# cpuinfo flags a CPU needs for these kernels (512-bit byte ops and vpdpbusd).
-REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
+from .int8_isa import AVX512_VNNI, DECODE_ISAS, Int8Isa, best_isa
+
 # Workgroups per call below LARGE_N rows: every workgroup quantizes (and normalizes) the whole
 # activation row again, a fifth of its instructions at 32 rows of K = 576, and each costs the task
 # system a tile; 8 (N / 8 rows each) took SmolLM2's decode step ~10% below 32-64-row tiles
@@ -46,7 +47,7 @@ WORKGROUPS = 8
 ROWS_PER_WORKGROUP_LARGE = 1024
 LARGE_N = 8192
 MIN_ROWS_PER_WORKGROUP = 16
-CODES_PER_STEP = 64  # one 512-bit vector of codes
+CODES_PER_STEP = 64  # codes per row step: one 512-bit vector, two 256-bit ones
 CHAINS = 2  # independent accumulators per row
 
 
@@ -90,6 +91,8 @@ class Int8DotShape:
     norm: RowNorm | None = None
     residual: bool = False
     gate: str | None = None  # a key of GATES: the gated activation taken in, if any
+    # The dot-product instruction (int8_isa.py). Not in the name: a module holds one ISA's kernels.
+    isa: Int8Isa = AVX512_VNNI
 
     @property
     def gated(self) -> bool:
@@ -147,7 +150,8 @@ def supports(shape: Int8DotShape) -> bool:
 
 
 def cpu_has_int8_dot(cpu_flags: list[str] | set[str] | tuple[str, ...]) -> bool:
-    return REQUIRED_CPU_FLAGS <= set(cpu_flags)
+    """Whether a CPU with these flags runs one of the decode kernels' ISAs (int8_isa.DECODE_ISAS)."""
+    return best_isa(DECODE_ISAS, cpu_flags) is not None
 
 
 def _codes_memref(s: Int8DotShape) -> str:
@@ -334,18 +338,12 @@ def _step(s: Int8DotShape, i: int, acc: str) -> list[str]:
             f"%lo{i} = arith.andi %b{i}, %m15 : vector<32xi8>",
             f"%hi{i} = arith.shrui %b{i}, %s4 : vector<32xi8>",
             f"%q{i} = vector.shuffle %lo{i}, %hi{i} {_nibble_mask(s)} : vector<32xi8>, vector<32xi8>",
-            f'%d{i} = llvm.call_intrinsic "llvm.x86.avx512.vpdpbusd.512"(%zi, %q{i}, %xs{i}) '
-            ": (vector<16xi32>, vector<64xi8>, vector<64xi8>) -> vector<16xi32>",
+            *s.isa.dot_unsigned(f"%d{i}", "%isa_zi", f"%q{i}", f"%xs{i}"),
         ]
     else:
         lines += [
             f"%q{i} = vector.load %codes[%row, %k{i}] : {_codes_memref(s)}, vector<64xi8>",
-            f"%xu{i} = arith.xori %xs{i}, %x128 : vector<64xi8>",  # xq + 128, read as unsigned bytes
-            f'%dp{i} = llvm.call_intrinsic "llvm.x86.avx512.vpdpbusd.512"(%zi, %xu{i}, %q{i}) '
-            ": (vector<16xi32>, vector<64xi8>, vector<64xi8>) -> vector<16xi32>",
-            f'%do{i} = llvm.call_intrinsic "llvm.x86.avx512.vpdpbusd.512"(%zi, %x128, %q{i}) '
-            ": (vector<16xi32>, vector<64xi8>, vector<64xi8>) -> vector<16xi32>",
-            f"%d{i} = arith.subi %dp{i}, %do{i} : vector<16xi32>",
+            *s.isa.dot_signed(f"%d{i}", "%isa_zi", f"%xs{i}", f"%q{i}"),
         ]
     spread = _spread_mask(s)
     lines += [
@@ -436,11 +434,10 @@ def int8_dot_executable(s: Int8DotShape) -> str:
         f"%y = stream.binding.subspan %yb[%c0] : !stream.binding -> memref<{s.n}xf32>",
         "%wg = stream.dispatch.workgroup.id[0] : index",
         *_quantize_activation(s),
-        "%zi = arith.constant dense<0> : vector<16xi32>",
+        *s.isa.constants(),
         "%zf = arith.constant dense<0.0> : vector<16xf32>",
         "%m15 = arith.constant dense<15> : vector<32xi8>",
         "%s4 = arith.constant dense<4> : vector<32xi8>",
-        "%x128 = arith.constant dense<-128> : vector<64xi8>",
         f"%nrows = arith.constant {rows} : index",
         "%rowbase = arith.muli %wg, %nrows : index",
         "%rowend = arith.addi %rowbase, %nrows : index",

@@ -1,7 +1,7 @@
 """numpy references for the int8-activation kernels: the activation quantization and the products.
 
-Both VNNI kernels (decode, backends/vnni_kernels.py; prefill,
-backends/vnni_gemm.py) quantize each activation row per weight group as
+The int8 kernels (decode, backends/vnni_kernels.py; prefill,
+backends/vnni_gemm.py; every ISA of backends/int8_isa.py) quantize each activation row per weight group as
 llama.cpp's Q8 rows do, then take exact integer dots scaled in float. These
 emulate that in numpy (float64 scaling), which the kernels must match to
 float32 rounding.
@@ -53,19 +53,21 @@ def random_blocks(fmt: str, group: int, scale_type: str, n: int, k: int, rng: np
         codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).view(np.int8)
     else:
         codes = rng.integers(-128, 128, (n, k)).astype(np.int8)
+        codes[:, ::7] = -128  # the edge of the products' exactness (backends/int8_isa.py): |-128| is 128
         q = codes.astype(np.int64)
     weight = q.reshape(n, k // group, group) * scales.astype(np.float64)[..., None]
     return codes, q, scales, mins, weight
 
 
-def compile_on_host(text: str, dump_dir) -> tuple[object, str]:
-    """Compile a module for this CPU; returns its `main` module handle and the dumped assembly."""
+def compile_on_host(text: str, dump_dir, cpu: str = "host") -> tuple[object, str]:
+    """Compile a module for `cpu` (one this CPU runs: host, or an older level such as x86-64-v3) and load it
+    here; returns its `main` module handle and the dumped assembly."""
     import iree.compiler as ireec
     import iree.runtime as rt
 
     from ..backends.targets import cpu_target
 
-    vmfb = ireec.compile_str(text, extra_args=[*cpu_target("host").flags,
+    vmfb = ireec.compile_str(text, extra_args=[*cpu_target(cpu).flags,
                                                f"--iree-hal-dump-executable-files-to={dump_dir}"])
     assembly = "\n".join(p.read_text() for p in dump_dir.glob("*.s"))
     config = rt.Config("local-task")

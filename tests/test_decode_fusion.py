@@ -124,7 +124,7 @@ def test_a_scaled_add_is_no_residual():
 
 
 needs_vnni = pytest.mark.skipif(not cpu_has_int8_dot(host_cpu_features() or set()),
-                                reason="this CPU has no AVX-512 VNNI: no int8-dot kernels to fuse into")
+                                reason="this CPU has neither AVX2 nor AVX-512 VNNI: no int8-dot kernels to fuse into")
 
 
 def _blocked(preset: str, fmt: str, intermediate: int | None):

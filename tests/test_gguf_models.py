@@ -96,16 +96,18 @@ def test_default_bundle_keeps_the_gguf_blocks(name, gguf_bundles):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_default_bundle_runs_int8_activations_where_the_cpu_has_vnni(name, gguf_bundles):
-    """On an AVX-512 VNNI CPU the default bundle's decode products are the int8-dot kernels, the head's
-    too, and its prefill products the int8 GEMM kernels (one per projection shape)."""
+    """On an AVX2 or AVX-512 VNNI CPU the default bundle's decode products are the int8-dot kernels,
+    the head's too; on AVX-512 VNNI its prefill products the int8 GEMM kernels (one per projection shape)."""
     _skip_unless_installed(name)
-    from foldline.backends.vnni_kernels import cpu_has_int8_dot
+    from foldline.backends.int8_isa import choose_kernels
     from foldline.runtime.device import host_cpu_features
 
     bundle = gguf_bundles(name)
     module = _cpu_module(bundle)
-    vnni = cpu_has_int8_dot(host_cpu_features() or set())
+    kernels = choose_kernels(host_cpu_features() or set())
+    vnni, gemm = kernels.decode is not None, kernels.prefill is not None
     assert module["activations"] == ("int8" if vnni else "f32")
+    assert module["kernel_isa"] == kernels.record()
     vmfb = (bundle / module["file"]).read_bytes()
     head = {"smollm2-135m": b"foldline_i8dot_q8g32f16_k576_n49152", "gemma3-270m": b"foldline_i8dot_q8g32f16_k640_n262144"}
     assert (head[name] in vmfb) == vnni
@@ -128,7 +130,7 @@ def test_default_bundle_runs_int8_activations_where_the_cpu_has_vnni(name, gguf_
     prefill = {"smollm2-135m": [b"_m64_k576_n960", b"_m64_k576_n576", b"_m64_k576_n3072", b"_m64_k1536_n576"],
                "gemma3-270m": [b"_m64_k640_n1536", b"_m64_k1024_n640", b"_m64_k640_n4096", b"_m64_k2048_n640"]}
     for shape in prefill[name]:
-        assert (re.search(rb"foldline_i8gemm_\w+" + re.escape(shape), vmfb) is not None) == vnni, shape
+        assert (re.search(rb"foldline_i8gemm_\w+" + re.escape(shape), vmfb) is not None) == gemm, shape
 
 
 # int8 activations (prefill and decode on AVX-512 VNNI CPUs, as llama.cpp's) against HF's float32

@@ -13,11 +13,11 @@ import pytest
 
 from foldline.backends import quant_kernels as qk
 from foldline.backends import vnni_gemm as vg
-from foldline.backends import vnni_kernels as vk
+from foldline.backends.int8_isa import AVX512_VNNI
 from foldline.runtime.device import host_cpu_features
 from foldline.testing.int8_reference import compile_on_host, int8_product, random_blocks
 
-needs_vnni = pytest.mark.skipif(not vk.cpu_has_int8_dot(host_cpu_features() or set()),
+needs_vnni = pytest.mark.skipif(not AVX512_VNNI.available(host_cpu_features() or set()),
                                 reason="this CPU has no AVX-512 VNNI")
 
 

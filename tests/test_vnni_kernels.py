@@ -1,22 +1,28 @@
-"""The int8-activation decode kernels (backends/vnni_kernels.py) against numpy, on CPUs with AVX-512 VNNI.
+"""The int8-activation decode kernels (backends/vnni_kernels.py) against numpy, in each ISA of backends/int8_isa.py.
 
 Two references: an int8 emulation in numpy (the same activation quantization,
 exact integer dots, float64 scaling), which the kernel must match to float32
 rounding, and the float64 product with unquantized activations, which bounds
-what 8-bit activations cost. The compiled code must hold the VNNI instruction.
+what 8-bit activations cost. Each ISA's kernel is compiled for a CPU level this
+host runs (AVX-512 VNNI: the host; AVX2: x86-64-v3, no 512-bit registers) and
+must hold its dot-product instruction.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import re
 
 import numpy as np
 import pytest
 
 from foldline.backends import vnni_kernels as vk
+from foldline.backends.int8_isa import AVX2, AVX512_VNNI
 from foldline.runtime.device import host_cpu_features
 from foldline.testing.int8_reference import compile_on_host, int8_product, random_blocks
 
-needs_vnni = pytest.mark.skipif(not vk.cpu_has_int8_dot(host_cpu_features() or set()),
-                                reason="this CPU has no AVX-512 VNNI")
+# (ISA, the --cpu its kernels are compiled for here)
+ISAS = [pytest.param(AVX512_VNNI, "host", id="avx512vnni"), pytest.param(AVX2, "x86-64-v3", id="avx2")]
 
 
 def rms_normed(h: np.ndarray, weight: np.ndarray, norm: vk.RowNorm) -> np.ndarray:
@@ -95,11 +101,16 @@ SHAPES = [
 
 
 @pytest.mark.slow
-@needs_vnni
+@pytest.mark.parametrize("isa,cpu", ISAS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-def test_int8_dot_kernel_matches_int8_emulation(shape, tmp_path):
-    module, assembly = compile_on_host(_module(shape), tmp_path / "dump")
-    assert "vpdpbusd" in assembly, "the kernel was compiled without VNNI dot products"
+def test_int8_dot_kernel_matches_int8_emulation(shape, isa, cpu, tmp_path):
+    if not isa.available(host_cpu_features() or set()):
+        pytest.skip(f"this CPU cannot run {isa.name}")
+    shape = dataclasses.replace(shape, isa=isa)
+    module, assembly = compile_on_host(_module(shape), tmp_path / "dump", cpu)
+    assert isa.instruction in assembly, f"the kernel was compiled without {isa.instruction}"
+    if not isa.zmm:
+        assert not re.search(r"\bzmm\d", assembly), "512-bit registers in a kernel for a CPU without them"
     for seed in range(2):
         args, emulated, exact = _case(shape, np.random.default_rng(seed))
         y = module.main(*args).to_host()
@@ -141,11 +152,28 @@ def test_activations_follow_the_target():
     from foldline.backends.targets import TargetError, make_target
 
     generic, znver4 = make_target("cpu", cpu="generic"), make_target("cpu", cpu="znver4")
-    assert target_activations(generic, "auto") == "f32"  # the x86-64 baseline has no VNNI
+    v3, v2 = make_target("cpu", cpu="x86-64-v3"), make_target("cpu", cpu="x86-64-v2")
+    assert target_activations(generic, "auto") == "f32"  # the x86-64 baseline has neither AVX2 nor VNNI
+    assert target_activations(v2, "auto") == "f32"  # SSE4.2, no AVX2
     assert target_activations(znver4, "auto") == "int8"
+    assert target_activations(v3, "auto") == "int8"  # AVX2 (Zen 3, Haswell and later)
     assert target_activations(znver4, "f32") == "f32"
     assert target_activations(make_target("cuda"), "auto") == "f32"
-    with pytest.raises(TargetError, match="AVX-512 VNNI"):
-        target_activations(generic, "int8")
+    for target in (generic, v2):
+        with pytest.raises(TargetError, match="AVX2 .* or AVX-512 VNNI"):
+            target_activations(target, "int8")
     with pytest.raises(TargetError, match="unknown activations"):
         target_activations(znver4, "int4")
+
+
+def test_each_target_gets_its_best_kernels():
+    from foldline.backends.int8_isa import FLOAT_KERNELS, Int8Kernels, choose_kernels
+    from foldline.backends.targets import make_target
+
+    def kernels(cpu: str) -> Int8Kernels:
+        return choose_kernels(make_target("cpu", cpu=cpu).cpu_flags)
+
+    assert kernels("znver4") == Int8Kernels(AVX512_VNNI, AVX512_VNNI)
+    assert kernels("x86-64-v3") == Int8Kernels(AVX2, None)  # no AVX2 prefill GEMM: float prefill
+    assert kernels("generic") == FLOAT_KERNELS
+    assert Int8Kernels(AVX2, None).record() == {"decode": "int8-avx2", "prefill": "f32"}

@@ -37,6 +37,9 @@ def run(args) -> int:
         print(f"params   {params['file']}: {params['count']} tensors, {_mib(params['size'])}")
     for device, mod in m.modules.items():
         acts = f", {mod['activations']} activations in quantized decode" if mod.get("activations") else ""
+        isa = mod.get("kernel_isa")
+        if isa:
+            acts += f" (kernels: decode {isa['decode']}, prefill {isa['prefill']})"
         print(f"module   {device}: {mod['file']} ({_mib(mod['size'])}) {mod['description']}{acts}")
     print(f"tokenizer {m.data.get('tokenizer') or 'none (token ids only)'}")
     print(f"passes   {', '.join(p['name'] + ('*' if p['changed'] else '') for p in m.data.get('passes', [])) or 'none'}"
