@@ -22,9 +22,10 @@ from ..runtime.bundle import FORMAT, FORMAT_VERSION, MANIFEST, seal_manifest, sh
 from .abi_declaration import declare_entry_points
 from .attention_kernels import expand_decode_attention_ops
 from .compile_cache import CompileCache, cache_key
+from .compile_pool import pool_size, run_concurrently
 from .importer import import_lowered, kernel_keep_rule, params_to_numpy
 from .inplace_state import ElideReport, elide_inplace_aliases
-from .int8_isa import FLOAT_KERNELS, choose_kernels
+from .int8_isa import FLOAT_KERNELS, Int8Kernels, choose_kernels
 from .lowering import lower_entries
 from .quant_kernels import expand_qlinear_ops
 from .targets import Target, TargetError, make_target
@@ -238,7 +239,7 @@ def compile_model(loaded: LoadedModel, out_dir: str | Path, options: BuildOption
 
 
 def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, progress: Progress) -> Path:
-    activations = {t.device: target_activations(t, options.activations) for t in options.targets}  # refuse early
+    activations = [target_activations(t, options.activations) for t in options.targets]  # refuse early
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = loaded.config
@@ -248,7 +249,7 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
     chunk = options.chunk or default_chunk(loaded, options.weights)
     clock.stage("export", f"[1/4] exporting {cfg.name}: {cfg.dtype} compute, context {cfg.max_context} (K/V {cfg.cache_dtype}), "
              f"prefill chunk {chunk}, decode, batch {options.batch}; quantized-product activations "
-             + ", ".join(f"{a} ({d})" for d, a in activations.items()))
+             + ", ".join(f"{a} ({t.description})" for t, a in zip(options.targets, activations)))
     entries = export_model(loaded.module, options.batch, chunk)
     unit = CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs,
                        options={"hadamard": options.hadamard, "weights": options.weights, "group": options.group,
@@ -285,37 +286,7 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
     params_count = len(params.tensors)
     del params  # written to params.irpa
     unit.programs.clear()  # what iree-compile needs is in the MLIR text now
-    modules = {}
-    for i, target in enumerate(options.targets):
-        if i == 0:
-            clock.stage("iree-compile", f"[4/4] iree-compile for {target.description}", total=len(options.targets))
-        else:
-            progress(f"[4/4] iree-compile for {target.description}")
-        t1 = time.time()
-        cpu = target.device == "cpu"
-        int8 = choose_kernels(target.cpu_flags) if activations[target.device] == "int8" else FLOAT_KERNELS
-        target_mlir, _ = expand_qlinear_ops(imported[cpu][0], cpu_tiles=cpu, int8=int8)
-        if cpu:
-            target_mlir, _ = expand_decode_attention_ops(target_mlir)
-        vmfb, inplace = compile_torch_module(target_mlir, target.flags)
-        progress(f"      {inplace.elided} cache update(s) kept in place, {inplace.kept} state result(s) placed by IREE")
-        name = f"model.{target.device}.vmfb"
-        (out / name).write_bytes(vmfb)
-        modules[target.device] = {
-            "file": name,
-            "sha256": sha256_file(out / name),
-            "size": len(vmfb),
-            "params_sha256": params_sha,
-            "flags": target.flags,
-            "description": target.description,
-            "arch": target.arch,
-            "cpu_flags": target.cpu_flags,
-            "activations": activations[target.device],
-            "kernel_isa": int8.record(),  # which int8 kernels (or f32) decode and prefill products took
-            "executable_formats": vmfb_info(out / name).formats,
-        }
-        progress(f"      {name}: {len(vmfb) / 1e6:.1f} MB in {time.time() - t1:.0f} s")
-        clock.advance(target.description)
+    modules = _compile_targets(options.targets, activations, imported, params_sha, out, clock, progress)
 
     tokenizer_name = None
     if loaded.tokenizer_json is not None:
@@ -361,6 +332,57 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
     progress(clock.summary())
     progress(f"bundle written to {out} in {time.time() - t0:.0f} s")
     return out
+
+
+def module_names(targets: list[Target]) -> list[tuple[str, str]]:
+    """(manifest key, file) of each target's module: `cpu` / model.cpu.vmfb while a bundle holds one CPU
+    module, `cpu-<CPU>` / model.cpu-<CPU>.vmfb for each of several (runtime/cpu_select.py picks one)."""
+    several = sum(t.device == "cpu" for t in targets) > 1
+    keys = [f"cpu-{t.cpu}" if several and t.device == "cpu" else t.device for t in targets]
+    return [(key, f"model.{key}.vmfb") for key in keys]
+
+
+def _compile_targets(targets: list[Target], activations: list[str], imported: dict, params_sha: str, out: Path,
+                     clock: StageClock, progress: Progress) -> dict[str, dict]:
+    """Stage 4: each target's kernels expanded and its iree-compile run, several at once; the manifest's modules."""
+    jobs = list(zip(targets, activations, module_names(targets)))
+    size = pool_size(len(jobs))
+    clock.stage("iree-compile", f"[4/4] iree-compile for {', '.join(t.description for t in targets)}"
+                + (f": {size.describe(len(jobs))}" if len(jobs) > 1 else ""), total=len(jobs))
+
+    def build(job: tuple[Target, str, tuple[str, str]]) -> tuple[Int8Kernels, bytes, ElideReport, float]:
+        target, acts, _ = job
+        t1 = time.time()
+        cpu = target.device == "cpu"
+        int8 = choose_kernels(target.cpu_flags) if acts == "int8" else FLOAT_KERNELS
+        target_mlir, _ = expand_qlinear_ops(imported[cpu][0], cpu_tiles=cpu, int8=int8)
+        if cpu:
+            target_mlir, _ = expand_decode_attention_ops(target_mlir)
+        vmfb, inplace = compile_torch_module(target_mlir, target.flags)
+        return int8, vmfb, inplace, time.time() - t1
+
+    modules = {}
+    for (target, acts, (key, name)), (int8, vmfb, inplace, seconds) in run_concurrently(build, jobs, size.workers):
+        (out / name).write_bytes(vmfb)
+        modules[key] = {
+            "file": name,
+            "sha256": sha256_file(out / name),
+            "size": len(vmfb),
+            "params_sha256": params_sha,
+            "device": target.device,
+            "cpu": target.cpu,
+            "flags": target.flags,
+            "description": target.description,
+            "arch": target.arch,
+            "cpu_flags": target.cpu_flags,
+            "activations": acts,
+            "kernel_isa": int8.record(),  # which int8 kernels (or f32) decode and prefill products took
+            "executable_formats": vmfb_info(out / name).formats,
+        }
+        progress(f"      {name} ({target.description}): {len(vmfb) / 1e6:.1f} MB in {seconds:.0f} s; "
+                 f"{inplace.elided} cache update(s) kept in place, {inplace.kept} state result(s) placed by IREE")
+        clock.advance(target.description)
+    return {key: modules[key] for key, _ in module_names(targets)}  # in the order the targets were given
 
 
 def compile_spec(spec: str, out_dir: str | Path, options: BuildOptions, progress: Progress = print,

@@ -60,6 +60,7 @@ class Target:
     description: str
     arch: str | None = None
     cpu_flags: list[str] = field(default_factory=list)
+    cpu: str | None = None  # the --cpu name of a CPU module: names its file when a bundle holds several
 
 
 def host_arch() -> str:
@@ -137,7 +138,40 @@ def cpu_target(cpu: str = "host", triple: str | None = None) -> Target:
         flags.append(f"--iree-llvmcpu-target-cpu={cpu}")
         if arch == "x86_64":
             cpu_flags = x86_isa_flags(llvm_cpu_features(cpu, triple))
-    return Target("cpu", flags, f"llvm-cpu ({cpu}{', ' + triple if triple else ''})", arch, cpu_flags)
+    return Target("cpu", flags, f"llvm-cpu ({cpu}{', ' + triple if triple else ''})", arch, cpu_flags, cpu)
+
+
+# Named sets of CPUs for --cpu: one module each, the runtime loads the best one the CPU runs.
+# x86-all: every x86-64 CPU in use gets its best int8 kernels from one bundle.
+# - x86-64-v2 (SSE4.2, CPUs since 2009): the float kernels, the baseline that runs anywhere;
+# - x86-64-v3 (AVX2, FMA, F16C, BMI2: Haswell, Zen 1-3 and later): the AVX2 int8 decode kernels;
+# - cascadelake: x86-64-v4 (AVX-512 F/BW/CD/DQ/VL) plus AVX-512 VNNI and nothing else (LLVM's
+#   feature strings, targets.llvm_cpu_features), so the widest level every Intel Xeon with
+#   AVX-512 VNNI (Cascade Lake onwards) and AMD Zen 4 / Zen 5 run: the VNNI decode and prefill kernels.
+#   znver4 or icelake-server would add VBMI, BF16, GFNI..., which Cascade Lake lacks.
+CPU_SETS = {"x86-all": ("x86-64-v2", "x86-64-v3", "cascadelake")}
+
+
+def cpu_names(spec: str, triple: str | None = None) -> list[str]:
+    """The CPUs of a --cpu value: one name, a comma-separated list, or a named set (CPU_SETS)."""
+    names: list[str] = []
+    for word in (w.strip() for w in spec.split(",")):
+        if not word:
+            continue
+        if word in CPU_SETS:
+            arch = normalize_triple_arch(triple) if triple else host_arch()
+            if arch != "x86_64":
+                raise TargetError(f"--cpu {word} is a set of x86-64 CPUs; this target is {arch}: name its CPUs")
+            names += CPU_SETS[word]
+        else:
+            names.append(word)
+    if not names:
+        raise TargetError(f"--cpu {spec!r} names no CPU; expected host, generic, an LLVM CPU name, "
+                          f"a comma-separated list of them or {', '.join(CPU_SETS)}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise TargetError(f"--cpu {spec!r} names {', '.join(repeated)} more than once")
+    return names
 
 
 def vulkan_target_for_device(name: str) -> str | None:
@@ -199,7 +233,7 @@ def cuda_target(arch: str = DEFAULT_CUDA_ARCH) -> Target:
 
 def make_target(name: str, cpu: str = "host", triple: str | None = None,
                 vulkan: str = DEFAULT_VULKAN_TARGET, cuda_arch: str = DEFAULT_CUDA_ARCH) -> Target:
-    """The Target for a --target name and the per-backend options."""
+    """The Target for a --target name and the per-backend options (`cpu`: one CPU name)."""
     if name == "cpu":
         return cpu_target(cpu, triple)
     if name == "vulkan":
@@ -207,3 +241,11 @@ def make_target(name: str, cpu: str = "host", triple: str | None = None,
     if name == "cuda":
         return cuda_target(cuda_arch)
     raise TargetError(f"unknown target {name!r}; expected cpu, vulkan or cuda")
+
+
+def make_targets(name: str, cpu: str = "host", triple: str | None = None,
+                 vulkan: str = DEFAULT_VULKAN_TARGET, cuda_arch: str = DEFAULT_CUDA_ARCH) -> list[Target]:
+    """The Targets for a --target name: one per CPU of a --cpu list for cpu, else one."""
+    if name == "cpu":
+        return [cpu_target(c, triple) for c in cpu_names(cpu, triple)]
+    return [make_target(name, cpu, triple, vulkan, cuda_arch)]

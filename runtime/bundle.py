@@ -209,7 +209,19 @@ class Manifest:
 
     @property
     def modules(self) -> dict[str, dict[str, Any]]:
+        """Module key -> entry: the device name (`cpu`, `vulkan`) for a device's only module,
+        `cpu-<CPU>` for each CPU module of a multi-ISA bundle (`foldline compile --cpu x86-all`)."""
         return self.data["modules"]
+
+    def device_of(self, key: str) -> str:
+        """The device a module runs on (bundles before multi-ISA ones key their modules by device only)."""
+        return self.modules[key].get("device") or key
+
+    def module_keys(self, device: str) -> list[str]:
+        return [key for key in self.modules if self.device_of(key) == device]
+
+    def devices(self) -> list[str]:
+        return sorted({self.device_of(key) for key in self.modules})
 
     @property
     def tokenizer_path(self) -> Path | None:
@@ -235,13 +247,13 @@ class Manifest:
             if not (self.root / name).is_file():
                 raise BundleError(f"bundle {self.root} is missing {name} (listed in {MANIFEST})")
 
-    def check_sizes(self, device: str) -> None:
-        """Cheap size check of the files a device needs, done even without hashing.
+    def check_sizes(self, key: str) -> None:
+        """Cheap size check of the files module `key` needs, done even without hashing.
 
         IREE mmaps the .irpa: a truncated archive would otherwise end in SIGBUS
         on first use of a parameter past the end instead of an error here.
         """
-        entries = [self.modules[device]]
+        entries = [self.modules[key]]
         if self.data.get("params"):
             entries.append(self.data["params"])
         for entry in entries:
@@ -264,11 +276,11 @@ class Manifest:
         if actual != expected_sha256:
             raise BundleError(f"{path} does not match the manifest's sha256: corrupted or from another build")
 
-    def verify_module(self, target: str) -> None:
+    def verify_module(self, key: str) -> None:
         """The module's bytes are the ones the manifest lists, built against this bundle's params."""
-        if target not in self.modules:
-            raise BundleError(f"bundle {self.root} has no module for device {target!r}")
-        entry = self.modules[target]
+        if key not in self.modules:
+            raise BundleError(f"bundle {self.root} has no module {key!r}")
+        entry = self.modules[key]
         self.verify_file(entry["file"], entry["sha256"], entry.get("size"))
         params = self.data.get("params")
         if params and entry.get("params_sha256") not in (None, params["sha256"]):
@@ -453,9 +465,18 @@ def check_schema(path: Path, data: dict[str, Any]) -> None:
     if "state_bytes" in data and data["state_bytes"] != total:
         raise r.fail("state_bytes", f"{data['state_bytes']!r} is not the sum of the buffers' nbytes, {total}")
 
-    for device, entry in data["modules"].items():
-        where = f"modules.{device}"
-        r.filename(entry["file"], f"{where}.file")
+    files: dict[str, str] = {}
+    for key, entry in data["modules"].items():
+        where = f"modules.{key}"
+        name = r.filename(entry["file"], f"{where}.file")
+        if name in files:
+            raise r.fail(f"{where}.file", f"{name!r} is also the file of modules.{files[name]}")
+        files[name] = key
+        device = r.string(entry.get("device"), f"{where}.device", optional=True) or key
+        cpu = r.string(entry.get("cpu"), f"{where}.cpu", optional=True)
+        if device != key and not (cpu and key == f"{device}-{cpu}"):
+            raise r.fail(where, f"a {device} module is keyed {device!r}, or {device + '-<cpu>'!r} with its cpu "
+                         f"recorded (got cpu {cpu!r})")
         r.sha256(entry["sha256"], f"{where}.sha256")
         r.integer(entry.get("size"), f"{where}.size", optional=True)
         if entry.get("params_sha256") is not None:
@@ -463,6 +484,11 @@ def check_schema(path: Path, data: dict[str, Any]) -> None:
         r.string(entry.get("arch"), f"{where}.arch", optional=True)
         for j, flag in enumerate(r.array(entry.get("cpu_flags", []), f"{where}.cpu_flags")):
             r.string(flag, f"{where}.cpu_flags[{j}]")
+        isa = entry.get("kernel_isa")
+        if isa is not None:
+            for family in ("decode", "prefill"):
+                r.string(r.key(r.obj(isa, f"{where}.kernel_isa"), family, f"{where}.kernel_isa"),
+                         f"{where}.kernel_isa.{family}")
     params = data.get("params")
     if params is not None:
         r.filename(params["file"], "params.file")
@@ -554,13 +580,13 @@ def entry_point_inputs(manifest: Manifest) -> dict[str, list[tuple[list[int], st
     return out
 
 
-def check_entry_points(manifest: Manifest, device: str, reflection: Any) -> None:
-    """The compiled module takes the buffers the manifest lists, checked before the first call.
+def check_entry_points(manifest: Manifest, key: str, reflection: Any) -> None:
+    """The compiled module `key` takes the buffers the manifest lists, checked before the first call.
 
     `reflection(name)` gives an entry point's reflection dict, or None when the module
     lacks it. A mismatch would otherwise surface as a raw IREE shape error mid-call.
     """
-    vmfb = manifest.modules[device]["file"]
+    vmfb = manifest.modules[key]["file"]
     for name, want in entry_point_inputs(manifest).items():
         info = reflection(name)
         if info is None:

@@ -10,8 +10,9 @@ numpy arrays passed directly (and `DeviceArray.to_host`'s import path) produce.
 
 from __future__ import annotations
 
+import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,15 @@ import numpy as np
 
 from ..errors import InputError
 from .bundle import BundleError, Manifest, check_entry_points, vmfb_info
+from .cpu_select import missing_flags, select_cpu_module
 
 # foldline device name -> IREE HAL driver
 DRIVERS = {"cpu": "local-task", "vulkan": "vulkan", "cuda": "cuda"}
 PARAM_SCOPE = "model"
 _ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
+# Pretend the CPU has only these flags (cpuinfo spelling, comma- or space-separated): which CPU
+# module a multi-ISA bundle loads, and which modules are refused, follow them.
+CPU_FEATURES_ENV = "FOLDLINE_CPU_FEATURES"
 
 
 def normalize_arch(name: str) -> str:
@@ -49,8 +54,30 @@ def host_cpu_features() -> set[str] | None:
     return None
 
 
-def check_host_compatible(module: dict[str, Any], device: str) -> None:
-    """Refuse a CPU module built for another architecture or for features this CPU lacks.
+def cpu_features(override: str | Iterable[str] | None = None) -> set[str] | None:
+    """The CPU flags modules are checked against: `override`, else $FOLDLINE_CPU_FEATURES, else this CPU's.
+
+    An override can only leave features out: naming one this CPU lacks is an error,
+    since a module using it would die with SIGILL. Where the CPU's flags cannot be
+    read (not Linux x86), the override is taken as it is.
+    """
+    detected = host_cpu_features()
+    where = "cpu_features"
+    if override is None:
+        override, where = os.environ.get(CPU_FEATURES_ENV, "").strip() or None, f"${CPU_FEATURES_ENV}"
+        if override is None:
+            return detected
+    names = set(override.replace(",", " ").split() if isinstance(override, str) else override)
+    extra = sorted(names - detected) if detected is not None else []
+    if extra:
+        raise InputError(f"{where} names {', '.join(extra)}, which this CPU lacks: the override can only "
+                         "leave features out (see /proc/cpuinfo for the flags this CPU has)")
+    return names
+
+
+def check_host_compatible(module: dict[str, Any], device: str, have: set[str] | None = None) -> None:
+    """Refuse a CPU module built for another architecture or for features this CPU lacks
+    (`have`: the CPU's flags; None: detect them).
 
     Running such a module would fail at load with an opaque IREE error or,
     worse, die with SIGILL in the middle of a call.
@@ -64,20 +91,18 @@ def check_host_compatible(module: dict[str, Any], device: str) -> None:
             f"the cpu module {module.get('file', '')} was compiled for {arch}; this machine is {here}: "
             f"run it on an {arch} machine or recompile with --target cpu (no --triple)"
         )
-    required = set(module.get("cpu_flags") or [])
-    have = host_cpu_features()
-    if required and have is not None:
-        missing = sorted(required - have)
-        if missing:
-            raise BundleError(
-                f"the cpu module needs CPU features this machine lacks: {', '.join(missing)}; "
-                "recompile with --cpu generic, or with --cpu host on this machine"
-            )
+    missing = sorted(missing_flags(module, host_cpu_features() if have is None else have))
+    if missing:
+        raise BundleError(
+            f"the cpu module needs CPU features this machine lacks: {', '.join(missing)}; "
+            "recompile with --cpu generic, or with --cpu host on this machine"
+        )
 
 
-def check_vmfb_arch(vmfb: Path) -> None:
+def check_vmfb_arch(vmfb: Path, have: set[str] | None = None) -> None:
     """Refuse a CPU module whose embedded executables are for another arch or need CPU features
-    this machine lacks, whatever the manifest says: the module's own target attributes decide."""
+    this machine lacks (`have`; None: detect them), whatever the manifest says: the module's own
+    target attributes decide."""
     info = vmfb_info(vmfb)
     arches = info.arches
     here = host_arch()
@@ -86,7 +111,7 @@ def check_vmfb_arch(vmfb: Path) -> None:
             f"{vmfb} holds executables for {', '.join(sorted(arches))}; this machine is {here}: "
             "the module was cross-compiled or copied from another bundle"
         )
-    have = host_cpu_features()
+    have = host_cpu_features() if have is None else have
     if info.cpu_flags and have is not None:
         missing = [f for f in info.cpu_flags if f not in have]
         if missing:
@@ -150,6 +175,7 @@ class DeviceContext:
     config: rt.Config
     device: rt.HalDevice
     module: Any  # the bound VM module (functions as attributes)
+    module_key: str = ""  # the manifest's key of the loaded module: `cpu`, `cpu-x86-64-v3`, `vulkan`, ...
 
     def upload(self, array: np.ndarray) -> rt.DeviceArray:
         """A device-local copy of `array` (never an import of the host pointer)."""
@@ -266,26 +292,37 @@ def _reflection(module: rt.VmModule, name: str) -> dict[str, str] | None:
     return None if function is None else dict(function.reflection)
 
 
-def open_device(manifest: Manifest, device: str, verify: bool = True, threads: int | None = None) -> DeviceContext:
+def open_device(manifest: Manifest, device: str, verify: bool = True, threads: int | None = None,
+                cpu: str | None = None, features: str | Iterable[str] | None = None) -> DeviceContext:
     """Create the device, load params + module for it; clear errors for what is missing.
 
     threads: CPU worker threads (None: IREE's default, one per physical core; 1: the caller's thread).
+    cpu: pin the CPU module compiled for that --cpu name (else the best one this CPU runs,
+    runtime/cpu_select.py); features: the CPU flags to assume (cpu_features).
     """
     if device not in DRIVERS:
         raise BundleError(f"unknown device {device!r}; expected one of {', '.join(DRIVERS)}")
-    if device not in manifest.modules:
-        have = ", ".join(sorted(manifest.modules)) or "none"
+    if device not in manifest.devices():
         raise BundleError(
-            f"bundle {manifest.root} has no module for device {device!r} (it has: {have}); "
+            f"bundle {manifest.root} has no module for device {device!r} (it has: {', '.join(manifest.devices())}); "
             f"recompile with --target {device}"
         )
-    entry = manifest.modules[device]
-    check_host_compatible(entry, device)
-    manifest.check_sizes(device)
-    if device == "cpu":
-        check_vmfb_arch(manifest.root / entry["file"])
+    if (cpu is not None or features is not None) and device != "cpu":
+        raise InputError(f"cpu and cpu_features apply to the cpu device, not {device!r}")
+    have = cpu_features(features) if device == "cpu" else None
+    try:
+        key = select_cpu_module(manifest, have, host_arch(), cpu) if device == "cpu" else manifest.module_keys(device)[0]
+        entry = manifest.modules[key]
+        check_host_compatible(entry, device, have)
+        if device == "cpu":
+            check_vmfb_arch(manifest.root / entry["file"], have)
+    except BundleError as e:
+        if features is None and os.environ.get(CPU_FEATURES_ENV, "").strip():
+            raise BundleError(f"{e} (CPU features from ${CPU_FEATURES_ENV}={os.environ[CPU_FEATURES_ENV]})") from None
+        raise
+    manifest.check_sizes(key)
     if verify:
-        manifest.verify_module(device)
+        manifest.verify_module(key)
         manifest.verify_params()
         manifest.verify_tokenizer()
     if threads is not None and device != "cpu":
@@ -307,10 +344,10 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
         vm_module = rt.VmModule.mmap(instance, str(vmfb))
     except Exception as e:
         raise BundleError(f"could not load {vmfb} on {device}: {e}") from e
-    check_entry_points(manifest, device, lambda name: _reflection(vm_module, name))
+    check_entry_points(manifest, key, lambda name: _reflection(vm_module, name))
     modules.append(vm_module)
     try:
         loaded = rt.load_vm_modules(*modules, config=config)
     except Exception as e:
         raise BundleError(f"could not load {vmfb} on {device}: {e}") from e
-    return DeviceContext(device, config, config.device, loaded[-1])
+    return DeviceContext(device, config, config.device, loaded[-1], key)

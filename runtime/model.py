@@ -9,7 +9,7 @@ between steps.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,16 +56,26 @@ class Model:
 
     @classmethod
     def load(cls, bundle_dir: str | Path, device: str = "cpu", verify: bool = True,
-             threads: int | None = None) -> Model:
+             threads: int | None = None, cpu: str | None = None,
+             cpu_features: str | Iterable[str] | None = None) -> Model:
         """Open a bundle on `device`.
 
         threads: CPU worker threads (None: IREE's default, one per physical core;
         1: run on the calling thread). IREE fixes the count for the process at the
         first CPU load; asking for another one later is an error.
+        cpu: of a bundle with several CPU modules (`foldline compile --cpu x86-all`), load the
+        one compiled for this --cpu name; by default the best one this CPU runs.
+        cpu_features: the CPU flags to assume instead of this CPU's (cpuinfo spelling, a subset
+        of them; default: $FOLDLINE_CPU_FEATURES, else the CPU's own).
         """
         manifest = Manifest.load(bundle_dir)
-        ctx = open_device(manifest, device, verify=verify, threads=threads)
+        ctx = open_device(manifest, device, verify=verify, threads=threads, cpu=cpu, features=cpu_features)
         return cls(manifest, ctx)
+
+    @property
+    def module_key(self) -> str:
+        """The manifest's key of the loaded module (`cpu`, `cpu-x86-64-v3`, ...): manifest.modules[key]."""
+        return self.ctx.module_key
 
     @property
     def ctx(self) -> DeviceContext:

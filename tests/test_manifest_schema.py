@@ -272,3 +272,60 @@ def test_a_module_records_the_cpu_features_it_was_compiled_for(tmp_path, monkeyp
     monkeypatch.setattr(device, "host_cpu_features", lambda: set(flags))
     check_vmfb_arch(vmfb)
 
+
+
+# ---- several CPU modules ----------------------------------------------------------------------
+
+# What LLVM enables for the CPUs of --cpu x86-all (targets.llvm_cpu_features), and the kernels each takes.
+X86_V2 = ["sse4_1", "sse4_2"]
+X86_V3 = [*X86_V2, "avx", "avx2", "fma", "f16c", "bmi2"]
+CASCADELAKE = [*X86_V3, "avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl", "avx512_vnni"]
+MULTI_ISA = {"x86-64-v2": (X86_V2, "f32", "f32"), "x86-64-v3": (X86_V3, "int8-avx2", "f32"),
+             "cascadelake": (CASCADELAKE, "int8-avx512vnni", "int8-avx512vnni")}
+
+
+def multi_isa_manifest(cpus: list[str] | None = None) -> dict[str, Any]:
+    """A sealed manifest with one CPU module per name of MULTI_ISA, as `--cpu x86-all` writes it."""
+    data = manifest_for("llama-tiny")
+    data["modules"] = {}
+    for cpu in cpus or list(MULTI_ISA):
+        flags, decode, prefill = MULTI_ISA[cpu]
+        data["modules"][f"cpu-{cpu}"] = {
+            "file": f"model.cpu-{cpu}.vmfb", "sha256": HEX, "size": 10, "params_sha256": HEX, "device": "cpu",
+            "cpu": cpu, "arch": "x86_64", "cpu_flags": flags, "kernel_isa": {"decode": decode, "prefill": prefill}}
+    return seal_manifest(data)
+
+
+def test_a_multi_isa_manifest_passes_the_rules():
+    data = multi_isa_manifest()
+    check_seal(PATH, data)
+    check_schema(PATH, data)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["cpu-x86-64-v3"].update(file="model.cpu-x86-64-v2.vmfb"),
+     r"modules.cpu-x86-64-v3.file: 'model.cpu-x86-64-v2.vmfb' is also the file of modules.cpu-x86-64-v2"),
+    (lambda m: m["cpu-x86-64-v3"].update(cpu="znver4"),
+     r"modules.cpu-x86-64-v3: a cpu module is keyed 'cpu', or 'cpu-<cpu>' with its cpu recorded \(got cpu 'znver4'\)"),
+    (lambda m: m["cpu-x86-64-v3"].pop("cpu"), r"modules.cpu-x86-64-v3: a cpu module is keyed 'cpu'"),
+    (lambda m: m["cpu-x86-64-v3"].update(device=3), r"modules.cpu-x86-64-v3.device: must be a string, got 3"),
+    (lambda m: m["cpu-x86-64-v3"]["kernel_isa"].pop("prefill"), r"modules.cpu-x86-64-v3.kernel_isa.prefill: is missing"),
+])
+def test_multi_isa_module_entries_are_checked(edit, message):
+    data = multi_isa_manifest()
+    edit(data["modules"])
+    with pytest.raises(BundleError, match=message):
+        check_schema(PATH, data)
+
+
+def test_a_multi_isa_manifest_loads_from_disk_and_lists_its_modules(tmp_path):
+    data = multi_isa_manifest()
+    for name in ("params.irpa", *(m["file"] for m in data["modules"].values())):
+        (tmp_path / name).write_bytes(b"x" * 10)
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    manifest = Manifest.load(tmp_path)
+    assert manifest.devices() == ["cpu"]
+    assert manifest.module_keys("cpu") == ["cpu-x86-64-v2", "cpu-x86-64-v3", "cpu-cascadelake"]
+    (tmp_path / "model.cpu-x86-64-v3.vmfb").unlink()
+    with pytest.raises(BundleError, match="is missing model.cpu-x86-64-v3.vmfb"):
+        Manifest.load(tmp_path)

@@ -15,7 +15,10 @@ def add_parser(sub) -> None:
     p.add_argument("-o", "--output", required=True, type=Path, help="bundle directory to write")
     p.add_argument("--target", action="append", choices=["cpu", "vulkan", "cuda"],
                    help="compile target (repeat for several; default cpu)")
-    p.add_argument("--cpu", default="host", help="CPU for llvm-cpu: host, generic or an LLVM CPU name")
+    p.add_argument("--cpu", default="host",
+                   help="CPU(s) for llvm-cpu: host (default), generic, an LLVM CPU name, a comma-separated list "
+                        "(e.g. x86-64-v3,znver4) or x86-all (x86-64-v2, x86-64-v3, cascadelake): one module "
+                        "per CPU sharing params.irpa; the runtime loads the best one the CPU runs")
     p.add_argument("--triple", default=None, help="cross-compile triple, e.g. aarch64-unknown-linux-gnu")
     p.add_argument("--vulkan-target", default="host",
                    help="IREE Vulkan target: host (the Vulkan device here; lavapipe -> llvmpipe), "
@@ -75,12 +78,14 @@ def _parse_lengths(text: str | None) -> list[int] | None:
 def run(args) -> int:
     from ..backends.build import BuildOptions, compile_spec
     from ..backends.compile_cache import CompileCache
-    from ..backends.targets import make_target
+    from ..backends.targets import make_targets
     from ..passes.manager import resolve_pipeline
 
     targets = [
-        make_target(t, cpu=args.cpu, triple=args.triple, vulkan=args.vulkan_target, cuda_arch=args.cuda_arch)
+        target
         for t in (args.target or ["cpu"])
+        for target in make_targets(t, cpu=args.cpu, triple=args.triple, vulkan=args.vulkan_target,
+                                   cuda_arch=args.cuda_arch)
     ]
     names = [n for n in args.passes.split(",") if n] if args.passes is not None else None
     pipeline = resolve_pipeline(names, args.no_pass)

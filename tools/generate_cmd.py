@@ -27,6 +27,9 @@ def add_parser(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--logits-out", default=None, help="save every generated step's logits as float32 [steps, vocab] .npy")
     p.add_argument("--no-verify", action="store_true", help="skip the bundle hash check at load")
+    p.add_argument("--cpu", default=None, metavar="NAME",
+                   help="of a bundle with several CPU modules, load the one compiled for NAME "
+                        "(default: the best one this CPU runs)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: one per physical core; 1 runs on the calling thread)")
     p.add_argument("--session", default=None, metavar="FILE",
@@ -44,7 +47,7 @@ def _parse_ids(text: str) -> list[int]:
 def run(args) -> int:
     from ..runtime import Model, Sampler
 
-    model = Model.load(args.bundle, device=args.device, verify=not args.no_verify, threads=args.threads)
+    model = Model.load(args.bundle, device=args.device, verify=not args.no_verify, threads=args.threads, cpu=args.cpu)
     resume = args.session is not None and Path(args.session).exists()
     session = model.session_from(args.session) if resume else model.session()
     base_sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)

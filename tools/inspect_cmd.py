@@ -16,8 +16,24 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
+def _cpu_choice(m) -> str:
+    """Which CPU module this machine would load, or why none (runtime/cpu_select.py)."""
+    from ..runtime.bundle import BundleError
+    from ..runtime.cpu_select import select_cpu_module
+    from ..runtime.device import check_host_compatible, cpu_features, host_arch
+
+    try:
+        have = cpu_features()
+        key = select_cpu_module(m, have, host_arch())
+        check_host_compatible(m.modules[key], "cpu", have)
+    except BundleError as e:
+        return f"none: {e}"
+    return f"{key} ({m.modules[key]['file']})"
+
+
 def run(args) -> int:
     from ..runtime.bundle import Manifest
+    from ..runtime.cpu_select import isa_level
 
     m = Manifest.load(args.bundle)
     if args.json:
@@ -35,12 +51,15 @@ def run(args) -> int:
     params = m.data.get("params")
     if params:
         print(f"params   {params['file']}: {params['count']} tensors, {_mib(params['size'])}")
-    for device, mod in m.modules.items():
+    for key, mod in m.modules.items():
         acts = f", {mod['activations']} activations in quantized decode" if mod.get("activations") else ""
         isa = mod.get("kernel_isa")
         if isa:
             acts += f" (kernels: decode {isa['decode']}, prefill {isa['prefill']})"
-        print(f"module   {device}: {mod['file']} ({_mib(mod['size'])}) {mod['description']}{acts}")
+        level = f", ISA {isa_level(mod)}" if m.device_of(key) == "cpu" and mod.get("arch") == "x86_64" else ""
+        print(f"module   {key}: {mod['file']} ({_mib(mod['size'])}) {mod['description']}{level}{acts}")
+    if "cpu" in m.devices():
+        print(f"this CPU loads {_cpu_choice(m)}")
     print(f"tokenizer {m.data.get('tokenizer') or 'none (token ids only)'}")
     print(f"passes   {', '.join(p['name'] + ('*' if p['changed'] else '') for p in m.data.get('passes', [])) or 'none'}"
           "   (* changed the program)")

@@ -1,0 +1,83 @@
+"""Which CPU module of a bundle a machine loads: the best one its CPU runs.
+
+A bundle compiled with `--cpu x86-all` (or a list of CPUs) holds one CPU module
+per ISA level, all reading the same params.irpa. As llama.cpp's all-variants
+build does, the runtime takes, among the modules whose recorded `cpu_flags` the
+CPU has, the one with the best int8 kernels (AVX-512 VNNI > AVX2 > float), and
+among equals the one compiled for more ISA extensions. Pure functions of the
+manifest and a feature set, so the choice is testable on any machine;
+runtime/device.py supplies the features (detected or overridden).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .bundle import BundleError, Manifest
+
+# The manifest's kernel_isa names (backends/int8_isa.py), worst first.
+KERNEL_RANK = ("f32", "int8-avx2", "int8-avx512vnni")
+# cpu_flags that name a module's ISA level in `foldline inspect`, widest first.
+ISA_LEVELS = ("avx512_vnni", "avx512f", "avx_vnni", "avx2", "avx", "sse4_2")
+
+
+def missing_flags(entry: dict[str, Any], have: set[str] | None) -> list[str]:
+    """The module's cpu_flags a CPU with `have` lacks ([] where the features are unknown)."""
+    if have is None:
+        return []
+    return [f for f in entry.get("cpu_flags") or [] if f not in have]
+
+
+def kernel_rank(entry: dict[str, Any]) -> tuple[int, int]:
+    """How good a CPU module's kernels are: the rank of its decode and prefill kernels, then its ISA width."""
+    isa = entry.get("kernel_isa") or {}
+    ranks = [KERNEL_RANK.index(isa[f]) if isa.get(f) in KERNEL_RANK else 0 for f in ("decode", "prefill")]
+    return sum(ranks), len(entry.get("cpu_flags") or [])
+
+
+def isa_level(entry: dict[str, Any]) -> str:
+    """The widest notable extension a module uses (`avx512_vnni`, `avx2`, ...), or `baseline`."""
+    flags = set(entry.get("cpu_flags") or [])
+    return next((level for level in ISA_LEVELS if level in flags), "baseline")
+
+
+def _name(key: str, entry: dict[str, Any]) -> str:
+    return entry.get("cpu") or key
+
+
+def select_cpu_module(manifest: Manifest, have: set[str] | None, here: str, cpu: str | None = None) -> str:
+    """The manifest key of the CPU module to load on a CPU with features `have` (None: unknown) and arch `here`.
+
+    `cpu` pins the module compiled for that --cpu name. A bundle with one CPU module
+    returns it; whether it runs here is checked on load (runtime/device.py), as before.
+    Where the CPU's features are unknown, the most portable module (fewest cpu_flags).
+    """
+    keys = manifest.module_keys("cpu")
+    if not keys:
+        raise BundleError(f"bundle {manifest.root} has no module for device 'cpu' "
+                          f"(it has: {', '.join(manifest.devices()) or 'none'}); recompile with --target cpu")
+    if cpu is not None:
+        pinned = [k for k in keys if cpu in (k, manifest.modules[k].get("cpu"))]
+        if not pinned:
+            names = ", ".join(_name(k, manifest.modules[k]) for k in keys)
+            raise BundleError(f"bundle {manifest.root} has no CPU module for --cpu {cpu} (it has: {names})")
+        return pinned[0]
+    if len(keys) == 1:
+        return keys[0]
+    if have is None:
+        return min(keys, key=lambda k: len(manifest.modules[k].get("cpu_flags") or []))
+    fits, reasons = [], []
+    for key in keys:
+        entry = manifest.modules[key]
+        arch, missing = entry.get("arch"), missing_flags(entry, have)
+        if arch and arch != here:
+            reasons.append(f"{entry['file']} is for {arch}")
+        elif missing:
+            reasons.append(f"{entry['file']} needs {', '.join(missing)}")
+        else:
+            fits.append(key)
+    if not fits:
+        raise BundleError(f"none of the {len(keys)} CPU modules of bundle {manifest.root} runs on this CPU "
+                          f"({here}): {'; '.join(reasons)}; recompile with --cpu host on this machine "
+                          "or add --cpu generic to the list")
+    return max(fits, key=lambda k: kernel_rank(manifest.modules[k]))
