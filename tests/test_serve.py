@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +13,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.realmodel]
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
+from serve_common import RunningServer  # noqa: E402
 
 MODEL = "smollm2-135m"
 ROWS = 4
@@ -28,36 +27,6 @@ PROMPTS = [
     "A haiku about autumn:\n",
     "The largest planet in our solar system is Jupiter. The smallest planet",
 ]
-
-
-class RunningServer:
-    """uvicorn on a socket bound to a free port of 127.0.0.1, in a thread; stopped by close()."""
-
-    def __init__(self, served):
-        from foldline.server.app import create_app
-
-        self.served = served
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(create_app(served), log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")
