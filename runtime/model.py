@@ -142,7 +142,9 @@ class Model:
         return entry if length is None else f"{entry}_{length}"
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        # encode_batch lets go of the GIL while it works (encode holds it), so a long prompt
+        # tokenized on one thread does not stall the others (the server's event loop)
+        ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         bos = self.config.get("bos_token_id")
         if add_bos and bos is not None:
             ids = [bos, *ids]

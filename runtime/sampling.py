@@ -1,4 +1,4 @@
-"""Next-token selection from logits: greedy, or temperature / top-k / top-p sampling."""
+"""Next-token selection from logits: greedy, or temperature / top-k / top-p sampling; log-probabilities."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ class Sampler:
         logits = np.asarray(logits, dtype=np.float64).reshape(-1)
         if self.temperature == 0:
             return int(np.argmax(logits))
-        scaled = logits / self.temperature
+        # shift before dividing: a tiny temperature then sends the others to -inf, never inf - inf = NaN
+        scaled = (logits - logits.max()) / self.temperature
         order = np.argsort(-scaled, kind="stable")
         if self.top_k > 0:
             order = order[: self.top_k]
@@ -43,3 +44,25 @@ class Sampler:
             cutoff = int(np.searchsorted(np.cumsum(probs), self.top_p) + 1)
             order, probs = order[:cutoff], probs[:cutoff] / probs[:cutoff].sum()
         return int(order[self._rng.choice(len(order), p=probs)])
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The model's log-probability of a chosen token and the `k` most likely tokens (id, log-probability)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: np.ndarray, token: int, k: int = 0) -> TokenLogprobs:
+    """log_softmax of the raw logits (before temperature or top-p): what the model itself assigns."""
+    x = np.asarray(logits, dtype=np.float64).reshape(-1)
+    peak = x.max()
+    logp = x - (peak + np.log(np.exp(x - peak).sum()))
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        k = min(k, logp.size)
+        best = np.argpartition(-logp, k - 1)[:k]
+        best = best[np.lexsort((best, -logp[best]))]  # most likely first, ties to the lowest id
+        top = tuple((int(i), float(logp[i])) for i in best)
+    return TokenLogprobs(float(logp[token]), top)

@@ -9,7 +9,15 @@ One thread owns the `Batch` and runs a loop:
    prefill calls;
 3. each row whose prompt is complete samples a token and hands it to its
    request; a request that hits a stop id, its token budget, the context
-   limit or a cancellation gives its row back.
+   limit, its deadline or a cancellation gives its row back.
+
+The loop must outlive any one request: an exception while a request is
+sampled or handed its token ends that request only; a failed module call ends
+the requests of that call and the batch is rebuilt. Should the loop itself end
+(a stop, or a fault it cannot recover from), every request still queued or
+running is finished, so no caller waits forever. `health()` reports a loop
+that died or stopped making progress while it has work (a watchdog for
+`/health`).
 
 Requests beyond the free rows wait in a bounded queue; a full queue is refused
 at submit (`QueueFullError`), which the server turns into HTTP 503.
@@ -18,7 +26,9 @@ at submit (`QueueFullError`), which the server turns into HTTP 503.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -26,68 +36,110 @@ import numpy as np
 
 from ..errors import FoldlineError
 from .checks import ContextFullError, check_ids
-from .sampling import Sampler
+from .sampling import Sampler, TokenLogprobs, token_logprobs
+
+log = logging.getLogger("foldline.scheduler")
+
+# Why a request ended, as passed to on_finish.
+FINISH_REASONS = ("stop", "length", "timeout", "cancelled", "shutdown", "error")
 
 
 class QueueFullError(FoldlineError, RuntimeError):
-    """Every row is busy and the waiting queue is full."""
+    """Every row is busy and the waiting queue is full, or the scheduler no longer takes requests."""
+
+
+class SchedulerDownError(QueueFullError):
+    """The scheduler is stopping or its loop has ended: nothing new can run."""
 
 
 @dataclass(eq=False)
 class Request:
     """One generation: a prompt, a budget, and callbacks run on the scheduler thread.
 
-    on_token(id) is called for every sampled token (stop ids included, so a
-    caller can see why it ended); on_finish(reason, error) once at the end with
-    reason "stop" (a stop id), "length" (max_tokens or the context limit),
-    "cancelled" or "error".
+    on_token(id, logprobs) is called for every sampled token (stop ids
+    included, so a caller can see why it ended); logprobs is a TokenLogprobs
+    when `logprobs` is set (the number of most likely tokens to report beside
+    the chosen one), else None. on_finish(reason, error) is called exactly
+    once at the end, with a reason of FINISH_REASONS: "stop" (a stop id),
+    "length" (max_tokens or the context limit), "timeout" (the deadline, a
+    time.monotonic() value, passed), "cancelled" / "shutdown" (cancel()) or
+    "error" (with a message).
     """
 
     prompt_ids: Sequence[int]
     max_tokens: int
-    on_token: Callable[[int], None]
+    on_token: Callable[[int, TokenLogprobs | None], None]
     on_finish: Callable[[str, str | None], None]
     sampler: Sampler = field(default_factory=Sampler)
     stop_ids: frozenset[int] = frozenset()
+    logprobs: int | None = None
+    deadline: float | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    cancel_reason: str = "cancelled"
     # set by the scheduler
     row: int | None = None
     pending: list[int] = field(default_factory=list)  # prompt tokens not fed yet
     generated: int = 0
     last_token: int | None = None
+    finished: bool = False
 
-    def cancel(self) -> None:
+    def cancel(self, reason: str = "cancelled") -> None:
         """Ask the scheduler to stop this request; its row is freed at the next step."""
+        if not self.cancelled.is_set():
+            self.cancel_reason = reason
         self.cancelled.set()
 
 
 class Scheduler:
     """Runs requests on the rows of `model.batch()` from one background thread."""
 
-    def __init__(self, model, max_queue: int = 64):
+    def __init__(self, model, max_queue: int = 64, stall_timeout: float = 60.0):
         self.model = model  # a runtime Model
         self.batch = model.batch()
         self.max_queue = max_queue
+        self.stall_timeout = stall_timeout
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: dict[int, Request] = {}
         self._wake = threading.Condition()
+        self._finish_lock = threading.Lock()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._progress_at = time.monotonic()
+        self.died: str | None = None  # why the loop ended other than by stop()
         self.steps = 0  # module calls made (for stats and tests)
+        self.submitted = 0
+        self.finished: collections.Counter[str] = collections.Counter()  # requests ended, by reason
 
     # ---- API -----------------------------------------------------------------
     def start(self) -> Scheduler:
-        self._thread = threading.Thread(target=self._loop, name="foldline-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="foldline-scheduler", daemon=True)
         self._thread.start()
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Finish the loop; requests still queued or running end as cancelled."""
+        """End the loop; requests still queued or running end as "shutdown".
+
+        Returns within `timeout` even when the loop is stuck in a module call:
+        the requests are then finished from here and the stuck (daemon)
+        thread is left behind.
+        """
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
-        if self._thread is not None:
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
+        with self._wake:
+            left = [*self._running.values(), *self._waiting]
+            self._waiting.clear()
+        for request in left:
+            self._finish(request, "shutdown")
+
+    def cancel_all(self, reason: str = "shutdown") -> None:
+        """Cancel every queued and running request (each ends at the next step with `reason`)."""
+        with self._wake:
+            for request in [*self._running.values(), *self._waiting]:
+                request.cancel(reason)
+            self._wake.notify_all()
 
     def submit(self, request: Request) -> Request:
         """Queue a request; refuses bad ids, a prompt with no room to generate, and a full queue."""
@@ -99,12 +151,16 @@ class Scheduler:
                                    f"{self.model.max_context}, which leaves no room to generate")
         request.pending = ids.tolist()
         with self._wake:
-            if self._stopping:
-                raise QueueFullError("the server is shutting down")
+            if self._stopping or not self.alive:
+                raise SchedulerDownError("the server is shutting down" if self._stopping else
+                                         f"the generation loop has stopped ({self.died or 'not started'})")
             if len(self._waiting) >= self.max_queue and len(self._running) >= self.batch.rows:
                 raise QueueFullError(f"all {self.batch.rows} rows are busy and {len(self._waiting)} requests "
                                      "are waiting; retry later")
+            if not self._waiting and not self._running:
+                self._progress_at = time.monotonic()  # the stall clock starts when work arrives
             self._waiting.append(request)
+            self.submitted += 1
             self._wake.notify_all()
         return request
 
@@ -114,35 +170,89 @@ class Scheduler:
         with self._wake:
             return len(self._running), len(self._waiting)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.died is None
+
+    def health(self) -> str | None:
+        """None when the loop is serving; otherwise why it is not (dead, or stalled with work waiting)."""
+        if self._thread is None:
+            return "the generation loop has not started"
+        if not self.alive:
+            return f"the generation loop has stopped: {self.died or 'stopped'}"
+        with self._wake:
+            busy = bool(self._running or self._waiting)
+            idle_for = time.monotonic() - self._progress_at
+        if busy and idle_for > self.stall_timeout:
+            return f"the generation loop has made no progress for {idle_for:.1f} s with requests waiting"
+        return None
+
     # ---- the loop --------------------------------------------------------------
+    def _run(self) -> None:
+        """The thread: the loop, and whatever it leaves unfinished finished when it ends, however it ends."""
+        try:
+            self._loop()
+        except BaseException as e:
+            self.died = f"{type(e).__name__}: {e}"
+            log.exception("the generation loop died")
+            raise
+        finally:
+            with self._wake:
+                left = [*self._running.values(), *self._waiting]
+                self._waiting.clear()
+            for request in left:
+                if self._stopping:
+                    self._finish(request, "shutdown")
+                else:
+                    self._finish(request, "error", f"the generation loop stopped: {self.died}")
+
     def _loop(self) -> None:
         while True:
             with self._wake:
                 while not self._stopping and not self._waiting and not self._running:
                     self._wake.wait()
                 if self._stopping:
-                    break
+                    return
+                self._drop_waiting()
                 self._admit()
-            self._drop_cancelled()
+            self._drop_running()
             if self._running:
-                self._step()
-        for request in [*self._running.values(), *self._waiting]:
-            self._finish(request, "cancelled")
-        self._waiting.clear()
+                try:
+                    self._step()
+                except Exception as e:  # a fault outside any one request: end the running ones, go on
+                    log.exception("a scheduler step failed")
+                    self._fail_running(e)
+            self._progress_at = time.monotonic()
+
+    def _drop_waiting(self) -> None:
+        """Waiting requests that were cancelled or ran out of time end without a row (called under the lock)."""
+        now = time.monotonic()
+        for request in [r for r in self._waiting if r.cancelled.is_set() or _expired(r, now)]:
+            self._waiting.remove(request)
+            self._finish(request, request.cancel_reason if request.cancelled.is_set() else "timeout")
 
     def _admit(self) -> None:
         """Waiting requests take free rows, oldest first (called under the lock)."""
         while self._waiting and self.batch.free_rows():
+            row = self.batch.open_row()  # before the pop: a failure here leaves the request queued, not lost
             request = self._waiting.popleft()
-            if request.cancelled.is_set():
-                self._finish(request, "cancelled")
-                continue
-            request.row = self.batch.open_row()
-            self._running[request.row] = request
+            request.row = row
+            self._running[row] = request
 
-    def _drop_cancelled(self) -> None:
-        for request in [r for r in self._running.values() if r.cancelled.is_set()]:
-            self._finish(request, "cancelled")
+    def _drop_running(self) -> None:
+        now = time.monotonic()
+        for request in list(self._running.values()):
+            if request.cancelled.is_set():
+                self._finish(request, request.cancel_reason)
+            elif _expired(request, now):
+                self._finish(request, "timeout")
+
+    def _fail_running(self, e: BaseException) -> None:
+        """Every running request fails and the rows start again from a new batch."""
+        for request in list(self._running.values()):
+            self._finish(request, "error", f"{type(e).__name__}: {e}")
+        self.batch.close()
+        self.batch = self.model.batch()  # if this fails too, the loop ends and health says so
 
     def _step(self) -> None:
         chunk = self.model.chunk
@@ -155,10 +265,7 @@ class Scheduler:
         try:
             logits = self.batch.step(feeds)
         except Exception as e:  # the batch is broken: every running request fails, new rows start clean
-            for request in list(self._running.values()):
-                self._finish(request, "error", f"{type(e).__name__}: {e}")
-            self.batch.close()
-            self.batch = self.model.batch()
+            self._fail_running(e)
             return
         self.steps += 1
         for row, request in list(self._running.items()):
@@ -167,12 +274,13 @@ class Scheduler:
             self._emit(request, logits[row])
 
     def _emit(self, request: Request, logits: np.ndarray) -> None:
-        token = request.sampler(logits)
-        request.generated += 1
-        request.last_token = token
         try:
-            request.on_token(token)
-        except Exception as e:  # a consumer that fails is cancelled, the others go on
+            token = request.sampler(logits)
+            info = None if request.logprobs is None else token_logprobs(logits, token, request.logprobs)
+            request.generated += 1
+            request.last_token = token
+            request.on_token(token, info)
+        except Exception as e:  # this request's sampler or consumer failed: it ends, the others go on
             self._finish(request, "error", f"{type(e).__name__}: {e}")
             return
         if token in request.stop_ids:
@@ -181,6 +289,12 @@ class Scheduler:
             self._finish(request, "length")
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        """Free the request's row and tell its caller, once, however many paths reach here."""
+        with self._finish_lock:
+            if request.finished:
+                return
+            request.finished = True
+            self.finished[reason] += 1
         if request.row is not None and self._running.get(request.row) is request:
             del self._running[request.row]
             if not self.batch.closed:
@@ -189,3 +303,7 @@ class Scheduler:
             request.on_finish(reason, error)
         except Exception:  # noqa: S110 - a finished consumer has nothing left to tell
             pass
+
+
+def _expired(request: Request, now: float) -> bool:
+    return request.deadline is not None and now >= request.deadline

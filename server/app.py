@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP app: /v1/chat/completions, /v1/completions, /v1/models, /health.
 
 Starlette handles HTTP; generation runs on the scheduler's thread
-(runtime/scheduler.py), which hands each sampled token to the request's
-asyncio queue. Text is made on the event loop with the same incremental
-detokenizer and stop-string filter as the runtime's streaming, so a served
-answer equals `foldline generate`'s for the same prompt.
+(server/served.py bridges it to asyncio). The event loop only moves bytes:
+tokenization and chat templating run in a worker thread, so a huge prompt
+never stalls `/health` or the other streams. Every error, including one
+nobody foresaw, is answered as an OpenAI-style JSON body.
 """
 
 from __future__ import annotations
@@ -12,132 +12,55 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..runtime.chat import chat_prompt
-from ..runtime.checks import ContextFullError, TokenIdError
-from ..runtime.sampling import Sampler
-from ..runtime.scheduler import QueueFullError, Request, Scheduler
-from ..runtime.streaming import IncrementalDetokenizer, StopStringFilter
-from .protocol import ApiError, GenerationParams, chat_messages, completion_prompt, parse_params
+from .logprobs import LogprobFormatter
+from .protocol import ApiError, generation_params
+from .schema import ChatBody, CompletionBody, parse_body
+from .served import Generation, Outcome, ServedModel, ServeOptions
 
+__all__ = ["ServedModel", "ServeOptions", "create_app"]
 
-@dataclass
-class Outcome:
-    """What a finished generation produced."""
+log = logging.getLogger("foldline.server")
 
-    text: str = ""
-    completion_tokens: int = 0
-    finish_reason: str = "length"
-
-
-class ServedModel:
-    """The model, its scheduler and its public name."""
-
-    def __init__(self, model, model_id: str, max_queue: int = 64):
-        self.model = model
-        self.model_id = model_id
-        self.created = int(time.time())
-        self.scheduler = Scheduler(model, max_queue=max_queue)
-
-    # ---- prompts -------------------------------------------------------------
-    def completion_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, list):
-            return prompt
-        return self._encode(prompt, add_bos=True)
-
-    def chat_ids(self, body: dict) -> list[int]:
-        try:
-            text = chat_prompt(self.model, chat_messages(body))
-        except ApiError:
-            raise
-        except Exception as e:
-            raise ApiError(400, f"the chat template could not be applied: {e}", param="messages") from e
-        return self._encode(text, add_bos=False)  # the template writes its own BOS
-
-    def _encode(self, text: str, add_bos: bool) -> list[int]:
-        if self.model.manifest.tokenizer_path is None:
-            raise ApiError(400, "this bundle has no tokenizer: send the prompt as a list of token ids", param="prompt")
-        return self.model.encode(text, add_bos=add_bos)
-
-    # ---- generation ------------------------------------------------------------
-    async def generate(self, ids: list[int], params: GenerationParams, outcome: Outcome) -> AsyncIterator[str]:
-        """Yield text pieces as they settle; `outcome` is complete once the iteration ends."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        room = self.model.max_context - len(ids)
-        max_tokens = room if params.max_tokens is None else params.max_tokens
-        request = Request(
-            prompt_ids=ids,
-            max_tokens=max_tokens,
-            on_token=lambda t: loop.call_soon_threadsafe(events.put_nowait, ("token", t)),
-            on_finish=lambda reason, err: loop.call_soon_threadsafe(events.put_nowait, ("finish", reason, err)),
-            sampler=Sampler(params.temperature, 0, params.top_p, params.seed),
-            stop_ids=frozenset(self.model.eos_token_ids),
-        )
-        try:
-            self.scheduler.submit(request)
-        except QueueFullError as e:
-            raise ApiError(503, str(e), kind="server_error", code="queue_full") from e
-        except ContextFullError as e:
-            raise ApiError(400, f"{e}", param="messages", code="context_length_exceeded") from e
-        except TokenIdError as e:
-            raise ApiError(400, str(e), param="prompt") from e
-        has_tokenizer = self.model.manifest.tokenizer_path is not None
-        detok = IncrementalDetokenizer(self.model.tokenizer) if has_tokenizer else None
-        stops = StopStringFilter(params.stop)
-        try:
-            while True:
-                event = await events.get()
-                if event[0] == "token":
-                    token = event[1]
-                    outcome.completion_tokens += 1
-                    if token in request.stop_ids or detok is None:
-                        continue
-                    piece = stops.push(detok.push(token))
-                    if piece:
-                        outcome.text += piece
-                        yield piece
-                    if stops.stopped:
-                        request.cancel()
-                        outcome.finish_reason = "stop"
-                        return
-                    continue
-                _, reason, error = event
-                if reason == "error":
-                    raise ApiError(500, f"generation failed: {error}", kind="server_error")
-                outcome.finish_reason = "stop" if reason == "stop" else "length"
-                if detok is not None:
-                    tail = stops.push(detok.flush())
-                    if not stops.stopped:
-                        tail += stops.flush()
-                    else:
-                        outcome.finish_reason = "stop"
-                    if tail:
-                        outcome.text += tail
-                        yield tail
-                return
-        finally:
-            request.cancel()  # a client gone mid-stream frees its row at the next step
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 
 
 def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-async def _json_body(request: HttpRequest) -> Any:
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def _json_body(request: HttpRequest, limit: int) -> Any:
+    """The parsed body; 413 past `limit` bytes (checked on the declared length and on the bytes read)."""
+    too_large = ApiError(413, f"the request body is larger than this server's limit of {limit} bytes",
+                         code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
     try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return json.loads(b"".join(chunks), parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ApiError(400, f"the request body is not valid JSON: {e}") from e
 
 
@@ -145,13 +68,24 @@ def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+def _usage(ids: list[int], outcome: Outcome) -> dict[str, int]:
+    return {"prompt_tokens": len(ids), "completion_tokens": outcome.completion_tokens,
+            "total_tokens": len(ids) + outcome.completion_tokens}
+
+
 def create_app(served: ServedModel) -> Starlette:
     """The Starlette app; the scheduler starts and stops with it."""
+    options = served.options
+    formatter = LogprobFormatter(served.model)
 
     async def health(_: HttpRequest) -> Response:
         running, waiting = served.scheduler.load
-        return JSONResponse({"status": "ok", "running": running, "waiting": waiting,
-                             "rows": served.scheduler.batch.rows})
+        problem = served.health()
+        body = {"status": "ok" if problem is None else ("shutting_down" if served.draining else "unhealthy"),
+                "running": running, "waiting": waiting, "rows": served.scheduler.batch.rows}
+        if problem is not None:
+            body["reason"] = problem
+        return JSONResponse(body, status_code=200 if problem is None else 503)
 
     async def models(_: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -163,54 +97,73 @@ def create_app(served: ServedModel) -> Starlette:
     async def chat_completions(request: HttpRequest) -> Response:
         return await _serve(request, chat=True)
 
+    async def _start(request: HttpRequest, chat: bool) -> Generation:
+        """Validate, tokenize (off the event loop) and submit; any refusal is an ApiError."""
+        if served.draining:
+            raise ApiError(503, "the server is shutting down", kind="server_error", code="shutting_down")
+        data = await _json_body(request, options.max_body_bytes)
+        if chat:
+            body = parse_body(ChatBody, data)
+            params = generation_params(body, served.model_id, chat=True)
+            ids = await asyncio.to_thread(served.chat_ids, body.conversation())
+            return Generation(served, ids, params, prompt_param="messages")
+        body = parse_body(CompletionBody, data)
+        params = generation_params(body, served.model_id, chat=False)
+        ids = await asyncio.to_thread(served.completion_ids, body.single_prompt())
+        return Generation(served, ids, params, prompt_param="prompt")
+
     async def _serve(request: HttpRequest, chat: bool) -> Response:
         try:
-            body = await _json_body(request)
-            keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-            params = parse_params(body, served.model_id, keys)
-            if not chat and params.max_tokens is None:
-                params.max_tokens = 16  # the OpenAI default for completions
-            ids = served.chat_ids(body) if chat else served.completion_ids(completion_prompt(body))
-            outcome = Outcome()
-            pieces = served.generate(ids, params, outcome)
-            first = await _first(pieces)  # submit now, so queue and context errors are answered as such
+            gen = await _start(request, chat)
         except ApiError as e:
             return _error(e)
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": served.model_id}
-        if params.stream:
-            return StreamingResponse(_stream(meta, ids, params, outcome, first, pieces, chat),
-                                     media_type="text/event-stream")
+        if gen.params.stream:
+            return StreamingResponse(_stream(meta, gen, chat), media_type="text/event-stream")
+        watcher = asyncio.create_task(_watch_disconnect(request, gen))
         try:
-            async for _ in pieces:
+            async for _ in gen.pieces():
                 pass
         except ApiError as e:
             return _error(e)
-        usage = _usage(ids, outcome)
+        finally:
+            watcher.cancel()
+        outcome, want_logprobs = gen.outcome, gen.params.logprobs is not None
+        usage = _usage(gen.ids, outcome)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text},
-                      "finish_reason": outcome.finish_reason, "logprobs": None}
+                      "finish_reason": outcome.finish_reason,
+                      "logprobs": formatter.chat(outcome.logprobs) if want_logprobs else None}
             return JSONResponse({**meta, "object": "chat.completion", "choices": [choice], "usage": usage})
-        choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason, "logprobs": None}
+        choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason,
+                  "logprobs": formatter.completion(outcome.logprobs) if want_logprobs else None}
         return JSONResponse({**meta, "object": "text_completion", "choices": [choice], "usage": usage})
 
-    async def _stream(meta: dict, ids: list[int], params: GenerationParams, outcome: Outcome, first: str | None,
-                      pieces: AsyncIterator[str], chat: bool) -> AsyncIterator[str]:
+    async def _stream(meta: dict, gen: Generation, chat: bool) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
+        outcome, want_logprobs = gen.outcome, gen.params.logprobs is not None
+        sent = {"logprobs": 0, "offset": 0}  # logprob items already sent; text offset of the next ones
 
         def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+            logprobs = None
+            if want_logprobs and not role:
+                items = outcome.logprobs[sent["logprobs"]:]
+                sent["logprobs"] = len(outcome.logprobs)
+                logprobs = formatter.chat(items) if chat else formatter.completion(items, sent["offset"])
+                if not chat:
+                    sent["offset"] += sum(len(t) for t in logprobs["tokens"])
             if chat:
                 delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
             return {**meta, "object": kind, "choices": [choice]}
 
+        pieces = gen.pieces()
         try:
             if chat:
                 yield _sse(chunk("", None, role=True))
-            if first is not None:
-                yield _sse(chunk(first, None))
             async for piece in pieces:
                 yield _sse(chunk(piece, None))
         except ApiError as e:
@@ -219,9 +172,10 @@ def create_app(served: ServedModel) -> Starlette:
             return
         finally:
             await pieces.aclose()
+            gen.cancel()  # a no-op once finished; frees the row when the client left mid-stream
         yield _sse(chunk(None if chat else "", outcome.finish_reason))
-        if params.include_usage:
-            yield _sse({**meta, "object": kind, "choices": [], "usage": _usage(ids, outcome)})
+        if gen.params.include_usage:
+            yield _sse({**meta, "object": kind, "choices": [], "usage": _usage(gen.ids, outcome)})
         yield "data: [DONE]\n\n"
 
     @contextlib.asynccontextmanager
@@ -230,7 +184,7 @@ def create_app(served: ServedModel) -> Starlette:
         try:
             yield
         finally:
-            served.scheduler.stop()
+            served.scheduler.stop(timeout=5.0)
 
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -238,21 +192,19 @@ def create_app(served: ServedModel) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={404: _not_found, 405: _not_allowed})
+    middleware = []
+    if options.cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=options.cors_origins,
+                                     allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"]))
+    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+                     exception_handlers={404: _not_found, 405: _not_allowed, Exception: _internal})
 
 
-async def _first(pieces: AsyncIterator[str]) -> str | None:
-    """The first piece (None when the generation ends without text); runs the submit and its checks."""
-    try:
-        return await pieces.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
-def _usage(ids: list[int], outcome: Outcome) -> dict[str, int]:
-    return {"prompt_tokens": len(ids), "completion_tokens": outcome.completion_tokens,
-            "total_tokens": len(ids) + outcome.completion_tokens}
+async def _watch_disconnect(request: HttpRequest, gen: Generation) -> None:
+    """Cancel the generation once the client of a non-streaming request has gone."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    gen.cancel()
 
 
 async def _not_found(request: HttpRequest, exc: Exception) -> Response:
@@ -261,3 +213,9 @@ async def _not_found(request: HttpRequest, exc: Exception) -> Response:
 
 async def _not_allowed(request: HttpRequest, exc: Exception) -> Response:
     return _error(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
+
+
+async def _internal(request: HttpRequest, exc: Exception) -> Response:
+    """A bug: the client still gets JSON; the traceback goes to the log."""
+    return _error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error",
+                           code="internal_error"))

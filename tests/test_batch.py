@@ -205,7 +205,7 @@ def test_scheduler_runs_more_requests_than_rows(bundle_factory):
             reasons[i] = error or reason
             if len(reasons) == len(outputs):
                 done.set()
-        return Request(prompt, n, outputs[i].append, finish)
+        return Request(prompt, n, lambda token, _logprobs: outputs[i].append(token), finish)
 
     scheduler = Scheduler(model, max_queue=len(prompts)).start()
     try:
@@ -226,7 +226,7 @@ def test_scheduler_runs_more_requests_than_rows(bundle_factory):
             scheduler.submit(r)
         _wait(lambda: scheduler.load == (ROWS, 0))
         with pytest.raises(QueueFullError, match="busy"):
-            scheduler.submit(Request(prompts[0], 2, lambda _t: None, lambda _r, _e: None))
+            scheduler.submit(Request(prompts[0], 2, lambda _t, _lp: None, lambda _r, _e: None))
         for r in long:
             r.cancel()
         assert done.wait(120) and set(reasons.values()) == {"cancelled"}
@@ -245,6 +245,6 @@ def test_scheduler_runs_more_requests_than_rows(bundle_factory):
         scheduler.submit(make(21, prompts[2]))
         assert done.wait(120) and outputs[21] == alone[2]
         with pytest.raises(ContextFullError):
-            scheduler.submit(Request(list(range(1, model.max_context + 1)), 2, lambda _t: None, lambda _r, _e: None))
+            scheduler.submit(Request(list(range(1, model.max_context + 1)), 2, lambda _t, _lp: None, lambda _r, _e: None))
     finally:
         scheduler.stop()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +13,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.realmodel]
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
+from serve_common import RunningServer  # noqa: E402
 
 MODEL = "smollm2-135m"
 ROWS = 4
@@ -28,36 +27,6 @@ PROMPTS = [
     "A haiku about autumn:\n",
     "The largest planet in our solar system is Jupiter. The smallest planet",
 ]
-
-
-class RunningServer:
-    """uvicorn on a socket bound to a free port of 127.0.0.1, in a thread; stopped by close()."""
-
-    def __init__(self, served):
-        from foldline.server.app import create_app
-
-        self.served = served
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(create_app(served), log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -205,3 +174,62 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(client, server):
         assert time.monotonic() < deadline, "closed streams did not free their rows"
         time.sleep(0.1)
     assert _complete(client, PROMPTS[0], 12) == _complete(client, PROMPTS[0], 12)
+
+
+def test_chat_logprobs_and_usage_leave_out_the_end_of_turn(client, server):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    result = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
+                                            logprobs=True, top_logprobs=3)
+    choice = result.choices[0]
+    assert choice.finish_reason == "stop", "the answer ends with the end-of-turn token"
+    content = choice.logprobs.content
+    assert result.usage.completion_tokens == len(content), "the end-of-turn token is not counted"
+    assert "".join(c.token for c in content) == choice.message.content
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token  # greedy: the most likely one
+        assert c.logprob == pytest.approx(c.top_logprobs[0].logprob) and c.logprob <= 0
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [c.token for c in content]
+    assert [t.logprob for t in streamed] == pytest.approx([c.logprob for c in content], abs=1e-6)
+    assert chunks[-1].usage.completion_tokens == len(content)
+
+
+def test_limits_name_their_param(server):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "max_completion_tokens": 10**6}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert r.json()["error"]["code"] != "context_length_exceeded"
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "word " * 400}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_health_stays_responsive_while_a_long_prompt_is_tokenized(server):
+    """Tokenizing a 3 MB prompt takes seconds; it runs off the event loop, so /health answers meanwhile."""
+    options = server.served.options
+    text = "The quick brown fox jumps over the lazy dog. " * 70000
+    before, options.max_body_bytes = options.max_body_bytes, 8 << 20
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            start = time.monotonic()
+            big = pool.submit(httpx.post, f"{server.url}/v1/completions", timeout=120,
+                              json={"model": MODEL, "prompt": text, "max_tokens": 2})
+            latencies = []
+            while not big.done():
+                t = time.monotonic()
+                assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+                latencies.append(time.monotonic() - t)
+                time.sleep(0.05)
+            took = time.monotonic() - start
+            r = big.result()
+    finally:
+        options.max_body_bytes = before
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert took > 1.0 and len(latencies) > 5, f"the prompt was tokenized too fast ({took:.2f} s) to tell"
+    assert max(latencies) < 0.5, f"/health took {max(latencies):.2f} s while the prompt was tokenized"

@@ -1,4 +1,4 @@
-"""foldline serve BUNDLE: an OpenAI-compatible server (needs the `serve` extra: starlette, uvicorn)."""
+"""foldline serve BUNDLE: an OpenAI-compatible server (needs the `serve` extra: starlette, uvicorn, pydantic)."""
 
 from __future__ import annotations
 
@@ -17,26 +17,45 @@ def add_parser(sub) -> None:
     p.add_argument("--model-id", default=None, help="the name clients use (default: the bundle's model name)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a row; more get HTTP 503 (default 64)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest request body; larger ones get HTTP 413 (default 1048576, 1 MiB)")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="time a request may take, queueing included; then it ends with finish_reason "
+                        "'length' (default: no limit)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="after SIGTERM, time running requests get to finish before they are cut (default 10)")
+    p.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="/health answers 503 when generation makes no step this long with work queued (default 60)")
+    p.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser requests from ORIGIN (repeatable; '*' for any)")
     p.add_argument("--no-verify", action="store_true", help="skip the bundle hash check at load")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     try:
-        import uvicorn
-
-        from ..server.app import ServedModel, create_app
+        from ..server.run import serve
+        from ..server.served import ServedModel, ServeOptions
     except ImportError as e:
         raise CliError(f"foldline serve needs the serve extra ({e.name} is missing): pip install 'foldline[serve]'") \
             from e
     from ..runtime import Model
 
-    if args.max_queue < 0:
-        raise CliError(f"--max-queue must be >= 0, got {args.max_queue}")
+    for name in ("max_queue",):
+        if getattr(args, name) < 0:
+            raise CliError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ("max_body_bytes", "request_timeout", "shutdown_timeout", "stall_timeout"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise CliError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    options = ServeOptions(max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                           request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
+                           stall_timeout=args.stall_timeout, cors_origins=list(args.cors))
     model = Model.load(args.bundle, device=args.device, verify=not args.no_verify, threads=args.threads)
     model_id = args.model_id or str(model.config.get("name") or "foldline")
-    served = ServedModel(model, model_id, max_queue=args.max_queue)
+    served = ServedModel(model, model_id, options=options)
     print(f"foldline serve: {model_id} ({model.batch_size} rows, context {model.max_context}) on "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(create_app(served), host=args.host, port=args.port, log_level="warning")
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    serve(served, args.host, args.port)
+    print("foldline serve: stopped", file=sys.stderr, flush=True)
     return 0

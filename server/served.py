@@ -1,0 +1,202 @@
+"""The served model: prompts to token ids, and one generation bridged from the scheduler thread to asyncio.
+
+The scheduler (runtime/scheduler.py) hands each sampled token to the
+request's asyncio queue; text is made on the event loop with the same
+incremental detokenizer and stop-string filter as the runtime's streaming, so
+a served answer equals `foldline generate`'s for the same prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from ..runtime.chat import chat_prompt
+from ..runtime.checks import ContextFullError, TokenIdError
+from ..runtime.sampling import Sampler, TokenLogprobs
+from ..runtime.scheduler import QueueFullError, Request, Scheduler, SchedulerDownError
+from ..runtime.streaming import IncrementalDetokenizer, StopStringFilter
+from .protocol import ApiError, GenerationParams
+
+MIB = 1 << 20
+
+
+@dataclass
+class ServeOptions:
+    """The server's limits (docs/serving.md); None means no limit."""
+
+    max_queue: int = 64
+    max_body_bytes: int = MIB
+    request_timeout: float | None = None  # seconds a request may take, queueing included
+    stall_timeout: float = 60.0  # seconds without a step, with work waiting, before /health says 503
+    shutdown_timeout: float = 10.0  # seconds running requests get to finish after SIGTERM
+    cors_origins: list[str] = field(default_factory=list)
+
+
+class ServedModel:
+    """The model, its scheduler, its public name and the server's limits."""
+
+    def __init__(self, model, model_id: str, max_queue: int | None = None, options: ServeOptions | None = None):
+        self.options = options or ServeOptions()
+        if max_queue is not None:
+            self.options.max_queue = max_queue
+        self.model = model
+        self.model_id = model_id
+        self.created = int(time.time())
+        self.scheduler = Scheduler(model, max_queue=self.options.max_queue,
+                                   stall_timeout=self.options.stall_timeout)
+        self.draining = False  # set on the first SIGTERM: new requests get 503
+        self._drain_timer: threading.Timer | None = None
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.model.manifest.tokenizer_path is not None
+
+    # ---- prompts (blocking: the app runs these in a worker thread) ----------------
+    def completion_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        return self._encode(prompt, add_bos=True, param="prompt")
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        try:
+            text = chat_prompt(self.model, messages)
+        except Exception as e:
+            raise ApiError(400, f"the chat template could not be applied: {e}", param="messages") from e
+        return self._encode(text, add_bos=False, param="messages")  # the template writes its own BOS
+
+    def _encode(self, text: str, add_bos: bool, param: str) -> list[int]:
+        if not self.has_tokenizer:
+            raise ApiError(400, "this bundle has no tokenizer: send the prompt as a list of token ids", param=param)
+        return self.model.encode(text, add_bos=add_bos)
+
+    # ---- shutdown ------------------------------------------------------------------
+    def begin_shutdown(self, timeout: float | None = None) -> None:
+        """Refuse new requests; cancel those still running after `timeout` seconds."""
+        if self.draining:
+            return
+        self.draining = True
+        timeout = self.options.shutdown_timeout if timeout is None else timeout
+        self._drain_timer = threading.Timer(timeout, self.scheduler.cancel_all, args=("shutdown",))
+        self._drain_timer.daemon = True
+        self._drain_timer.start()
+
+    def health(self) -> str | None:
+        """None when serving, else why not."""
+        if self.draining:
+            return "shutting down"
+        return self.scheduler.health()
+
+
+@dataclass
+class Outcome:
+    """What a generation produced so far; complete once its pieces are exhausted."""
+
+    text: str = ""
+    completion_tokens: int = 0  # stop ids (end of turn) not counted
+    finish_reason: str = "length"
+    logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)
+
+
+class Generation:
+    """One request on the scheduler; created on the event loop, which then iterates `pieces()`.
+
+    Submitting happens here, so a full queue, a prompt too long or a bad
+    token id are answered before any response starts.
+    """
+
+    def __init__(self, served: ServedModel, ids: list[int], params: GenerationParams, prompt_param: str):
+        self.served, self.params, self.ids = served, params, ids
+        self.outcome = Outcome()
+        self.client_gone = False
+        loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue = asyncio.Queue()
+        model = served.model
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param=prompt_param)
+        if len(ids) >= model.max_context:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context is {model.max_context}, "
+                           "which leaves no room to generate", param=prompt_param, code="context_length_exceeded")
+        room = model.max_context - len(ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ApiError(400, f"'{params.max_tokens_param}' is {params.max_tokens}, but this model's context is "
+                           f"{model.max_context} and the prompt takes {len(ids)} tokens: at most {room} can be "
+                           "generated", param=params.max_tokens_param, code="context_length_exceeded")
+        limits = [t for t in (params.timeout, served.options.request_timeout) if t is not None]
+        put = self._events.put_nowait
+        self.request = Request(
+            prompt_ids=ids,
+            max_tokens=room if params.max_tokens is None else params.max_tokens,
+            on_token=lambda t, lp: loop.call_soon_threadsafe(put, ("token", t, lp)),
+            on_finish=lambda reason, err: loop.call_soon_threadsafe(put, ("finish", reason, err)),
+            sampler=Sampler(params.temperature, 0, params.top_p, params.seed),
+            stop_ids=frozenset(model.eos_token_ids),
+            logprobs=params.logprobs,
+            deadline=time.monotonic() + min(limits) if limits else None,
+        )
+        try:
+            served.scheduler.submit(self.request)
+        except SchedulerDownError as e:
+            raise ApiError(503, str(e), kind="server_error", code="unavailable") from e
+        except QueueFullError as e:
+            raise ApiError(503, str(e), kind="server_error", code="queue_full") from e
+        except ContextFullError as e:
+            raise ApiError(400, str(e), param=prompt_param, code="context_length_exceeded") from e
+        except TokenIdError as e:
+            raise ApiError(400, str(e), param=prompt_param) from e
+
+    def cancel(self) -> None:
+        """The client left: free the row at the next step."""
+        self.client_gone = True
+        self.request.cancel()
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """Text pieces as they settle. Ends normally, or raises ApiError (failure, shutdown)."""
+        outcome, stop_ids = self.outcome, self.request.stop_ids
+        detok = IncrementalDetokenizer(self.served.model.tokenizer) if self.served.has_tokenizer else None
+        stops = StopStringFilter(self.params.stop)
+        try:
+            while True:
+                event = await self._events.get()
+                if event[0] == "token":
+                    _, token, logprobs = event
+                    if token in stop_ids:
+                        continue  # the end of turn is not part of the answer, nor of its count
+                    outcome.completion_tokens += 1
+                    if logprobs is not None:
+                        outcome.logprobs.append((token, logprobs))
+                    if detok is None:
+                        continue
+                    piece = stops.push(detok.push(token))
+                    if piece:
+                        outcome.text += piece
+                        yield piece
+                    if stops.stopped:
+                        self.request.cancel()
+                        outcome.finish_reason = "stop"
+                        return
+                    continue
+                _, reason, error = event
+                if reason == "error":
+                    raise ApiError(500, f"generation failed: {error}", kind="server_error", code="generation_failed")
+                if reason == "shutdown":
+                    raise ApiError(503, "the server shut down before this request finished", kind="server_error",
+                                   code="shutting_down")
+                if reason == "cancelled" and self.client_gone:
+                    return
+                outcome.finish_reason = "stop" if reason == "stop" else "length"  # "timeout" reads as length
+                if detok is not None:
+                    tail = stops.push(detok.flush())
+                    if not stops.stopped:
+                        tail += stops.flush()
+                    else:
+                        outcome.finish_reason = "stop"
+                    if tail:
+                        outcome.text += tail
+                        yield tail
+                return
+        finally:
+            self.request.cancel()  # a client gone mid-stream frees its row at the next step
