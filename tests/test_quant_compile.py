@@ -150,7 +150,7 @@ def test_the_dispatch_check_tells_a_fused_kernel_from_a_materialised_weight(kept
     """The same qlinear, lowered by the kernel generator or decomposed to aten (nibble shifts in the graph)."""
     import iree.compiler as ireec
 
-    from foldline.backends import importer
+    from foldline.backends import importer, lowering
     from foldline.backends.quant_kernels import expand_qlinear_ops
     from foldline.backends.targets import make_target
     from foldline.testing.dispatches import (
@@ -164,7 +164,7 @@ def test_the_dispatch_check_tells_a_fused_kernel_from_a_materialised_weight(kept
     with torch.no_grad():
         program = torch.export.export(module, (torch.randn(1, k),), strict=False)
     if not kept:
-        monkeypatch.setattr(importer, "KEPT_OPS", ())
+        monkeypatch.setattr(lowering, "KEPT_OPS", ())
     mlir, _ = importer.import_programs([("main", program)])
     mlir, sites = expand_qlinear_ops(mlir, cpu_tiles=True)
     assert sites == (1 if kept else 0)
