@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from iree.compiler import ir
 
+from ..frontend.types import MLIR_ELEMENTS
 from .torch_sites import builtin_tensor, defining_op, torch_operators
 from .vnni_kernels import stream_executable
 
@@ -297,19 +298,16 @@ def kernel_shape(q_dims: tuple[int, ...], q_type: str, k_dims: tuple[int, ...], 
                                 cache_type, scale, q_type)
 
 
-_TORCH_ELEMENT = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
-
-
 def covers(node: torch.fx.Node) -> bool:
     """Whether a kernel here covers an FX cache_attention / ring_decode_attention node (else: decomposed form)."""
     q, k, v, _pos, window, scale, kv_mapping, length = (*node.args, *(0,) * 8)[:8]  # `length` defaults to 0
     qv, kv, vv = q.meta["val"], k.meta["val"], v.meta["val"]
     if (tuple(kv.shape), kv.dtype) != (tuple(vv.shape), vv.dtype) or qv.dim() != 4 or kv.dim() != 4:
         return False
-    if qv.dtype not in _TORCH_ELEMENT or kv.dtype not in _TORCH_ELEMENT:
+    if qv.dtype not in MLIR_ELEMENTS or kv.dtype not in MLIR_ELEMENTS:
         return False
-    try:
-        shape = kernel_shape(tuple(qv.shape), _TORCH_ELEMENT[qv.dtype], tuple(kv.shape), _TORCH_ELEMENT[kv.dtype],
+    try:  # supports() then refuses element types the kernel has no form for
+        shape = kernel_shape(tuple(qv.shape), MLIR_ELEMENTS[qv.dtype], tuple(kv.shape), MLIR_ELEMENTS[kv.dtype],
                              ring="ring_decode_attention" in str(node.target), window=int(window),
                              scale=float(scale), kv_mapping=str(kv_mapping), length=int(length))
     except AttentionKernelError:

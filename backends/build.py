@@ -229,6 +229,12 @@ def compile_model(loaded: LoadedModel, out_dir: str | Path, options: BuildOption
     key = build_cache_key(loaded.fingerprint, options)
     if _from_cache(cache, key, out_dir, progress):
         return Path(out_dir)
+    return _compile_and_store(loaded, out_dir, options, progress, cache, key)
+
+
+def _compile_and_store(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, progress: Progress,
+                       cache: CompileCache | None, key: str | None) -> Path:
+    """Compile (the cache already missed) and keep the bundle in the cache under `key`."""
     dtype, kv_dtype = resolve_dtypes(loaded, options)
     with loaded.reconfigured(dtype=dtype, kv_dtype=kv_dtype if kv_dtype != dtype else None):
         out = _compile(loaded, out_dir, options, progress)
@@ -393,4 +399,4 @@ def compile_spec(spec: str, out_dir: str | Path, options: BuildOptions, progress
         return Path(out_dir)
     progress(f"loading {spec}")
     loaded = load_model(spec, max_context=options.max_context)
-    return compile_model(loaded, out_dir, options, progress, cache=None if key is None else cache)
+    return _compile_and_store(loaded, out_dir, options, progress, cache, key)

@@ -19,7 +19,7 @@ from iree.compiler import ir
 from iree.compiler.extras.fx_importer import FxImporter, FxImporterHooks
 from torch.export import ExportedProgram
 
-from ..dtypes import DTYPES
+from ..frontend.types import MLIR_ELEMENTS
 from ..passes.kv_length_buckets import Variant
 from .attention_kernels import covers
 from .lowering import DECODE_ATTENTION_OPS, KeepRule, LoweredEntries, is_decode_entry, lower_entries
@@ -27,7 +27,6 @@ from .lowering import DECODE_ATTENTION_OPS, KeepRule, LoweredEntries, is_decode_
 PARAM_SCOPE = "model"
 INLINE_LIMIT = 64  # tensors with at most this many elements stay inline constants
 
-_MLIR_ELEMENT = {getattr(torch, d.name): d.mlir for d in DTYPES.values()}
 
 
 @dataclass
@@ -53,11 +52,11 @@ class _ParameterHooks(FxImporterHooks):
     def resolve_literal(self, gni, literal, info):
         if not self.externalize or not isinstance(literal, torch.Tensor):
             return None
-        if literal.numel() <= INLINE_LIMIT or literal.dtype not in _MLIR_ELEMENT:
+        if literal.numel() <= INLINE_LIMIT or literal.dtype not in MLIR_ELEMENTS:
             return None
         name = self._name_for(literal, info)
         shape = "x".join(str(d) for d in literal.shape)
-        tensor_type = f"tensor<{shape}x{_MLIR_ELEMENT[literal.dtype]}>"
+        tensor_type = f"tensor<{shape}x{MLIR_ELEMENTS[literal.dtype]}>"
         if name not in self.params.tensors:
             self.params.tensors[name] = literal.detach().contiguous()
             op = ir.Operation.parse(

@@ -158,6 +158,7 @@ class LoweredEntries:
     decomposed: dict[str, ExportedProgram]  # base name -> core aten but ATTENTION_OPS and KEPT_OPS
     order: list[str]  # every entry point name, in the order given
     variants: dict[str, Variant]  # variant name -> its base and attention length
+    table: dict  # the decomposition table every expansion traces with
     traces: dict  # decomposition traces shared by every expansion
 
     def program(self, name: str, keep: KeepRule) -> ExportedProgram:
@@ -167,8 +168,7 @@ class LoweredEntries:
         gm = copy_graph_module(base)
         if variant is not None:
             set_attention_length(gm, variant.length)
-        table = decomposition_table()
-        expand_ops(gm, lambda n: n.target in ATTENTION_OPS and not keep(name, n), table, self.traces)
+        expand_ops(gm, lambda n: n.target in ATTENTION_OPS and not keep(name, n), self.table, self.traces)
         return rebuild(base, gm)
 
 
@@ -179,4 +179,4 @@ def lower_entries(programs: Iterable[tuple[str, ExportedProgram]],
     by_name = dict(programs)
     derived = {name: v for name, v in (variants or {}).items() if v.derives(by_name)}
     decomposed = {name: lower_to_aten(p, keep=ATTENTION_OPS) for name, p in programs if name not in derived}
-    return LoweredEntries(decomposed, [name for name, _ in programs], derived, {})
+    return LoweredEntries(decomposed, [name for name, _ in programs], derived, decomposition_table(), {})

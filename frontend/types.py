@@ -16,11 +16,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..dtypes import FLOAT_DTYPES, itemsize
+from ..dtypes import DTYPES, FLOAT_DTYPES, itemsize
 from .config import ModelConfig
 
 # The torch side of foldline.dtypes: canonical name -> torch dtype.
 TORCH_DTYPES = {name: getattr(torch, name) for name in FLOAT_DTYPES}
+# torch dtype -> its MLIR element spelling (f32, f16, bf16, i64, ...), for every dtype foldline knows.
+MLIR_ELEMENTS = {getattr(torch, d.name): d.mlir for d in DTYPES.values()}
 
 
 @dataclass(frozen=True)

@@ -128,11 +128,7 @@ class Scheduler:
             self._wake.notify_all()
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
-        with self._wake:
-            left = [*self._running.values(), *self._waiting]
-            self._waiting.clear()
-        for request in left:
-            self._finish(request, "shutdown")
+        self._finish_all("shutdown")
 
     def cancel_all(self, reason: str = "shutdown") -> None:
         """Cancel every queued and running request (each ends at the next step with `reason`)."""
@@ -197,14 +193,18 @@ class Scheduler:
             log.exception("the generation loop died")
             raise
         finally:
-            with self._wake:
-                left = [*self._running.values(), *self._waiting]
-                self._waiting.clear()
-            for request in left:
-                if self._stopping:
-                    self._finish(request, "shutdown")
-                else:
-                    self._finish(request, "error", f"the generation loop stopped: {self.died}")
+            if self._stopping:
+                self._finish_all("shutdown")
+            else:
+                self._finish_all("error", f"the generation loop stopped: {self.died}")
+
+    def _finish_all(self, reason: str, error: str | None = None) -> None:
+        """End every queued and running request with `reason` (the loop is gone or going)."""
+        with self._wake:
+            left = [*self._running.values(), *self._waiting]
+            self._waiting.clear()
+        for request in left:
+            self._finish(request, reason, error)
 
     def _loop(self) -> None:
         while True:

@@ -47,14 +47,13 @@ def test_dtype_table_agrees_with_torch_numpy_and_iree():
     """Every layer reads one table: its sizes and spellings must be the libraries' own."""
     import iree.runtime as rt
 
-    from foldline.backends.importer import _MLIR_ELEMENT
-    from foldline.frontend.types import TORCH_DTYPES
+    from foldline.frontend.types import MLIR_ELEMENTS, TORCH_DTYPES
 
     for d in dtypes.DTYPES.values():
         tdt = getattr(torch, d.name)
         assert torch.empty((), dtype=tdt).element_size() == d.nbytes == d.numpy.itemsize, d.name
         assert rt.array_interop.map_dtype_to_element_type(d.numpy) == getattr(rt.HalElementType, d.hal), d.name
-        assert _MLIR_ELEMENT[tdt] == d.mlir
+        assert MLIR_ELEMENTS[tdt] == d.mlir
     assert set(TORCH_DTYPES) == set(dtypes.FLOAT_DTYPES) == {"float32", "float16", "bfloat16"}
     assert dtypes.numpy_dtype("bfloat16").name == "bfloat16"  # ml_dtypes, not a uint16 stand-in
     assert dtypes.canonical("BF16") == "bfloat16" and dtypes.canonical("fp32") == "float32"
