@@ -278,10 +278,16 @@ def shape_of(op: ir.Operation) -> DecodeAttentionShape:
     name = ir.StringAttr(op.attributes["name"]).value.removesuffix(".default")
     shape = kernel_shape(*_shape_and_type(q), *_shape_and_type(k), ring=name.endswith("ring_decode_attention"),
                          window=int(_constant(window)), scale=float(_constant(scale)),
-                         kv_mapping=str(_constant(kv_mapping)), length=int(_constant(length)))
+                         kv_mapping=str(_constant(kv_mapping)), length=_length(length))
     if not supports(shape):
         raise AttentionKernelError(f"no decode attention kernel for {shape}")
     return shape
+
+
+def _length(value: ir.Value) -> int:
+    """The op's constant length, or 0 (every slot) for a symbolic one: the kernel stops at pos anyway."""
+    op = defining_op(value)
+    return _constant(value) if op is not None and op.name == "torch.constant.int" else 0
 
 
 def kernel_shape(q_dims: tuple[int, ...], q_type: str, k_dims: tuple[int, ...], cache_type: str, *, ring: bool,
@@ -293,7 +299,7 @@ def kernel_shape(q_dims: tuple[int, ...], q_type: str, k_dims: tuple[int, ...], 
     if ring:  # the ring holds the window: every slot up to pos
         length, window = (length if 0 < length < slots else slots), 0
     else:
-        length = min(length, slots)
+        length = min(length, slots) if length > 0 else slots
     return DecodeAttentionShape(batch, q_heads, kv_heads, head_dim, slots, length, window, kv_mapping,
                                 cache_type, scale, q_type)
 
@@ -309,7 +315,8 @@ def covers(node: torch.fx.Node) -> bool:
     try:  # supports() then refuses element types the kernel has no form for
         shape = kernel_shape(tuple(qv.shape), MLIR_ELEMENTS[qv.dtype], tuple(kv.shape), MLIR_ELEMENTS[kv.dtype],
                              ring="ring_decode_attention" in str(node.target), window=int(window),
-                             scale=float(scale), kv_mapping=str(kv_mapping), length=int(length))
+                             scale=float(scale), kv_mapping=str(kv_mapping),
+                             length=length if isinstance(length, int) else 0)
     except AttentionKernelError:
         return False
     return supports(shape)

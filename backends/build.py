@@ -18,15 +18,23 @@ from ..frontend.export import export_model, parameter_target
 from ..frontend.sources import checkpoint_fingerprint, load_model
 from ..frontend.types import LoadedModel
 from ..passes.manager import CompileUnit, run_pipeline
-from ..runtime.bundle import FORMAT, FORMAT_VERSION, MANIFEST, seal_manifest, sha256_file, vmfb_info
+from ..runtime.bundle import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    kv_tile_size,
+    seal_manifest,
+    sha256_file,
+    vmfb_info,
+)
 from .abi_declaration import declare_entry_points
 from .attention_kernels import expand_decode_attention_ops
 from .compile_cache import CompileCache, cache_key
 from .compile_pool import pool_size, run_concurrently
-from .importer import import_lowered, kernel_keep_rule, params_to_numpy
+from .importer import import_programs, params_to_numpy
 from .inplace_state import ElideReport, elide_inplace_aliases
 from .int8_isa import FLOAT_KERNELS, Int8Kernels, choose_kernels
-from .lowering import lower_entries
+from .lowering import Lowering
 from .quant_kernels import expand_qlinear_ops
 from .targets import Target, TargetError, make_target
 from .vnni_kernels import cpu_has_int8_dot
@@ -95,7 +103,6 @@ class BuildOptions:
     group: int = 32  # quantization group for requantized weights
     kv_dtype: str = "auto"  # attention cache element type: auto (default_kv_dtype), float32, float16, bfloat16
     dtype: str = "auto"  # compute dtype: auto (default_compute_dtype), float32, float16, bfloat16
-    kv_lengths: list[int] | None = None  # attention lengths with their own entry points; None: 256, 512, ...
     activations: str = "auto"  # quantized products: auto (int8 where the CPU has AVX2 or VNNI), int8, f32
 
 
@@ -258,8 +265,7 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
              + ", ".join(f"{a} ({t.description})" for t, a in zip(options.targets, activations)))
     entries = export_model(loaded.module, options.batch, chunk)
     unit = CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs,
-                       options={"hadamard": options.hadamard, "weights": options.weights, "group": options.group,
-                                "kv_lengths": options.kv_lengths},
+                       options={"hadamard": options.hadamard, "weights": options.weights, "group": options.group},
                        source_blocks={parameter_target(k): v for k, v in loaded.source_blocks.items()})
 
     del entries  # the unit holds the programs; their first copies can go
@@ -269,16 +275,15 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
     kinds_count = len({t.device == "cpu" for t in options.targets})
     clock.stage("import", "[3/4] importing to MLIR (torch dialect), weights to params.irpa",
                 total=len(unit.programs) * kinds_count)
-    progress(f"      {len(unit.programs)} entry points: {', '.join(unit.programs)}; "
-             f"{len(unit.variants)} derived from their base's decomposition")
     # CPU targets keep the decode attention ops for their hand-written kernel; GPU targets
     # import the decomposed form (a second import only when both kinds are asked for).
     kinds = sorted({t.device == "cpu" for t in options.targets}, reverse=True)
-    lowered = lower_entries(unit.programs.items(), unit.variants)
+    lowering = Lowering()
     imported = {}
     for cpu in kinds:
-        imported[cpu] = import_lowered(lowered, kernel_keep_rule(decode_attention_kernel=cpu), progress=clock.advance)
-    del lowered
+        imported[cpu] = import_programs(unit.programs.items(), decode_attention_kernel=cpu, lowering=lowering,
+                                        progress=clock.advance)
+    del lowering
     mlir, params = imported[kinds[0]]
     if options.keep_mlir:
         (out / "model.mlir").write_text(mlir)
@@ -306,12 +311,13 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
         "batch": options.batch,
         "prefill_chunk": chunk,
         "entry_points": {
-            "prefill": "prefill(tokens[B,C] i64, start_pos[B] i64, n_valid[B] i64, state...) -> logits[B,V] f32",
+            "prefill": "prefill(tokens[B,C] i64, start_pos[B] i64, n_valid[B] i64, kv_tiles[0,T] i8, state...) "
+                       "-> logits[B,V] f32",
             "decode": "decode(tokens[B,1] i64, pos[B] i64, pos_shape[0,pos[0]] i8 (B = 1 only), state...) -> logits[B,V] f32",
         },
-        # prefill_<L> / decode_<L>: the same signature, attending over the first L cache slots only;
-        # valid while the chunk's last position is below L (the runtime calls the shortest such).
-        "kv_lengths": list(unit.kv_lengths),
+        # prefill's attention over full caches reads its kv_tiles input's T tiles of kv_tile slots:
+        # T = ceil(the chunk's end / kv_tile), so its work follows the tokens held.
+        "kv_tile": kv_tile_size(cfg.max_context),
         "state": [
             {
                 "name": s.name,

@@ -10,7 +10,7 @@ place (`torch.overwrite.tensor.contents`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,9 +20,8 @@ from iree.compiler.extras.fx_importer import FxImporter, FxImporterHooks
 from torch.export import ExportedProgram
 
 from ..frontend.types import MLIR_ELEMENTS
-from ..passes.kv_length_buckets import Variant
 from .attention_kernels import covers
-from .lowering import DECODE_ATTENTION_OPS, KeepRule, LoweredEntries, is_decode_entry, lower_entries
+from .lowering import DECODE_ATTENTION_OPS, KeepRule, Lowering, is_decode_entry
 
 PARAM_SCOPE = "model"
 INLINE_LIMIT = 64  # tensors with at most this many elements stay inline constants
@@ -98,34 +97,29 @@ def kernel_keep_rule(decode_attention_kernel: bool) -> KeepRule:
     return keep
 
 
-def import_lowered(lowered: LoweredEntries, keep: KeepRule, externalize_params: bool = True,
-                   progress: Callable[[str], None] | None = None) -> tuple[str, ExternalParams]:
-    """Import lowered entry points into one MLIR module; returns (MLIR text, lifted weights)."""
+def import_programs(
+    programs: Iterable[tuple[str, ExportedProgram]], externalize_params: bool = True,
+    decode_attention_kernel: bool = False, lowering: Lowering | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[str, ExternalParams]:
+    """Lower named programs to core aten and import them into one MLIR module; returns (MLIR text, lifted weights).
+
+    decode_attention_kernel: decode entry points keep their attention ops for
+    backends/attention_kernels.expand_decode_attention_ops (CPU targets only).
+    lowering: shares its decomposition traces between imports (one per kind of target).
+    """
+    lowering = Lowering() if lowering is None else lowering
+    keep = kernel_keep_rule(decode_attention_kernel)
     context = ir.Context()
     module = ir.Module.create(ir.Location.unknown(context))
     params = ExternalParams()
     hooks = _ParameterHooks(module, params, externalize_params)
     importer = FxImporter(module=module, config_check=False, hooks=hooks)
-    for name in lowered.order:
-        importer.import_program(lowered.program(name, keep), func_name=name)
+    for name, program in programs:
+        importer.import_program(lowering.program(name, program, keep), func_name=name)
         if progress is not None:
             progress(name)
     return str(module), params
-
-
-def import_programs(
-    programs: Iterable[tuple[str, ExportedProgram]], externalize_params: bool = True,
-    decode_attention_kernel: bool = False, variants: Mapping[str, Variant] | None = None,
-) -> tuple[str, ExternalParams]:
-    """Import named programs into one MLIR module; returns (MLIR text, lifted weights).
-
-    decode_attention_kernel: decode entry points keep their attention ops for
-    backends/attention_kernels.expand_decode_attention_ops (CPU targets only).
-    variants: kv-length-buckets variants among `programs`, derived from their base's
-    decomposition instead of being decomposed again (backends/lowering.py).
-    """
-    lowered = lower_entries(programs, variants)
-    return import_lowered(lowered, kernel_keep_rule(decode_attention_kernel), externalize_params)
 
 
 def params_to_numpy(t: torch.Tensor) -> np.ndarray:

@@ -1,15 +1,18 @@
-"""Entry points -> core-aten programs for import, each graph decomposed once.
+"""Entry points -> core-aten programs for import, decomposed node by node.
 
-`ExportedProgram.run_decompositions` retraces the whole program: on SmolLM2
-it costs about as much as the rest of the compile before iree-compile. The
-length variants of kv-length-buckets (prefill_256, decode_512, ...) differ
-from their base entry point only in the `length` argument of their attention
-ops, so they are not decomposed again. Each base is decomposed once with its
-attention ops kept as leaves; every variant is a copy of that graph with the
-lengths set, and its attention ops are then expanded in place, node by node,
-from one trace of the op's decomposition per distinct argument signature
-(`expand_ops`). The result is the graph `run_decompositions` gives the
-variant, at a fraction of the cost (tests/test_lowering.py runs both).
+`ExportedProgram.run_decompositions` retraces the whole program through
+functionalisation: on SmolLM2 it took about 9 s per entry point. The exported
+graph is already functional, so decomposing it needs no retrace: every node
+whose op the decomposition table rewrites is expanded in place from one trace
+of that op's decomposition per distinct argument signature (`expand_ops`).
+A model's layers repeat, so a few dozen traces serve thousands of nodes.
+`tests/test_lowering.py` checks the result against `run_decompositions`:
+the same ops and bit-identical eager logits and state.
+
+Symbolic values (decode's host position, prefill's attention tile count)
+reach a node as SymInt arguments; the decomposition is traced in the graph's
+own fake mode with those SymInts as inputs, so the expanded nodes compute
+from the graph's symbols.
 
 Which attention ops stay ops for a hand-written kernel (decode entry points
 of CPU targets, where backends/attention_kernels.py covers the shape) and
@@ -19,10 +22,12 @@ portable decomposed form instead of a failed compile.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+import operator
+from collections.abc import Callable
 
 import torch
+import torch.fx.experimental._config
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -30,17 +35,20 @@ from torch.utils import _pytree as pytree
 
 from ..frontend import quant  # noqa: F401  (registers foldline::qlinear)
 from ..frontend.ops import DECOMPOSITIONS
-from ..passes.graph_edit import copy_graph_module, rebuild
-from ..passes.kv_length_buckets import ATTENTION_OPS, Variant, set_attention_length
+from ..passes.graph_edit import copy_graph_module, fake_mode, rebuild
 
 # Custom ops that reach MLIR as `torch.operator` for a backend rewrite instead of being decomposed
 # (backends/quant_kernels.py lowers foldline::qlinear to a fused dequantize-matmul kernel).
 KEPT_OPS = (torch.ops.foldline.qlinear.default,)
-# Kept in decode entry points (`decode`, `decode_<L>`) for targets with a hand-written decode
-# attention kernel (backends/attention_kernels.py) where it covers the shape; expanded elsewhere.
+# Kept in decode entry points for targets with a hand-written decode attention kernel
+# (backends/attention_kernels.py) where it covers the shape; expanded elsewhere.
 DECODE_ATTENTION_OPS = (torch.ops.foldline.cache_attention.default, torch.ops.foldline.ring_decode_attention.default)
 
-# keep(entry point name, attention node) -> whether the node stays an op for a kernel
+# Shape queries of symbolic values: the table lists them, but they decompose to themselves.
+SHAPE_QUERIES = (torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
+                 torch.ops.aten.sym_storage_offset.default)
+
+# keep(entry point name, node) -> whether the node stays an op for a kernel
 KeepRule = Callable[[str, Node], bool]
 
 
@@ -53,51 +61,62 @@ def decomposition_table() -> dict:
     return table
 
 
-def lower_to_aten(program: ExportedProgram, keep: tuple = ()) -> ExportedProgram:
-    """Decompose foldline custom ops (and everything else) to core aten for import, but KEPT_OPS and `keep`."""
-    table = decomposition_table()
-    for op in keep:
-        table.pop(op, None)
-    return program.run_decompositions(table)
-
-
 def is_decode_entry(name: str) -> bool:
-    return name == "decode" or name.startswith("decode_")
+    return name == "decode"
+
+
+def _describe(value: object) -> tuple:
+    """What a decomposition traced for one argument depends on: a tensor's geometry, a SymInt's expression."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(str(d) for d in value.shape), tuple(str(s) for s in value.stride()), value.dtype)
+    return ("sym", type(value).__name__, str(value))
 
 
 def _signature(node: Node) -> tuple:
-    """What a node's decomposition depends on: its op, constant arguments and tensor geometry."""
+    """What a node's decomposition depends on: its op, constant arguments and the geometry of its values."""
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
-    parts = []
-    for a in flat:
-        if isinstance(a, Node):
-            v = a.meta["val"]
-            parts.append(("tensor", tuple(v.shape), tuple(v.stride()), v.dtype))
-        else:
-            parts.append(("const", type(a).__name__, a))
-    mode = torch._guards.detect_fake_mode([a.meta["val"] for a in flat if isinstance(a, Node)])
-    return (node.target, str(spec), tuple(parts), id(mode))
+    parts = [_describe(a.meta["val"]) if isinstance(a, Node) else ("const", type(a).__name__, a) for a in flat]
+    return (node.target, str(spec), tuple(parts))
 
 
-def _trace_decomposition(node: Node, table: dict) -> GraphModule:
-    """The core-aten graph of one op call, traced at its tensors' geometry; placeholders follow its tensor args."""
+def _fresh(value: object) -> object:
+    """A new tensor of a fake value's geometry (in the active fake mode); a SymInt as it is."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    return value
+
+
+def _trace_decomposition(node: Node, table: dict, mode: FakeTensorMode) -> GraphModule:
+    """The core-aten graph of one op call, traced at its inputs' geometry; placeholders follow its Node args.
+
+    Traced in the graph's own fake mode with its SymInts as inputs, so the traced
+    nodes' values belong to that mode and compute from the graph's symbols.
+    Views stay views (only mutations are functionalised): the graph is functional
+    already, and a copied view would change the strides every later node was traced with.
+    """
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
-    tensor_at = [i for i, a in enumerate(flat) if isinstance(a, Node)]
+    node_at = [i for i, a in enumerate(flat) if isinstance(a, Node)]
 
-    def call(*tensors):
-        values = list(flat)
-        for i, t in zip(tensor_at, tensors):
-            values[i] = t
-        args, kwargs = pytree.tree_unflatten(values, spec)
+    def call(*values):
+        merged = list(flat)
+        for i, v in zip(node_at, values):
+            merged[i] = v
+        args, kwargs = pytree.tree_unflatten(merged, spec)
         return node.target(*args, **kwargs)
 
-    # Traced in the graph's own fake mode, so the copied nodes' meta values belong to it.
-    mode = torch._guards.detect_fake_mode([flat[i].meta["val"] for i in tensor_at])
-    functional = torch.func.functionalize(call, remove="mutations_and_views")
-    with mode:
-        examples = [torch.empty_strided(flat[i].meta["val"].shape, flat[i].meta["val"].stride(),
-                                        dtype=flat[i].meta["val"].dtype) for i in tensor_at]
-        traced = make_fx(functional, decomposition_table=table, tracing_mode="real")(*examples)
+    functional = torch.func.functionalize(call, remove="mutations")
+    env = mode.shape_env
+    guards_before = len(env.guards) if env is not None else 0
+    # Size-oblivious: questions such as "is this cut contiguous" (true only at one tile count)
+    # take their general answer instead of fixing the symbol at the traced value.
+    with mode, torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        # Fresh tensors of the same geometry, never the meta values themselves: nodes copied from one
+        # trace share their meta values, and make_fx would take two such inputs for one tensor.
+        examples = [_fresh(flat[i].meta["val"]) for i in node_at]
+        traced = make_fx(functional, decomposition_table=table, tracing_mode="symbolic")(*examples)
+    if env is not None and len(env.guards) > guards_before:
+        raise NotImplementedError(f"the decomposition of {node.target} specializes a symbolic value "
+                                  f"({env.guards[-1].expr}); it would hold only for the traced example")
     if any(n.op == "get_attr" for n in traced.graph.nodes):
         raise NotImplementedError(f"the decomposition of {node.target} makes a tensor constant; "
                                   "it cannot be expanded in place")
@@ -105,7 +124,7 @@ def _trace_decomposition(node: Node, table: dict) -> GraphModule:
 
 
 def _inline(gm: GraphModule, node: Node, sub: GraphModule) -> None:
-    """Replace `node` by a copy of `sub`'s nodes fed by the node's own tensor arguments."""
+    """Replace `node` by a copy of `sub`'s nodes fed by the node's own Node arguments."""
     flat, _ = pytree.tree_flatten((node.args, node.kwargs))
     inputs = [a for a in flat if isinstance(a, Node)]
     env: dict[Node, Node] = {}
@@ -121,10 +140,16 @@ def _inline(gm: GraphModule, node: Node, sub: GraphModule) -> None:
                 result = torch.fx.map_arg(sn.args[0], lambda n: env[n])
                 break
             env[sn] = gm.graph.node_copy(sn, lambda n: env[n])
-    if not isinstance(result, Node):
-        raise NotImplementedError(f"{node.target} returns {type(result).__name__}; only one tensor can be expanded")
-    result.meta = {**result.meta, **{k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}}
-    node.replace_all_uses_with(result)
+    keep_meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
+    if isinstance(result, Node):
+        result.meta = {**result.meta, **keep_meta}
+        node.replace_all_uses_with(result)
+    else:  # several results: the node's users are getitem(node, i)
+        for user in list(node.users):
+            if user.op != "call_function" or user.target is not operator.getitem:
+                raise NotImplementedError(f"{node.target} returns {len(result)} values and is read whole by {user}")
+            user.replace_all_uses_with(result[user.args[1]])
+            gm.graph.erase_node(user)
     gm.graph.erase_node(node)
 
 
@@ -132,18 +157,20 @@ def expand_ops(gm: GraphModule, expand: Callable[[Node], bool], table: dict | No
                traces: dict | None = None) -> int:
     """Decompose, in place, every call_function node for which `expand(node)` holds; returns how many.
 
-    `traces` memoizes one decomposition per signature across calls (every layer of a
-    model, and every variant of an entry point, share a handful).
+    `traces` memoizes one decomposition per signature across calls.
     """
     table = decomposition_table() if table is None else table
     traces = {} if traces is None else traces
+    mode = fake_mode(gm)
+    if mode is None:
+        raise ValueError("the graph's placeholders carry no fake values: it was not made by torch.export")
     count = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or not expand(node):
             continue
-        key = _signature(node)
+        key = (*_signature(node), id(mode))
         if key not in traces:
-            traces[key] = _trace_decomposition(node, table)
+            traces[key] = _trace_decomposition(node, table, mode)
         _inline(gm, node, traces[key])
         count += 1
     if count:
@@ -151,32 +178,29 @@ def expand_ops(gm: GraphModule, expand: Callable[[Node], bool], table: dict | No
     return count
 
 
-@dataclass
-class LoweredEntries:
-    """Programs ready for import: bases decomposed once with their attention ops kept, and the variants."""
+class Lowering:
+    """Decomposes entry points to core aten for import, sharing the table and the traces between them."""
 
-    decomposed: dict[str, ExportedProgram]  # base name -> core aten but ATTENTION_OPS and KEPT_OPS
-    order: list[str]  # every entry point name, in the order given
-    variants: dict[str, Variant]  # variant name -> its base and attention length
-    table: dict  # the decomposition table every expansion traces with
-    traces: dict  # decomposition traces shared by every expansion
+    def __init__(self) -> None:
+        self.table = decomposition_table()
+        for op in SHAPE_QUERIES:
+            self.table.pop(op, None)
+        self.traces: dict = {}
 
-    def program(self, name: str, keep: KeepRule) -> ExportedProgram:
-        """The core-aten program of entry point `name`, attention ops kept where `keep` says so."""
-        variant = self.variants.get(name)
-        base = self.decomposed[variant.base if variant else name]
-        gm = copy_graph_module(base)
-        if variant is not None:
-            set_attention_length(gm, variant.length)
-        expand_ops(gm, lambda n: n.target in ATTENTION_OPS and not keep(name, n), self.table, self.traces)
-        return rebuild(base, gm)
+    def decomposes(self, node: Node) -> bool:
+        return node.op == "call_function" and node.target in self.table
+
+    def program(self, name: str, program: ExportedProgram, keep: KeepRule) -> ExportedProgram:
+        """The core-aten program of entry point `name`: every op the table rewrites expanded, but KEPT_OPS
+        and the nodes `keep` holds."""
+        gm = copy_graph_module(program)
+        expand_ops(gm, lambda n: self.decomposes(n) and not keep(name, n), self.table, self.traces)
+        return rebuild(program, gm)
 
 
-def lower_entries(programs: Iterable[tuple[str, ExportedProgram]],
-                  variants: Mapping[str, Variant] | None = None) -> LoweredEntries:
-    """Decompose every entry point that is not a variant of another one (the expensive step, once)."""
-    programs = list(programs)
-    by_name = dict(programs)
-    derived = {name: v for name, v in (variants or {}).items() if v.derives(by_name)}
-    decomposed = {name: lower_to_aten(p, keep=ATTENTION_OPS) for name, p in programs if name not in derived}
-    return LoweredEntries(decomposed, [name for name, _ in programs], derived, decomposition_table(), {})
+def lower_to_aten(program: ExportedProgram, keep: tuple = ()) -> ExportedProgram:
+    """The reference lowering: `run_decompositions` over the whole program, KEPT_OPS and `keep` left as ops."""
+    table = decomposition_table()
+    for op in keep:
+        table.pop(op, None)
+    return program.run_decompositions(table)

@@ -5,6 +5,12 @@ Both call the same chunk forward; they differ only in the static chunk length
 mutates in place: after functionalisation torch.export records them as
 USER_INPUT_MUTATION outputs, which the MLIR importer turns into in-place
 writes into the caller's buffers.
+
+Each entry point is traced once, straight to the functional ATen graph the
+passes read (`_export` with dispatch-level tracing). The public two-step route,
+`torch.export.export` then `run_decompositions({})`, traces the model twice and
+took twice as long for the same graph; `aten.linear` is kept as one op, as
+`run_decompositions` keeps it, because the passes anchor on it.
 """
 
 from __future__ import annotations
@@ -14,8 +20,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.export import ExportedProgram
+from torch.export._trace import _export
+from torch.export.exported_program import (
+    _override_composite_implicit_decomp,
+    _special_op_to_preserve_cia,
+)
 
-from ..runtime.bundle import takes_position_shape
+from ..runtime.bundle import kv_tile_size, takes_position_shape
 from .model import CausalLM, StateSpec, new_state
 
 ENTRY_POINTS = ("prefill", "decode")
@@ -23,7 +34,8 @@ ENTRY_POINTS = ("prefill", "decode")
 # lifted as "model.<parameter name>".
 MODEL_ATTR = "model"
 POSITION_SHAPE_DTYPE = torch.int8
-MAX_POSITION = 1 << 30  # bound of decode's dynamic position dimension (any real context is below)
+# Composite ops the traced graph keeps whole (the passes match them), as run_decompositions({}) would.
+PRESERVED_COMPOSITES = (torch.ops.aten.linear.default,)
 
 
 def parameter_target(param_name: str) -> str:
@@ -54,6 +66,18 @@ class _ChunkEntry(nn.Module):
         return self.model(tokens, start_pos, n_valid, *state)
 
 
+class _PrefillEntry(_ChunkEntry):
+    """prefill(tokens[B,C], start_pos[B], n_valid[B], kv_tiles[0, T], state...).
+
+    `kv_tiles` holds no data: its second dimension T says how many tiles of the
+    full caches the chunk's attention reads (runtime.bundle.kv_tile_count), so
+    the work follows the tokens held, not the cache size, from one function.
+    """
+
+    def forward(self, tokens, start_pos, n_valid, kv_tiles, *state):
+        return self.model(tokens, start_pos, n_valid, *state, kv_tiles=kv_tiles.shape[1])
+
+
 class _DecodeEntry(_ChunkEntry):
     """decode(tokens[1,1], pos[1], pos_shape[0, pos[0]], state...): one token of one row.
 
@@ -79,24 +103,45 @@ def position_shape(position: int) -> torch.Tensor:
     return torch.empty((0, position), dtype=POSITION_SHAPE_DTYPE)
 
 
+def kv_tiles_shape(tiles: int) -> torch.Tensor:
+    """prefill's `kv_tiles` input reading `tiles` tiles: no data, the count is its shape."""
+    return torch.empty((0, tiles), dtype=POSITION_SHAPE_DTYPE)
+
+
+def _max_tiles(model: CausalLM) -> int:
+    return model.cfg.max_context // kv_tile_size(model.cfg.max_context)
+
+
 def example_inputs(model: CausalLM, name: str, batch: int, chunk: int) -> tuple:
     specs = model.state_specs(batch)
     state = new_state(model.cfg, batch, specs)
     tokens = torch.zeros((batch, chunk if name == "prefill" else 1), dtype=torch.int64)
     pos = torch.zeros((batch,), dtype=torch.int64)
     if name == "prefill":
-        return (tokens, pos, torch.full((batch,), chunk, dtype=torch.int64), *state)
+        # torch.export specialises a dynamic dimension traced at size 0 or 1: trace at 2 where it varies.
+        tiles = min(2, _max_tiles(model))
+        return (tokens, pos, torch.full((batch,), chunk, dtype=torch.int64), kv_tiles_shape(tiles), *state)
     if not takes_position_shape(batch):
         return (tokens, pos, *state)
-    # torch.export specialises a dynamic dimension traced at size 0 or 1: trace at 2.
-    return (tokens, pos, position_shape(2), *state)
+    # torch.export specialises a dynamic dimension traced at size 0 or 1, and so does a decomposition
+    # the tile count it implies (position // tile + 1): trace at the second tile where there is one.
+    tile = kv_tile_size(model.cfg.max_context)
+    return (tokens, pos, position_shape(tile if model.cfg.max_context > tile else 2), *state)
 
 
-def _dynamic_shapes(name: str, batch: int, n_args: int) -> tuple | None:
-    """One-row decode's pos_shape has a dynamic second dimension (the position); all else is static."""
-    if name == "prefill" or not takes_position_shape(batch):
+def _dynamic_shapes(model: CausalLM, name: str, batch: int, n_args: int) -> tuple | None:
+    """prefill's kv_tiles and one-row decode's pos_shape have a dynamic second dimension; all else is static.
+
+    A cache of one tile keeps kv_tiles static ([0, 1]): a dimension cannot vary over one value.
+    """
+    if name == "prefill":
+        tiles = _max_tiles(model)
+        if tiles < 2:
+            return None
+        return (None, None, None, {1: torch.export.Dim("kv_tiles", min=1, max=tiles)}, (None,) * (n_args - 4))
+    if not takes_position_shape(batch):
         return None
-    position = torch.export.Dim("position", min=0, max=MAX_POSITION)
+    position = torch.export.Dim("position", min=0, max=model.cfg.max_context - 1)
     return (None, None, {1: position}, (None,) * (n_args - 3))  # *state is one argument, a tuple
 
 
@@ -106,16 +151,17 @@ def export_entry_point(model: CausalLM, name: str, batch: int = 1, chunk: int = 
         raise ValueError(f"unknown entry point {name!r}; expected one of {ENTRY_POINTS}")
     specs = model.state_specs(batch)
     if name == "prefill":
-        wrapper_cls = _ChunkEntry
+        wrapper_cls = _PrefillEntry
     else:
         wrapper_cls = _DecodeEntry if takes_position_shape(batch) else _BatchDecodeEntry
     wrapper = wrapper_cls(model, len(specs)).eval()
     args = example_inputs(model, name, batch, chunk)
-    with torch.no_grad():
-        program = torch.export.export(wrapper, args, dynamic_shapes=_dynamic_shapes(name, batch, len(args)), strict=False)
-    # An empty table only functionalises: in-place state writes become
+    dynamic = _dynamic_shapes(model, name, batch, len(args))
+    # Traced at dispatch level and functionalised in one go: in-place state writes become
     # USER_INPUT_MUTATION outputs, and our custom ops survive for the passes.
-    program = program.run_decompositions(decomp_table={})
+    with torch.no_grad(), _override_composite_implicit_decomp(
+            {op: _special_op_to_preserve_cia for op in PRESERVED_COMPOSITES}):
+        program = _export(wrapper, args, dynamic_shapes=dynamic, strict=False, pre_dispatch=False)
     return EntryPoint(name, program, batch, chunk if name == "prefill" else 1, specs)
 
 

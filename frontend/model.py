@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..runtime.bundle import kv_tile_size
 from . import ops  # noqa: F401  (registers torch.ops.foldline.*)
 from .config import ModelConfig
 from .gdn import GatedDeltaNet, gdn_state_specs
@@ -77,7 +78,8 @@ class Attention(nn.Module):
         k_cache.copy_(new_k)
         v_cache.copy_(new_v)
         attn = torch.ops.foldline.cache_attention(
-            q, new_k, new_v, ctx.start_pos, self.window, cfg.softmax_scale, cfg.kv_mapping, k_cache.shape[2]
+            q, new_k, new_v, ctx.start_pos, self.window, cfg.softmax_scale, cfg.kv_mapping,
+            k_cache.shape[2] if ctx.kv_length is None else ctx.kv_length,
         )
         attn = attn.transpose(1, 2).reshape(b, c, hq * hd)
         if gate is not None:
@@ -173,13 +175,27 @@ class CausalLM(nn.Module):
         return logits
 
     def forward(
-        self, tokens: Tensor, start_pos: Tensor, n_valid: Tensor, *state: Tensor, host_pos: int | None = None
+        self, tokens: Tensor, start_pos: Tensor, n_valid: Tensor, *state: Tensor, host_pos: int | None = None,
+        kv_tiles: int | None = None,
     ) -> Tensor:
-        """`host_pos`: start_pos[0] as a host integer, for a chunk of one real token (decode)."""
+        """`host_pos`: start_pos[0] as a host integer, for a chunk of one real token (decode).
+        `kv_tiles`: attention over full caches reads only their first kv_tiles tiles (prefill).
+
+        Both may be symbolic in an exported program: the attention then reads a
+        length known only when the entry point is called.
+        """
         b, c = tokens.shape
         x = self.embed(tokens)
         positions = start_pos[:, None] + torch.arange(c, dtype=start_pos.dtype)
-        ctx = ChunkContext(start_pos=start_pos, n_valid=n_valid, positions=positions, embed=x, host_pos=host_pos)
+        tile = kv_tile_size(self.cfg.max_context)
+        if kv_tiles is not None:
+            kv_length = kv_tiles * tile
+        elif host_pos is not None:
+            kv_length = (host_pos // tile + 1) * tile  # the tiles up to and including the token's slot
+        else:
+            kv_length = None
+        ctx = ChunkContext(start_pos=start_pos, n_valid=n_valid, positions=positions, embed=x, host_pos=host_pos,
+                           kv_length=kv_length)
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, list(state[2 * i : 2 * i + 2]))
         # Logits only for the last valid position of each row.

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..runtime.bundle import kv_tile_size
+
 MASK_VALUE = -1e30  # finite: a fully masked padded row stays finite, never NaN
 
 
@@ -117,6 +119,25 @@ def _write_slot(cache: Tensor, new: Tensor, position) -> Tensor:
     return torch.ops.aten.slice_scatter(cache, new.to(cache.dtype), 2, slot, slot + 1)
 
 
+def _first_slots(cache: Tensor, length) -> Tensor:
+    """cache[:, :, :length]; a symbolic length is cut in whole tiles.
+
+    Sliced as [tiles of `tile` slots][:T] rather than [:T * tile], the slots keep a
+    static inner dimension: IREE's CPU codegen then tiles the products over the
+    slots as it does for a static length (a plain dynamic slice cost 1.5x per slot).
+    """
+    slots = cache.shape[2]
+    if isinstance(length, int):
+        return cache[:, :, : min(length, slots)]
+    tile = kv_tile_size(slots)
+    b, h, _, d = cache.shape
+    # narrow, not [:, :, :T]: indexing drops a slice that its example value says is whole, which
+    # would fix the length at the traced one; view, not reshape: reshape asks whether the cut is
+    # contiguous, true only for a whole cache, and that question fixes it too
+    tiles = length // tile
+    return cache.view(b, h, slots // tile, tile, d).narrow(2, 0, tiles).view(b, h, tiles * tile, d)
+
+
 def cache_attention_impl(
     q: Tensor,
     k_cache: Tensor,
@@ -130,15 +151,16 @@ def cache_attention_impl(
     """Causal attention over the first `length` slots of a full cache; window > 0 adds the window mask.
 
     `length` below the cache size is a promise by the caller that every position of
-    the chunk is below it (the kv-length-buckets pass makes one entry point per length,
-    and the runtime calls the shortest that holds the chunk): the work then follows
-    the tokens held, not the cache size.
+    the chunk is below it: the work then follows the tokens held, not the cache size.
+    In an exported entry point it is symbolic, a whole number of tiles
+    (runtime.bundle.kv_tile_size) known only at the call.
     """
-    length = min(length, k_cache.shape[2])
-    k_cache, v_cache = k_cache[:, :, :length], v_cache[:, :, :length]
+    slots = torch.arange(k_cache.shape[2], dtype=start_pos.dtype, device=start_pos.device)
+    # the key positions are cut as the caches are, so every read has one (symbolic) length
+    kpos = _first_slots(slots[None, None, :, None], length)[0, 0, :, 0][None, None, :]
+    k_cache, v_cache = _first_slots(k_cache, length), _first_slots(v_cache, length)
     chunk = q.shape[2]
     qpos = _chunk_positions(start_pos, chunk)[:, :, None]
-    kpos = torch.arange(length, dtype=start_pos.dtype, device=start_pos.device)[None, None, :]
     allowed = kpos <= qpos
     if window > 0:
         allowed = allowed & (qpos - kpos < window)

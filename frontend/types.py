@@ -49,6 +49,7 @@ class ChunkContext:
     positions: Tensor  # [B, C] int64
     embed: Tensor  # [B, C, d] scaled embedding (Ripple's value-residual seed)
     host_pos: int | None = None  # start_pos[0] on the host, given by decode entry points (one real token)
+    kv_length: int | None = None  # slots attention over a full cache reads (a whole number of tiles); None: all
 
 
 @dataclass

@@ -73,7 +73,7 @@ def refresh_fake_meta(gm: GraphModule, overrides: dict[str, torch.Tensor] | None
     new shape and dtype; other placeholders keep their current meta['val'].
     """
     overrides = overrides or {}
-    mode = _fake_mode(gm) or FakeTensorMode()
+    mode = fake_mode(gm) or FakeTensorMode()
     args = []
     for node in gm.graph.nodes:
         if node.op != "placeholder":
@@ -90,14 +90,14 @@ def refresh_fake_meta(gm: GraphModule, overrides: dict[str, torch.Tensor] | None
             node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
 
 
-def _fake_mode(gm: GraphModule) -> FakeTensorMode | None:
+def fake_mode(gm: GraphModule) -> FakeTensorMode | None:
     vals = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder" and "val" in n.meta]
     return torch._guards.detect_fake_mode(vals)
 
 
 def fake_of(program_gm: GraphModule, tensor: torch.Tensor) -> torch.Tensor:
     """A fake tensor for `tensor` in the fake mode of the graph's placeholders."""
-    mode = _fake_mode(program_gm)
+    mode = fake_mode(program_gm)
     if mode is None:
         return tensor
     return mode.from_tensor(tensor, static_shapes=True)

@@ -17,7 +17,6 @@ from . import (  # noqa: F401  (each registers its pass)
     fold_embedding_scale,
     fuse_hadamard,
     fuse_sibling_qlinears,
-    kv_length_buckets,
     quantize_weights,
     ring_buffer_swa,
 )
@@ -29,9 +28,8 @@ __all__ = ["PASSES", "CompileUnit", "Pass", "PassError", "PassResult", "availabl
 # fuse-hadamard first: folding restores the plain embedding lookups fold-embedding-scale anchors on.
 # quantize-weights after them: it reads the float weights the other passes leave.
 # fuse-sibling-qlinears right after it: it concatenates the blocks quantize-weights lifted.
-# kv-length-buckets last: it copies each entry point once per attention length.
 DEFAULT_PIPELINE: list[str] = ["fuse-hadamard", "fold-embedding-scale", "ring-buffer-swa", "quantize-weights",
-                               "fuse-sibling-qlinears", "kv-length-buckets"]
+                               "fuse-sibling-qlinears"]
 
 
 class PassError(FoldlineError, ValueError):

@@ -28,10 +28,6 @@ class CompileUnit:
     # The checkpoint's own block-quantized weights (quant.QuantizedTensor) by lifted-parameter
     # name in the programs (frontend.export.parameter_target).
     source_blocks: dict[str, Any] = field(default_factory=dict)
-    # Attention lengths below max_context that have their own entry points (kv-length-buckets).
-    kv_lengths: list[int] = field(default_factory=list)
-    # Entry points that are a base with shorter attention reads (kv_length_buckets.Variant), by name.
-    variants: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from .bundle import decode_inputs
+from .bundle import decode_inputs, kv_tiles_input
 from .checks import ContextFullError, SessionStateError, check_ids
 
 
@@ -109,9 +109,9 @@ class Batch:
             n_valid[r] = ids.size
         end = max(int(start[r] + max(n_valid[r], 1)) for r in open_rows)
         if is_decode:
-            entry, inputs = self.model.entry_point("decode", end), decode_inputs(tokens, start)
+            entry, inputs = "decode", decode_inputs(tokens, start)
         else:
-            entry, inputs = self.model.entry_point("prefill", end), [tokens, start, n_valid]
+            entry, inputs = "prefill", [tokens, start, n_valid, kv_tiles_input(end, self.model.max_context)]
         try:
             with self.model.lock:
                 logits = self.model.ctx.call(entry, inputs, self.buffers)

@@ -33,7 +33,9 @@ _CPU_FEATURES_RE = re.compile(rb'cpu_features = "([^"]*)"')
 # Version 2: the manifest is sealed (manifest_sha256), tokenizer.json hashed, entry points declared.
 # Version 3: q4 codes in ggml's nibble order (frontend/quant.py); a version-2 module reads them wrongly.
 # Version 4: one-row decode takes pos_shape, an empty [0, position] int8 tensor (frontend/export.py).
-FORMAT_VERSION = 4
+# Version 5: prefill takes kv_tiles, an empty [0, T] int8 tensor: its attention reads T tiles of the
+# cache (manifest `kv_tile` slots each); no more prefill_<L> / decode_<L> entry points.
+FORMAT_VERSION = 5
 MANIFEST = "manifest.json"
 SEAL_KEY = "manifest_sha256"
 # State buffer element types and their sizes in bytes: the one table the manifest rules use.
@@ -187,14 +189,9 @@ class Manifest:
         return int(self.data["model"]["max_context"])
 
     @property
-    def kv_lengths(self) -> list[int]:
-        """Attention lengths with their own entry points (prefill_<L>, decode_<L>), ascending."""
-        lengths = self.data.get("kv_lengths", [])
-        if not (isinstance(lengths, list) and all(type(n) is int for n in lengths)
-                and lengths == sorted(set(lengths)) and all(0 < n < self.max_context for n in lengths)):
-            raise BundleError(f"{self.root / MANIFEST}: kv_lengths {lengths!r} must be ascending integers "
-                              f"between 0 and max_context {self.max_context}")
-        return lengths
+    def kv_tile(self) -> int:
+        """Cache slots per tile of prefill's attention reads (its kv_tiles input counts tiles)."""
+        return kv_tile_size(self.max_context)
 
     @property
     def vocab_size(self) -> int:
@@ -421,11 +418,9 @@ def check_schema(path: Path, data: dict[str, Any]) -> None:
 
     batch = r.integer(data["batch"], "batch")
     r.integer(data["prefill_chunk"], "prefill_chunk", hi=context)
-    lengths = r.array(data.get("kv_lengths", []), "kv_lengths")
-    for i, n in enumerate(lengths):
-        r.integer(n, f"kv_lengths[{i}]", hi=context - 1)
-    if lengths != sorted(set(lengths)):
-        raise r.fail("kv_lengths", f"must be ascending without repeats, got {lengths}")
+    tile = r.integer(r.key(data, "kv_tile", ""), "kv_tile")
+    if tile != kv_tile_size(context):
+        raise r.fail("kv_tile", f"{tile} is not the tile of a {context}-slot cache ({kv_tile_size(context)})")
 
     state = r.array(data["state"], "state")
     if not state:
@@ -561,6 +556,39 @@ def position_shape(position: int) -> np.ndarray:
     return np.empty((0, position), np.int8)
 
 
+KV_TILE = 64  # cache slots per attention tile, when the cache length allows it
+
+
+def kv_tile_size(slots: int) -> int:
+    """Slots per tile of a full cache of `slots` slots: 64, or the largest power of two dividing `slots`.
+
+    Prefill's attention reads a whole number of tiles (`kv_tiles`). A static tile
+    size under the dynamic tile count lets IREE's CPU codegen keep its static
+    tiles: the reads then cost what a static length does (docs/architecture.md).
+    """
+    tile = KV_TILE
+    while slots % tile:
+        tile //= 2
+    return tile
+
+
+def kv_tile_count(end: int, slots: int) -> int:
+    """The tiles prefill's attention reads for a chunk whose last position is below `end`."""
+    tile = kv_tile_size(slots)
+    return min(max(1, -(-end // tile)), slots // tile)
+
+
+def kv_tiles_input(end: int, slots: int) -> np.ndarray:
+    """prefill's kv_tiles input: no data, the tile count is its second dimension."""
+    return np.empty((0, kv_tile_count(end, slots)), np.int8)
+
+
+def prefill_inputs(tokens: np.ndarray, start_pos: np.ndarray, n_valid: np.ndarray, slots: int) -> list[np.ndarray]:
+    """prefill's inputs before the state: tokens, start_pos, n_valid and kv_tiles (up to the furthest row)."""
+    end = int(np.max(start_pos + n_valid)) if start_pos.size else 1
+    return [tokens, start_pos, n_valid, kv_tiles_input(end, slots)]
+
+
 def decode_inputs(tokens: np.ndarray, pos: np.ndarray) -> list[np.ndarray]:
     """decode's inputs before the state: tokens, pos and, for one row, pos_shape."""
     extra = [position_shape(int(pos[0]))] if takes_position_shape(tokens.shape[0]) else []
@@ -571,13 +599,12 @@ def entry_point_inputs(manifest: Manifest) -> dict[str, list[tuple[list[int], st
     """entry point -> (shape, dtype, what) of each input the runtime passes it, from the manifest."""
     b, c = manifest.batch, manifest.prefill_chunk
     state = [(list(s.shape), s.dtype, f"state buffer {s.name!r}") for s in manifest.state]
-    prefill = [([b, c], "int64", "tokens"), ([b], "int64", "start_pos"), ([b], "int64", "n_valid"), *state]
+    tiles = DYNAMIC if manifest.max_context // manifest.kv_tile > 1 else 1  # one tile: a static dimension
+    prefill = [([b, c], "int64", "tokens"), ([b], "int64", "start_pos"), ([b], "int64", "n_valid"),
+               ([0, tiles], "int8", "kv_tiles"), *state]
     pos_shape = [([0, DYNAMIC], "int8", "pos_shape")] if takes_position_shape(b) else []
     decode = [([b, 1], "int64", "tokens"), ([b], "int64", "pos"), *pos_shape, *state]
-    out = {"prefill": prefill, "decode": decode}
-    for n in manifest.kv_lengths:
-        out[f"prefill_{n}"], out[f"decode_{n}"] = prefill, decode
-    return out
+    return {"prefill": prefill, "decode": decode}
 
 
 def check_entry_points(manifest: Manifest, key: str, reflection: Any) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..dtypes import DTYPES
 from .batch import Batch
-from .bundle import BundleError, Manifest, decode_inputs
+from .bundle import BundleError, Manifest, decode_inputs, prefill_inputs
 from .checks import SessionStateError, TokenIdError, check_ids
 from .device import DeviceContext, open_device
 from .sampling import Sampler
@@ -50,7 +50,6 @@ class Model:
         self.max_context = manifest.max_context
         self.chunk = manifest.prefill_chunk
         self.batch_size = manifest.batch
-        self.kv_lengths = manifest.kv_lengths
         self.eos_token_ids = tuple(self.config.get("eos_token_ids", ()))
         self._tokenizer = None
 
@@ -131,15 +130,6 @@ class Model:
         session = Session(self)
         session.restore(Snapshot(saved.position, saved.buffers, saved.tokens))
         return session
-
-    def entry_point(self, entry: str, end: int) -> str:
-        """The entry point for a chunk whose positions end below `end`: the shortest attention length.
-
-        Work per step then follows the tokens held: a bundle for a long context
-        costs what a short one does until the conversation grows.
-        """
-        length = next((n for n in self.kv_lengths if end <= n), None)
-        return entry if length is None else f"{entry}_{length}"
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         # encode_batch lets go of the GIL while it works (encode holds it), so a long prompt
@@ -231,10 +221,8 @@ class Session:
             tokens[0, : piece.size] = piece
             n_valid = np.zeros(rows, np.int64)  # other rows of a batched bundle take nothing
             n_valid[0] = piece.size
-            logits = self._call(
-                self.model.entry_point("prefill", self.position + piece.size),
-                [tokens, self._row_positions(), n_valid],
-            )[0]
+            logits = self._call("prefill", prefill_inputs(tokens, self._row_positions(), n_valid,
+                                                          self.model.max_context))[0]
             self.position += piece.size
             self.tokens.extend(int(t) for t in piece)
         return logits.reshape(-1)
@@ -247,7 +235,7 @@ class Session:
         tokens = np.zeros((self.model.batch_size, 1), np.int64)
         tokens[0, 0] = arr[0]
         inputs = decode_inputs(tokens, self._row_positions())
-        out = self._call(self.model.entry_point("decode", self.position + 1), inputs)[0]
+        out = self._call("decode", inputs)[0]
         self.position += 1
         self.tokens.append(int(arr[0]))
         return out.reshape(-1)

@@ -24,11 +24,11 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 from torch.fx.graph import CodeGen
 
-from ..frontend.export import position_shape
+from ..frontend.export import kv_tiles_shape, position_shape
 from ..frontend.types import TORCH_DTYPES, StateSpec
 from ..passes.manager import CompileUnit, run_pipeline
 from ..passes.state_layout import SEQ_DIM
-from ..runtime.bundle import takes_position_shape
+from ..runtime.bundle import kv_tile_count, takes_position_shape
 
 # Scaled-error tolerances per dtype: fp32 rounding differences of reordered sums
 # through a few layers stay far below these; a wrong mask or a doubled scale
@@ -59,9 +59,10 @@ class Step:
     start_pos: Tensor
     n_valid: Tensor | None = None
 
-    def args(self) -> tuple[Tensor, ...]:
-        if self.entry.startswith("prefill"):  # prefill or a length variant, prefill_<L>
-            return (self.tokens, self.start_pos, self.n_valid)
+    def args(self, slots: int) -> tuple[Tensor, ...]:
+        """The entry point's inputs before the state, for full caches of `slots` slots."""
+        if self.entry == "prefill":
+            return (self.tokens, self.start_pos, self.n_valid, kv_tiles_shape(kv_tile_count(int(self.end_pos.max()), slots)))
         if not takes_position_shape(self.tokens.shape[0]):
             return (self.tokens, self.start_pos)
         return (self.tokens, self.start_pos, position_shape(int(self.start_pos[0])))
@@ -191,11 +192,12 @@ class UnitRunner:
             self.modules[name], self.heads[name] = _with_head_outputs(program.module())
         self.specs = list(unit.state_specs)
         self.state = [torch.zeros(s.shape, dtype=TORCH_DTYPES[s.dtype]) for s in self.specs]
+        self.slots = unit.config.max_context
 
     @torch.no_grad()
     def step(self, step: Step) -> tuple[Tensor, Tensor]:
         """(logits, their term scale) after one step; the state is updated in place."""
-        out = self.modules[step.entry](*step.args(), *self.state)
+        out = self.modules[step.entry](*step.args(self.slots), *self.state)
         head = self.heads[step.entry]
         logits = out[0]
         operands = (out[1], out[2]) if head is not None else None

@@ -115,5 +115,5 @@ def test_shapes_the_kernel_does_not_take_are_refused():
 
 
 def test_only_decode_entry_points_keep_the_attention_ops():
-    assert importer.is_decode_entry("decode") and importer.is_decode_entry("decode_256")
-    assert not importer.is_decode_entry("prefill") and not importer.is_decode_entry("prefill_256")
+    assert importer.is_decode_entry("decode")
+    assert not importer.is_decode_entry("prefill") and not importer.is_decode_entry("decode_256")

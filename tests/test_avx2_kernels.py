@@ -45,7 +45,7 @@ def avx2_bundles(tmp_path_factory):
             fmt, intermediate, _ = MODELS[preset]
             out = tmp_path_factory.mktemp(f"{preset}-avx2") / "bundle"
             compile_model(_blocked(preset, fmt, intermediate), out,
-                          BuildOptions(targets=[make_target("cpu", cpu="x86-64-v3")], weights="auto", kv_lengths=[]),
+                          BuildOptions(targets=[make_target("cpu", cpu="x86-64-v3")], weights="auto"),
                           progress=lambda _m: None)
             cache[preset] = out
         return cache[preset]

@@ -173,7 +173,7 @@ def bf16_bundles(tmp_path_factory) -> dict[str, tuple[Path, Path, torch.nn.Modul
     for family, kv_dtype in KV_DTYPE.items():
         path, hf = make_hf_dir(family, root, dtype=torch.bfloat16)
         bundle = root / f"bundle-{family}"
-        options = BuildOptions(chunk=CHUNK, kv_lengths=[], kv_dtype=kv_dtype)
+        options = BuildOptions(chunk=CHUNK, kv_dtype=kv_dtype)
         compile_model(load_hf_dir(path, max_context=MAX_CONTEXT), bundle, options, progress=lambda _m: None)
         out[family] = (path, bundle, hf)
     return out

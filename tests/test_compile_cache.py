@@ -103,7 +103,7 @@ def test_cli_reuses_an_unchanged_compile(tmp_path, monkeypatch, capsys):
     from foldline.tools.cli import main
 
     monkeypatch.setenv("FOLDLINE_CACHE", str(tmp_path / "cache"))
-    args = ["compile", "llama-tiny", "--kv-lengths", "none"]
+    args = ["compile", "llama-tiny"]
     assert main([*args, "-o", str(tmp_path / "a")]) == 0
     first = capsys.readouterr().err
     assert "stage times: export" in first and "iree-compile" in first and "reused" not in first

@@ -153,7 +153,7 @@ def _compile(preset: str, fmt: str, intermediate: int | None, out, fuse: bool, m
             m.setattr(quant_kernels, "match_gate", lambda x, k: None)
             m.setattr(quant_kernels, "match_residual", lambda y: None)
         compile_model(_blocked(preset, fmt, intermediate), out,
-                      BuildOptions(weights="auto", activations="int8", kv_lengths=[]), progress=lambda _m: None)
+                      BuildOptions(weights="auto", activations="int8"), progress=lambda _m: None)
     return out
 
 

@@ -26,6 +26,7 @@ from foldline.runtime.bundle import (
     check_schema,
     check_seal,
     declared_inputs,
+    kv_tile_size,
     manifest_digest,
     seal_manifest,
     vmfb_info,
@@ -42,14 +43,14 @@ func.func @add(%a: tensor<4xf32>, %b: tensor<4xf32>) -> tensor<4xf32> {
 """
 
 
-def manifest_for(preset: str, batch: int = 1, chunk: int = 16, compact: bool = True,
-                 kv_lengths: list[int] | None = None) -> dict[str, Any]:
+def manifest_for(preset: str, batch: int = 1, chunk: int = 16, compact: bool = True) -> dict[str, Any]:
     """A sealed manifest as `foldline compile` writes it for `preset` (the state from passes/state_layout)."""
     cfg = get_preset(preset)
     specs = (planned_state_specs if compact else reference_state_specs)(cfg, batch)
     data = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "source": f"preset:{preset}",
-        "model": cfg.to_dict(), "batch": batch, "prefill_chunk": chunk, "kv_lengths": kv_lengths or [],
+        "model": cfg.to_dict(), "batch": batch, "prefill_chunk": chunk,
+        "kv_tile": kv_tile_size(cfg.max_context),
         "state": [{"name": s.name, "shape": list(s.shape), "dtype": s.dtype, "nbytes": s.nbytes,
                    "layers": [s.layer], "kind": s.kind} for s in specs],
         "state_bytes": sum(s.nbytes for s in specs),
@@ -100,7 +101,8 @@ def _set_shape(data: dict, shape: list[int]) -> None:
     (lambda d: d["model"].update(dtype="float8"), r"model.dtype: unknown value 'float8'"),
     (lambda d: d["model"].update(eos_token_ids=[512]), r"model.eos_token_ids\[0\]: must be between 0 and 511"),
     (lambda d: d.update(prefill_chunk=4096), r"prefill_chunk: must be between 1 and 128, got 4096"),
-    (lambda d: d.update(kv_lengths=[64, 32]), r"kv_lengths: must be ascending"),
+    (lambda d: d.update(kv_tile=32), r"kv_tile: 32 is not the tile of a 128-slot cache \(64\)"),
+    (lambda d: d.pop("kv_tile"), r"kv_tile"),
     (lambda d: d.update(state=[]), r"state: lists no buffer"),
     (lambda d: _state(d).update(dtype="int3"), r"state\[0\].dtype: unknown value 'int3'"),
     (lambda d: _state(d).update(shape=[1, -2, 128, 16]), r"state\[0\].shape: must be a list of positive integers"),
@@ -200,15 +202,13 @@ def _declarations(data: dict) -> dict[str, dict[str, str]]:
         args = ", ".join(f"%input{i}: tensor<{t}>" for i, t in enumerate([*types, *state]))
         return {"iree.abi.declaration": f"sync func @{name}({args}) -> (%output0: tensor<{b}x512xf32>)"}
 
-    prefill, decode = [f"{b}x{c}xi64", f"{b}xi64", f"{b}xi64"], [f"{b}x1xi64", f"{b}xi64", "0x?xi8"]
-    out = {"prefill": decl("prefill", prefill), "decode": decl("decode", decode)}
-    for n in data.get("kv_lengths", []):
-        out[f"prefill_{n}"], out[f"decode_{n}"] = decl(f"prefill_{n}", prefill), decl(f"decode_{n}", decode)
-    return out
+    prefill = [f"{b}x{c}xi64", f"{b}xi64", f"{b}xi64", "0x?xi8"]
+    decode = [f"{b}x1xi64", f"{b}xi64", "0x?xi8"]
+    return {"prefill": decl("prefill", prefill), "decode": decl("decode", decode)}
 
 
 def test_entry_points_matching_the_manifest_pass_and_mismatches_are_named():
-    data = manifest_for("llama-tiny", kv_lengths=[64])
+    data = manifest_for("llama-tiny")
     module = _declarations(data)
     check_entry_points(_FakeManifest(data), "cpu", module.get)
 
@@ -220,7 +220,7 @@ def test_entry_points_matching_the_manifest_pass_and_mismatches_are_named():
 
     fewer = copy.deepcopy(data)
     fewer["state"] = fewer["state"][:-1]
-    with pytest.raises(BundleError, match=r"prefill takes 9 inputs, the manifest implies 8 \(5 state buffers\)"):
+    with pytest.raises(BundleError, match=r"prefill takes 10 inputs, the manifest implies 9 \(5 state buffers\)"):
         check_entry_points(_FakeManifest(fewer), "cpu", module.get)
 
     chunk = copy.deepcopy(data)
@@ -228,10 +228,15 @@ def test_entry_points_matching_the_manifest_pass_and_mismatches_are_named():
     with pytest.raises(BundleError, match=r"prefill takes tokens as int64\[1, 16\]; the manifest says int64\[1, 32\]"):
         check_entry_points(_FakeManifest(chunk), "cpu", module.get)
 
-    lengths = copy.deepcopy(data)
-    lengths["kv_lengths"] = [64, 96]
-    with pytest.raises(BundleError, match="has no entry point 'prefill_96'"):
-        check_entry_points(_FakeManifest(lengths), "cpu", module.get)
+    missing = {name: d for name, d in module.items() if name != "decode"}
+    with pytest.raises(BundleError, match="has no entry point 'decode'"):
+        check_entry_points(_FakeManifest(data), "cpu", missing.get)
+
+    # A prefill without kv_tiles (the ABI before format 5) is named, not run.
+    old_prefill = {name: {k: v.replace(", %input3: tensor<0x?xi8>", "") for k, v in d.items()}
+                   if name == "prefill" else d for name, d in module.items()}
+    with pytest.raises(BundleError, match=r"prefill takes 9 inputs, the manifest implies 10 \(6 state buffers\)"):
+        check_entry_points(_FakeManifest(data), "cpu", old_prefill.get)
 
     with pytest.raises(BundleError, match="declares no signature"):
         check_entry_points(_FakeManifest(data), "cpu", lambda name: {})

@@ -135,7 +135,7 @@ def multi_isa_bundle(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("multi-isa") / "bundle"
     compile_model(_blocked("llama-tiny", "q4", 128), out,
-                  BuildOptions(targets=make_targets("cpu", cpu=CPUS), weights="auto", kv_lengths=[]),
+                  BuildOptions(targets=make_targets("cpu", cpu=CPUS), weights="auto"),
                   progress=lambda _m: None)
     return out
 

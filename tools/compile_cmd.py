@@ -36,9 +36,6 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-dtype", choices=["auto", "f32", "f16", "bf16"], default="auto",
                    help="attention K/V cache element type (default auto: f16 beside quantized weights, "
                         "else the compute dtype); f16 and bf16 halve the caches")
-    p.add_argument("--kv-lengths", default=None, metavar="L,L,...",
-                   help="attention lengths below max-context that get their own entry points "
-                        "(default: 256, 512, 1024, ...; 'none' for max-context only)")
     p.add_argument("--passes", default=None, help="comma-separated pass pipeline (default: the target's)")
     p.add_argument("--no-pass", action="append", default=[], metavar="NAME", help="drop a pass")
     p.add_argument("--dump-after", nargs=2, action="append", default=[], metavar=("PASS", "DIR"),
@@ -59,20 +56,6 @@ def add_parser(sub) -> None:
                    help="compile even when the compile cache ($FOLDLINE_CACHE/compiled) holds this bundle, "
                         "and store nothing in it")
     p.set_defaults(func=run)
-
-
-def _parse_lengths(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    if text.strip().lower() == "none":
-        return []
-    try:
-        lengths = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError as e:
-        raise CliError(f"--kv-lengths takes comma-separated integers or 'none', got {text!r}") from e
-    if any(n <= 0 for n in lengths):
-        raise CliError(f"--kv-lengths must be positive, got {text!r}")
-    return lengths
 
 
 def run(args) -> int:
@@ -104,7 +87,6 @@ def run(args) -> int:
         group=args.group,
         kv_dtype="auto" if args.kv_dtype == "auto" else canonical(args.kv_dtype),
         dtype="auto" if args.dtype == "auto" else canonical(args.dtype),
-        kv_lengths=_parse_lengths(args.kv_lengths),
         activations=args.activations,
     )
     cache = None if args.no_cache else CompileCache()

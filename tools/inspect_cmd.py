@@ -45,9 +45,7 @@ def run(args) -> int:
     print(f"model    {cfg['name']} ({cfg['family']}), {len(cfg['layer_types'])} layers {kinds}, "
           f"vocab {cfg['vocab_size']}, hidden {cfg['hidden_size']}, dtype {cfg['dtype']}")
     print(f"shapes   batch {m.batch}, prefill chunk {m.prefill_chunk}, max context {m.max_context}")
-    lengths = [*m.kv_lengths, m.max_context]
-    print(f"attention lengths {', '.join(str(n) for n in lengths)} (entry points prefill_<L> / decode_<L>; "
-          f"the last is prefill / decode)")
+    print(f"attention reads the tokens held, in tiles of {m.kv_tile} slots (prefill's kv_tiles input)")
     params = m.data.get("params")
     if params:
         print(f"params   {params['file']}: {params['count']} tensors, {_mib(params['size'])}")

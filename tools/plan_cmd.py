@@ -39,8 +39,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from ..frontend.config import ConfigError
     from ..frontend.sources import holds_block_quantized_weights, resolve_config
-    from ..passes.kv_length_buckets import length_ladder
     from ..passes.state_layout import plan_state
+    from ..runtime.bundle import kv_tile_size
 
     cfg = resolve_config(args.model)
     if args.dtype is not None:
@@ -90,9 +90,7 @@ def run(args) -> int:
     print(f"total: {fmt_bytes(total)} ({total:,} bytes) compact vs {fmt_bytes(naive)} ({naive:,} bytes) "
           f"naive (every attention layer keeping every position){saved}")
     if "global" in cfg.layer_types:
-        lengths = [*length_ladder(context), context]
-        print(f"attention lengths: {', '.join(f'{n:,}' for n in lengths)} (each step reads the shortest "
-              f"that holds its positions)")
+        print(f"attention reads the positions held, in tiles of {kv_tile_size(context)} slots")
         scratch = attention_scratch_bytes(cfg, args.batch, context, chunk=64)
         print(f"attention scratch at the full context: {fmt_bytes(scratch)} per call "
               f"(4 B x heads x length x (chunk + 2 x head_dim), chunk 64)")

@@ -1,4 +1,4 @@
-"""kv-length-buckets and in-place cache updates: attention whose work follows the tokens held."""
+"""Attention that reads the tokens held (prefill's kv_tiles, decode's position) and in-place cache updates."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import torch
 
 from foldline.backends.inplace_state import elide_inplace_aliases
 from foldline.frontend.arch import get_preset
-from foldline.passes.kv_length_buckets import length_ladder, variant_name
+from foldline.frontend.export import kv_tiles_shape
 from foldline.passes.manager import run_pipeline
+from foldline.runtime.bundle import kv_tile_count, kv_tile_size
 from foldline.testing.golden import (
     GOLDEN_TOL,
     UnitRunner,
@@ -24,70 +25,82 @@ from foldline.testing.golden import (
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
-LENGTHS = [8, 16, 32, 64]  # 8: below the tiny presets' 16-slot rings, which the _8 variants read in part
-COMPILED_LENGTHS = [8, 32, 64]
+CONTEXT = 256  # four tiles of 64 slots
 
 
-def test_length_ladder_doubles_below_the_context():
-    assert length_ladder(8192) == [256, 512, 1024, 2048, 4096]
-    assert length_ladder(512) == [256]
-    assert length_ladder(256) == [] and length_ladder(100) == []
-    assert length_ladder(32768, smallest=1024) == [1024, 2048, 4096, 8192, 16384]
+def test_tile_size_and_count():
+    assert kv_tile_size(8192) == 64 and kv_tile_size(256) == 64 and kv_tile_size(96) == 32
+    assert kv_tile_size(100) == 4 and kv_tile_size(127) == 1
+    # the tiles a chunk reads cover its last position, never fewer than one, never more than the cache
+    assert [kv_tile_count(end, 256) for end in (0, 1, 64, 65, 128, 129, 256, 300)] == [1, 1, 1, 2, 2, 3, 4, 4]
+    assert kv_tile_count(97, 100) == 25 and kv_tile_count(1, 127) == 1 and kv_tile_count(127, 127) == 127
 
 
-def _bucketed(exported_unit, preset: str, batch: int = 2):
-    cfg = get_preset(preset)
+class _FixedTiles:
+    """Steps whose prefill reads every tile of the cache, whatever it holds: the reference for the cut."""
+
+    def __init__(self, step, slots: int):
+        self.step, self.slots = step, slots
+
+    def args(self, slots: int):
+        if self.step.entry != "prefill":
+            return self.step.args(slots)
+        return (*self.step.args(slots)[:3], kv_tiles_shape(slots // kv_tile_size(slots)))
+
+    def __getattr__(self, name):
+        return getattr(self.step, name)
+
+
+def _unit(exported_unit, preset: str, batch: int = 2, context: int = CONTEXT):
+    cfg = get_preset(preset).replace(max_context=context)
     unit = copy_unit(exported_unit(cfg, batch=batch, chunk=8))
-    unit.options = {"kv_lengths": LENGTHS}
-    run_pipeline(unit, ["ring-buffer-swa", "kv-length-buckets"], progress=lambda _m: None)
+    run_pipeline(unit, ["ring-buffer-swa"], progress=lambda _m: None)
     return cfg, unit
 
 
-def test_the_pass_adds_one_entry_point_per_length_and_is_idempotent(exported_unit):
-    cfg, unit = _bucketed(exported_unit, "llama-tiny")
-    want = {"prefill", "decode"} | {variant_name(e, n) for e in ("prefill", "decode") for n in LENGTHS}
-    assert set(unit.programs) == want and unit.kv_lengths == LENGTHS
-    lengths = {name: sorted({n.args[7] for n in p.graph.nodes if n.target == torch.ops.foldline.cache_attention.default})
-               for name, p in unit.programs.items()}
-    assert lengths["decode_16"] == [16] and lengths["prefill_64"] == [64] and lengths["decode"] == [128]
-    again = run_pipeline(unit, ["kv-length-buckets"], progress=lambda _m: None)
-    assert set(unit.programs) == want and again[0]["sites"] == cfg.num_layers * len(LENGTHS) * 2
-
-
 @pytest.mark.parametrize("preset", ["llama-tiny", "gemma3-tiny", "qwen35-tiny", "ripple-tiny"])
-def test_length_variants_match_the_full_entry_points(preset, exported_unit):
-    """Batch 2, rows at different positions (padded and empty chunks), crossing every length."""
-    cfg, unit = _bucketed(exported_unit, preset)
-    steps = make_steps([37, 21], 8, 40, cfg.vocab_size, seed=3)  # up to position 77: past 16, 32 and 64
-    full, routed = UnitRunner(unit), UnitRunner(unit)
-    used = set()
+def test_reading_the_tiles_held_equals_reading_every_tile(preset, exported_unit):
+    """Batch 2, rows at different positions (padded and empty chunks), crossing tiles: prefill cut to the
+    tiles its furthest row holds gives what reading the whole cache gives; decode reads its row's tiles."""
+    cfg, unit = _unit(exported_unit, preset)
+    steps = make_steps([137, 21], 8, 40, cfg.vocab_size, seed=3)  # up to position 177: three of four tiles
+    full, cut = UnitRunner(unit), UnitRunner(unit)
+    counts = set()
     for i, step in enumerate(steps):
-        end = int(step.end_pos.max())
-        length = next((n for n in LENGTHS if end <= n), None)
-        entry = step.entry if length is None else variant_name(step.entry, length)
-        used.add(entry)
-        want, scale = full.step(step)
-        got, _ = routed.step(dataclasses.replace(step, entry=entry))
+        if step.entry == "prefill":
+            counts.add(int(step.args(CONTEXT)[3].shape[1]))
+        want, scale = full.step(_FixedTiles(step, CONTEXT))
+        got, _ = cut.step(step)
         rows = step.n_valid > 0 if step.n_valid is not None else torch.ones(got.shape[0], dtype=torch.bool)
-        assert scaled_error(got[rows], want[rows], scale[rows]) < GOLDEN_TOL["float32"], f"step {i} ({entry})"
-        for spec, a, b in zip(unit.state_specs, routed.state, full.state):
+        assert scaled_error(got[rows], want[rows], scale[rows]) < GOLDEN_TOL["float32"], f"step {i} ({step.entry})"
+        for spec, a, b in zip(unit.state_specs, cut.state, full.state):
             if spec.kind == "global_kv":
                 a, b = held_slots(a, step.end_pos), held_slots(b, step.end_pos)
             assert scaled_error(a, b, max(float(b.abs().max()), 1e-30)) < GOLDEN_TOL["float32"], (i, spec.name)
-    assert {"prefill_8", "prefill_16", "prefill_32", "prefill_64", "decode_64", "decode"} <= used
+    assert counts == {1, 2, 3}
 
 
-def test_lengths_below_the_window_read_part_of_each_ring(exported_unit):
-    """gemma3-tiny (16-slot rings): the _8 variants read 8 slots of every ring, the others the whole ring."""
-    from foldline.passes.kv_length_buckets import RING_LENGTH_ARG
+def test_a_cut_below_the_tokens_held_changes_the_logits(exported_unit):
+    """The cut is real: reading one tile too few loses keys (the equality above is not vacuous)."""
+    cfg, unit = _unit(exported_unit, "llama-tiny", batch=1)
+    steps = make_steps([72], 8, 0, cfg.vocab_size, seed=1)
+    right, short = UnitRunner(unit), UnitRunner(unit)
+    for step in steps[:-1]:
+        right.step(step), short.step(step)
+    last = steps[-1]  # positions 64-71: the second tile
+    short_step = dataclasses.replace(last)
+    short_step.args = lambda slots: (*last.args(slots)[:3], kv_tiles_shape(1))
+    assert not torch.allclose(right.step(last)[0], short.step(short_step)[0])
 
-    cfg, unit = _bucketed(exported_unit, "gemma3-tiny")
-    assert cfg.sliding_window == 16
+
+def test_the_exported_lengths_are_symbolic(exported_unit):
+    """prefill's attention length comes from kv_tiles and decode's from its position: no length is a
+    constant of the traced example."""
+    cfg, unit = _unit(exported_unit, "llama-tiny", batch=1)
     for name, program in unit.programs.items():
-        rings = [n for n in program.graph.nodes if n.target in RING_LENGTH_ARG]
-        assert rings, name
-        cut = {n.args[RING_LENGTH_ARG[n.target]] if len(n.args) > RING_LENGTH_ARG[n.target] else 0 for n in rings}
-        assert cut == ({8} if name.endswith("_8") else {0}), (name, cut)
+        lengths = [n.args[7] for n in program.graph.nodes if n.target == torch.ops.foldline.cache_attention.default]
+        assert len(lengths) == cfg.num_layers and all(isinstance(n, torch.fx.Node) for n in lengths), name
+        assert "64*" in str(lengths[0].meta["val"]), (name, lengths[0].meta["val"])
 
 
 # ---- in-place cache updates in the compiled module ----------------------------------------------
@@ -153,8 +166,7 @@ def test_decode_writes_rings_and_caches_in_place():
 
     cfg = get_preset("gemma3-tiny").replace(max_context=1024)
     entries = export_model(build_model(cfg), 1, 16)
-    unit = CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs,
-                       options={"kv_lengths": [256]})
+    unit = CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs)
     run_pipeline(unit, None, progress=lambda _m: None)
     ring_bytes = min(s.nbytes for s in unit.state_specs)
     assert any(s.kind == "local_kv" for s in unit.state_specs) and any(s.kind == "global_kv" for s in unit.state_specs)
@@ -164,16 +176,16 @@ def test_decode_writes_rings_and_caches_in_place():
     converted = ireec.compile_str(mlir, input_type="torch", extra_args=[*flags, "--compile-to=input"]).decode()
     edited, _ = elide_inplace_aliases(converted)
     stream = ireec.compile_str(edited, extra_args=[*flags, "--compile-from=input", "--compile-to=stream"]).decode()
-    decodes = [f for f in stream.split("util.func public @") if f.startswith(("decode$async", "decode_256$async"))]
-    assert len(decodes) == 2
+    decodes = [f for f in stream.split("util.func public @") if f.startswith("decode$async")]
+    assert len(decodes) == 1
     for body in decodes:
         copies = [int(c) for c in re.findall(r"stream\.cmd\.copy [^\n]*?, %c(\d+) :", body)]
         assert not [c for c in copies if c >= ring_bytes], f"a decode step copies {max(copies)} bytes"
         assert len(re.findall(r"stream\.cmd\.execute", body)) == 1
         assert "stream.timepoint.await" not in body.split("stream.cmd.execute", 1)[0]
     functions = converted.split("util.func public @")
-    input_decodes = [f for f in functions if f.startswith(("decode$async(", "decode_256$async("))]
-    assert len(input_decodes) == 2 and all("iree_linalg_ext.scatter" not in f for f in input_decodes)
+    input_decodes = [f for f in functions if f.startswith("decode$async(")]
+    assert len(input_decodes) == 1 and all("iree_linalg_ext.scatter" not in f for f in input_decodes)
     prefill = next(f for f in functions if f.startswith("prefill$async("))
     assert "iree_linalg_ext.scatter" in prefill  # the check above can see a scatter
 
@@ -198,8 +210,7 @@ def test_decode_never_copies_a_cache(tmp_path):
 
     cfg = get_preset("llama-tiny").replace(max_context=2048)
     entries = export_model(build_model(cfg), 1, 16)
-    unit = CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs,
-                       options={"kv_lengths": [256]})
+    unit = CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs)
     run_pipeline(unit, None, progress=lambda _m: None)
     # as for a CPU target: decode attention is the hand-written kernel (backends/attention_kernels.py)
     mlir, _ = expand_decode_attention_ops(import_programs(unit.programs.items(), decode_attention_kernel=True)[0])
@@ -225,25 +236,23 @@ def test_decode_never_copies_a_cache(tmp_path):
     ("gemma3-tiny", "float16"), ("llama-tiny", "float32"),
     ("qwen35-tiny", "float32"), ("ripple-tiny", "float16"),
 ])
-def test_compiled_length_variants_match_eager(bundle_factory, preset, kv_dtype):
-    """Every tiny preset compiled with attention lengths 8/32/64 below its max_context 128 follows
-    eager greedy decoding across all of them (sliding-window rings read in part below 8, then
-    wrapping several times, GDN layers), with f32 or f16 caches."""
+def test_compiled_tiles_match_eager(bundle_factory, preset, kv_dtype):
+    """Every tiny preset compiled for 256 positions (four 64-slot tiles) follows eager greedy decoding
+    from a prompt that fills two tiles through decodes into the fourth (sliding-window rings wrapping
+    many times, GDN layers), with f32 or f16 caches: each call reads only the tiles it holds."""
     from foldline.frontend.sources import load_model
     from foldline.runtime import Model
     from foldline.testing.parity import SCALED_TOL_FP32, run_parity
 
-    bundle = bundle_factory(preset, kv_lengths=tuple(COMPILED_LENGTHS), kv_dtype=kv_dtype)
+    bundle = bundle_factory(preset, max_context=CONTEXT, kv_dtype=kv_dtype)
     model = Model.load(bundle)
-    assert model.kv_lengths == COMPILED_LENGTHS
+    assert model.manifest.kv_tile == 64 and model.max_context == CONTEXT
     assert {s.dtype for s in model.manifest.state if s.kind == "global_kv"} == {kv_dtype}
-    assert [model.entry_point("decode", n) for n in (1, 8, 9, 32, 64, 65, 128)] == [
-        "decode_8", "decode_8", "decode_32", "decode_32", "decode_64", "decode", "decode"]
-    loaded = load_model(preset)
-    ids = np.random.default_rng(0).integers(0, model.vocab_size, 40).tolist()
+    loaded = load_model(preset, max_context=CONTEXT)
+    ids = np.random.default_rng(0).integers(0, model.vocab_size, 100).tolist()
     with loaded.reconfigured(kv_dtype=kv_dtype):  # the eager reference holds the same cache type
-        report = run_parity(loaded.module, model, ids, steps=80)
-    assert report.steps == 81 and report.ok(SCALED_TOL_FP32), report.summary()
+        report = run_parity(loaded.module, model, ids, steps=100)
+    assert report.steps == 101 and report.ok(SCALED_TOL_FP32), report.summary()
 
 
 def test_unsupported_kv_dtype_is_a_clear_error(tmp_path):
