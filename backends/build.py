@@ -85,7 +85,7 @@ def compile_torch_module(mlir: str, flags: list[str]) -> tuple[bytes, ElideRepor
     converted = ireec.compile_str(mlir, input_type="torch", extra_args=[*flags, "--compile-to=input"])
     text = converted.decode() if isinstance(converted, bytes) else converted
     edited, report = elide_inplace_aliases(text)
-    edited, _declared = declare_entry_points(edited)  # the runtime compares them with the manifest
+    edited, _declared = declare_entry_points(edited, mlir)  # the runtime compares them with the manifest
     return ireec.compile_str(edited, extra_args=[*flags, "--compile-from=input"]), report
 
 
@@ -404,5 +404,6 @@ def compile_spec(spec: str, out_dir: str | Path, options: BuildOptions, progress
     if _from_cache(cache, key, out_dir, progress):
         return Path(out_dir)
     progress(f"loading {spec}")
-    loaded = load_model(spec, max_context=options.max_context)
+    # The blocks are what a weights=auto compile keeps: their float values are never made.
+    loaded = load_model(spec, max_context=options.max_context, defer_block_weights=options.weights == "auto")
     return _compile_and_store(loaded, out_dir, options, progress, cache, key)

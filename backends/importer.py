@@ -19,6 +19,7 @@ from iree.compiler import ir
 from iree.compiler.extras.fx_importer import FxImporter, FxImporterHooks
 from torch.export import ExportedProgram
 
+from ..frontend.deferred_weights import materialize
 from ..frontend.types import MLIR_ELEMENTS
 from .attention_kernels import covers
 from .lowering import DECODE_ATTENTION_OPS, KeepRule, Lowering, is_decode_entry
@@ -57,7 +58,7 @@ class _ParameterHooks(FxImporterHooks):
         shape = "x".join(str(d) for d in literal.shape)
         tensor_type = f"tensor<{shape}x{MLIR_ELEMENTS[literal.dtype]}>"
         if name not in self.params.tensors:
-            self.params.tensors[name] = literal.detach().contiguous()
+            self.params.tensors[name] = materialize(literal).detach().contiguous()
             op = ir.Operation.parse(
                 f'util.global private @"{name}" = #flow.parameter.named<"{PARAM_SCOPE}"::"{name}"> : {tensor_type}'
             )

@@ -18,7 +18,7 @@ from ..errors import FoldlineError
 LAYER_KINDS = ("global", "local", "gdn")
 
 # The context a bundle supports when the user names none: the model's trained context, capped.
-# Attention work follows the tokens held (kv-length-buckets), but the caches are allocated whole:
+# Attention work follows the tokens held (kv_tiles), but the caches are allocated whole:
 # 8192 tokens of SmolLM2-135M hold 189 MB of f16 K/V, Qwen3.5's 262144 would hold gigabytes.
 DEFAULT_CONTEXT_CAP = 8192
 

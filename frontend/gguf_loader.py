@@ -5,6 +5,13 @@ The file is read by `gguf_file.GGUFFile`; the architecture module named by
 names mean and how stored values differ from the module's. Every weight is
 dequantized to float32, one tensor at a time, straight into a module built on
 the meta device, so peak memory stays near the size of the float32 model.
+
+Loaded for compiling only (`defer_block_weights`), a weight whose blocks repack
+exactly into foldline's formats is not dequantized at all: the module holds a
+deferred tensor for it (frontend/deferred_weights.py) and the compile keeps the
+blocks. Exactness is then checked on a sample of rows rather than the whole
+tensor (every row goes through the same repacking code); the eager load checks
+every element.
 """
 
 from __future__ import annotations
@@ -15,12 +22,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf.quants import dequantize as gguf_dequantize
 
 from .arch import BY_GGUF_ARCHITECTURE, Architecture, architecture_of
 from .config import ConfigError, ModelConfig
+from .deferred_weights import defer
 from .gguf_file import GGUFError, GGUFFile, MissingTensorError, UnsupportedArchitectureError
 from .hadamard import apply_hadamard_metadata, has_hadamard_metadata
-from .model import CausalLM
+from .model import CausalLM, skeleton
 from .quant import REPACKABLE, QuantizedTensor, repack_gguf
 from .tokenizer import tokenizer_json_from_gguf
 from .types import LoadedModel
@@ -96,8 +105,8 @@ def tensor_name_map(cfg: ModelConfig) -> dict[str, str]:
     return arch.gguf_tensor_names(cfg)
 
 
-def _iter_weights(g: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """(parameter name, float32 array) for every parameter; missing or left-over tensors are errors."""
+def _iter_weights(g: GGUFFile, cfg: ModelConfig, skip: set[str] = frozenset()) -> Iterator[tuple[str, np.ndarray]]:
+    """(parameter name, float32 array) for every parameter but `skip`; missing or left-over tensors are errors."""
     arch = architecture_of(cfg)
     names = tensor_name_map(cfg)
     missing = [t for t in names.values() if t not in g.tensors]
@@ -111,6 +120,8 @@ def _iter_weights(g: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarr
         raise GGUFError(f"{g.path}: tensor {unexpected[0]!r} has no place in a {cfg.family} model "
                         f"({len(unexpected)} unexpected)")
     for param, tname in names.items():
+        if param in skip:
+            continue
         value = g.dequantize(tname)
         try:
             converted = arch.gguf_tensor_value(tname, value, cfg)
@@ -122,41 +133,81 @@ def _iter_weights(g: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarr
         yield param, converted
 
 
+def _repacked(g: GGUFFile, cfg: ModelConfig, tname: str) -> QuantizedTensor | None:
+    """A 2-D tensor's blocks in foldline's format with the architecture's value conversion applied, or None
+    when its block type has no exact foldline form."""
+    info = g.info(tname)
+    if info.qtype not in [int(q) for q in REPACKABLE] or len(info.shape) != 2:
+        return None
+    arch = architecture_of(cfg)
+    blocks = repack_gguf(g.raw(tname), info.qtype)
+    for key in ("codes", "scales", "mins"):
+        array = getattr(blocks, key)
+        if array is not None:
+            setattr(blocks, key, np.ascontiguousarray(arch.gguf_tensor_value(tname, array, cfg)))
+    return blocks
+
+
+SAMPLED_ROWS = 32
+
+
+def _exact_on_sampled_rows(g: GGUFFile, tname: str, rows: int = SAMPLED_ROWS) -> bool:
+    """Whether repacking `tname` dequantizes to gguf's own float32 values on `rows` rows spread over it.
+
+    Compared before any value conversion (a row reordering, applied alike to the blocks and the floats).
+    """
+    info = g.info(tname)
+    raw = g.raw(tname)
+    picked = np.unique(np.linspace(0, info.shape[0] - 1, min(rows, info.shape[0])).astype(np.int64))
+    blocks = repack_gguf(np.ascontiguousarray(raw[picked]), info.qtype)
+    want = np.asarray(gguf_dequantize(np.ascontiguousarray(raw[picked]), info.qtype), dtype=np.float32)
+    return np.array_equal(blocks.dequantize(), want.reshape(len(picked), -1))
+
+
 def source_blocks(g: GGUFFile, cfg: ModelConfig, module: CausalLM) -> dict[str, QuantizedTensor]:
     """The file's block-quantized 2-D weights, repacked exactly into foldline's formats, by parameter name.
 
-    The architecture's value conversion (llama's Q/K row order) is applied to
-    each row-indexed array of the blocks; a tensor whose blocks then do not
-    dequantize to exactly the module's weight is left out (it stays float).
+    A tensor whose blocks do not dequantize to exactly the module's (float32) weight is left out:
+    it stays float.
     """
-    arch = architecture_of(cfg)
     params = dict(module.named_parameters())
     out: dict[str, QuantizedTensor] = {}
     for param, tname in tensor_name_map(cfg).items():
-        info = g.info(tname)
-        if info.qtype not in [int(q) for q in REPACKABLE] or len(info.shape) != 2:
-            continue
-        blocks = repack_gguf(g.raw(tname), info.qtype)
-        fields = {"codes": blocks.codes, "scales": blocks.scales, "mins": blocks.mins}
-        for key, array in fields.items():
-            if array is not None:
-                setattr(blocks, key, np.ascontiguousarray(arch.gguf_tensor_value(tname, array, cfg)))
-        if np.array_equal(blocks.dequantize(), params[param].detach().numpy()):
+        blocks = _repacked(g, cfg, tname)
+        if blocks is not None and np.array_equal(blocks.dequantize(), params[param].detach().numpy()):
             out[param] = blocks
     return out
 
 
-def build_module(g: GGUFFile, cfg: ModelConfig) -> CausalLM:
-    """The reference CausalLM with the file's weights, materialised one tensor at a time."""
+def deferred_blocks(g: GGUFFile, cfg: ModelConfig) -> dict[str, QuantizedTensor]:
+    """As source_blocks, for a module that will not hold their floats: exactness checked on sampled rows."""
+    out: dict[str, QuantizedTensor] = {}
+    for param, tname in tensor_name_map(cfg).items():
+        if tname not in g.tensors:
+            continue  # build_module names what is missing
+        blocks = _repacked(g, cfg, tname)
+        if blocks is not None and _exact_on_sampled_rows(g, tname):
+            out[param] = blocks
+    return out
+
+
+def build_module(g: GGUFFile, cfg: ModelConfig, deferred: dict[str, QuantizedTensor] | None = None) -> CausalLM:
+    """The reference CausalLM with the file's weights, materialised one tensor at a time; the weights in
+    `deferred` become deferred tensors (frontend/deferred_weights.py) backed by those blocks."""
+    deferred = deferred or {}
     _check_sizes_fit(g, weights=True)
     try:
-        with torch.device("meta"):
-            model = CausalLM(cfg)
+        model = skeleton(cfg)
     except RuntimeError as e:  # sizes whose products overflow (a damaged file); nothing is allocated
         raise GGUFError(f"{g.path}: the metadata's sizes do not form a model: {e}") from e
     expected = dict(model.named_parameters())
     state: dict[str, torch.Tensor] = {}
-    for param, w in _iter_weights(g, cfg):
+    for param, blocks in deferred.items():
+        shape = tuple(expected[param].shape)
+        if tuple(blocks.shape) != shape:
+            raise GGUFError(f"{g.path}: tensor for {param!r} has shape {tuple(blocks.shape)}, the config implies {shape}")
+        state[param] = defer(shape, blocks)
+    for param, w in _iter_weights(g, cfg, skip=set(deferred)):
         shape = tuple(expected[param].shape)
         if w.shape != shape:
             raise GGUFError(
@@ -167,13 +218,21 @@ def build_module(g: GGUFFile, cfg: ModelConfig) -> CausalLM:
     return model.eval()
 
 
-def load_gguf(path: str | Path, max_context: int | None = None) -> LoadedModel:
-    """LoadedModel for a GGUF file: config, float32 module, tokenizer.json and chat template."""
+def load_gguf(path: str | Path, max_context: int | None = None, defer_block_weights: bool = False) -> LoadedModel:
+    """LoadedModel for a GGUF file: config, float32 module, tokenizer.json and chat template.
+
+    defer_block_weights: for a compile that keeps the file's blocks, the module does not hold the
+    float values of block-quantized weights (frontend/deferred_weights.py); never with Hadamard-rotated
+    weights, whose folding reads them.
+    """
     path = Path(path)
     with GGUFFile(path) as g:
         cfg = config_from_file(g, max_context)
-        module = build_module(g, cfg)
-        blocks = source_blocks(g, cfg, module)
+        defer_weights = defer_block_weights and not has_hadamard_metadata(g.metadata)
+        _check_sizes_fit(g, weights=True)
+        deferred = deferred_blocks(g, cfg) if defer_weights else {}
+        module = build_module(g, cfg, deferred)
+        blocks = deferred if defer_weights else source_blocks(g, cfg, module)
         if has_hadamard_metadata(g.metadata):
             # Weights stored Hadamard-rotated: wrap them so the module computes the unrotated model.
             gguf_to_param = {tensor: param for param, tensor in tensor_name_map(cfg).items()}

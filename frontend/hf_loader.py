@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from .arch import BY_HF_MODEL_TYPE, architecture_of
 from .config import ModelConfig
 from .hf_config import HFLoadError
-from .model import CausalLM
+from .model import CausalLM, skeleton
 from .types import TORCH_DTYPES, LoadedModel
 
 SUPPORTED_MODEL_TYPES = tuple(BY_HF_MODEL_TYPE)
@@ -185,8 +185,7 @@ def load_hf_dir(path: str | Path, max_context: int | None = None) -> LoadedModel
     # Built on the meta device: the config's sizes allocate nothing until the file's tensors,
     # checked against them, are assigned (a config.json that lies about sizes cannot exhaust memory).
     try:
-        with torch.device("meta"):
-            module = CausalLM(cfg)
+        module = skeleton(cfg)
     except (RuntimeError, TypeError, OverflowError) as e:  # sizes whose products overflow
         raise HFLoadError(f"{path}: config.json sizes do not form a model: {e}") from e
     _assign(module, _load_tensors(path), path)

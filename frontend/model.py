@@ -12,6 +12,8 @@ updated in place and logits are returned for the last valid position only.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -259,7 +261,33 @@ def new_state(cfg: ModelConfig, batch: int, specs: list[StateSpec] | None = None
     return [torch.zeros(s.shape, dtype=TORCH_DTYPES[s.dtype]) for s in specs]
 
 
+# torch.nn.init's in-place initialisers, which a skeleton has no use for.
+_INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
+                 "kaiming_normal_", "xavier_uniform_", "xavier_normal_")
+
+
+@contextmanager
+def _no_initialisers() -> Iterator[None]:
+    saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
+    for name in _INITIALISERS:
+        setattr(nn.init, name, lambda tensor, *_args, **_kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def skeleton(cfg: ModelConfig) -> CausalLM:
+    """The config's module on the meta device, its initialisers skipped: names and shapes, no data.
+
+    A loader then assigns every weight. Running nn.Linear's initialiser on meta tensors
+    cost Gemma 3 270M 3.8 s of nothing; without it the build takes 0.1 s.
+    """
+    with torch.device("meta"), _no_initialisers():
+        return CausalLM(cfg)
+
+
 def parameter_names(cfg: ModelConfig) -> list[str]:
     """Every parameter name of the config's module, without allocating weights."""
-    with torch.device("meta"):
-        return [name for name, _ in CausalLM(cfg).named_parameters()]
+    return [name for name, _ in skeleton(cfg).named_parameters()]

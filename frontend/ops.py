@@ -194,7 +194,7 @@ def ring_attention_impl(
 ) -> Tensor:
     """Sliding-window attention over the ring (before this chunk's write) plus the chunk itself.
 
-    `length` in (0, window) is the kv-length-buckets promise of cache_attention: every
+    `length` in (0, window) is the promise `cache_attention` takes too: every
     position of the chunk is below it. Position p sits in slot p % window = p, so slots
     from `length` on are empty and only the first `length` are read.
     """

@@ -59,20 +59,26 @@ def checkpoint_fingerprint(spec: str, max_context: int | None = None, seed: int 
     return preset_fingerprint(spec, cfg.to_dict(), seed)
 
 
-def load_model(spec: str, max_context: int | None = None, seed: int = 0) -> LoadedModel:
-    """Build the reference module for MODEL with its weights."""
-    loaded = _load(spec, max_context, seed)
+def load_model(spec: str, max_context: int | None = None, seed: int = 0,
+               defer_block_weights: bool = False) -> LoadedModel:
+    """Build the reference module for MODEL with its weights.
+
+    defer_block_weights: for a compile that keeps a GGUF's blocks, leave the float values of
+    block-quantized weights unmade until read (frontend/deferred_weights.py); such a module is
+    not an eager reference until `deferred_weights.materialize_module` runs.
+    """
+    loaded = _load(spec, max_context, seed, defer_block_weights)
     loaded.fingerprint = checkpoint_fingerprint(spec, max_context, seed)
     return loaded
 
 
-def _load(spec: str, max_context: int | None, seed: int) -> LoadedModel:
+def _load(spec: str, max_context: int | None, seed: int, defer_block_weights: bool = False) -> LoadedModel:
     path = Path(spec)
     if spec in SHIPPED_MODELS or path.suffix == ".gguf":
         gguf_path = locate_shipped(spec) if spec in SHIPPED_MODELS else path
         if not gguf_path.is_file():
             raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
-        return load_gguf(gguf_path, max_context=max_context)
+        return load_gguf(gguf_path, max_context=max_context, defer_block_weights=defer_block_weights)
     if path.is_dir():
         return load_hf_dir(path, max_context=max_context)
     if path.suffix or "/" in spec:

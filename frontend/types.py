@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from ..dtypes import DTYPES, FLOAT_DTYPES, itemsize
 from .config import ModelConfig
+from .deferred_weights import blocks_of, mark_deferred
 
 # The torch side of foldline.dtypes: canonical name -> torch dtype.
 TORCH_DTYPES = {name: getattr(torch, name) for name in FLOAT_DTYPES}
@@ -88,20 +89,24 @@ class LoadedModel:
             if saved is not None:
                 self._uncast(saved)
 
-    def _cast(self, dtype: torch.dtype) -> list[tuple[nn.Parameter, Tensor]]:
+    def _cast(self, dtype: torch.dtype) -> list[tuple[nn.Parameter, Tensor, Any]]:
         """Cast every floating parameter to `dtype`; returns the originals. Buffers keep their
         dtype (the Hadamard signs are float32 on purpose; the rest are built in the model's)."""
         saved = []
         for p in self.module.parameters():
             if p.is_floating_point() and p.dtype != dtype:
-                saved.append((p, p.data))
-                p.data = p.data.to(dtype)
+                blocks = blocks_of(p)
+                saved.append((p, p.data, blocks))
+                # a deferred weight's values are not made yet: its cast stays unmade too
+                p.data = torch.empty(p.shape, dtype=dtype) if blocks is not None else p.data.to(dtype)
         return saved
 
     @staticmethod
-    def _uncast(saved: list[tuple[nn.Parameter, Tensor]]) -> None:
-        for p, original in saved:
+    def _uncast(saved: list[tuple[nn.Parameter, Tensor, Any]]) -> None:
+        for p, original, blocks in saved:
             p.data = original
+            if blocks is not None:  # the original data was never written, whatever the cast's became
+                mark_deferred(p, blocks)
 
     def _point(self, old: ModelConfig, new: ModelConfig) -> None:
         for sub in self.module.modules():

@@ -21,6 +21,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
+from ..frontend.deferred_weights import materialize
 from .graph_edit import ASSERT_OPS, LiftedInputs, copy_graph_module, remove_dead_code
 from .registry import CompileUnit, PassResult, register_pass
 
@@ -150,7 +151,7 @@ class _Folder:
                 if isinstance(c, torch.Tensor) and c.numel() != 1:
                     self._note(f"{entry}: {mul.name} multiplier has {c.numel()} elements; left alone")
                     continue
-                table = view.value_of(spec)
+                table = view.value_of(spec, materialized=False)  # shape and dtype; values once it folds
                 new_val, emb_val = mul.meta.get("val"), emb.meta.get("val")
                 if new_val is None or emb_val is None or tuple(new_val.shape) != tuple(emb_val.shape):
                     self._note(f"{entry}: {mul.name} broadcasts beyond the lookup; left alone")
@@ -167,7 +168,7 @@ class _Folder:
                         "stays at runtime"
                     )
                     continue
-                name, scaled, fresh = self._table_for(spec.target, table, c)
+                name, scaled, fresh = self._table_for(spec.target, materialize(table), c)
                 if scaled.dtype != new_val.dtype:
                     self._note(f"{entry}: {mul.name} changes dtype in a way the table cannot; left alone")
                     continue

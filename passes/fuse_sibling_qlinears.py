@@ -14,8 +14,7 @@ Each output element still reads only its own row of codes, so the result is
 the same computation; the bundle holds the concatenated blocks in place of the
 separate ones (the same bytes). Siblings fuse only when their blocks share a
 format, group, scale dtype and min layout (a GGUF may mix Q4_K and Q6_K in one
-layer); the rest stay as they are. Runs after quantize-weights, before the
-entry points are copied per attention length.
+layer); the rest stay as they are. Runs after quantize-weights.
 """
 
 from __future__ import annotations

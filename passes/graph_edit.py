@@ -25,6 +25,8 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
+from ..frontend.deferred_weights import materialize
+
 # Nodes that return nothing but must not be dead-code eliminated by fx.
 ASSERT_OPS = (torch.ops.aten._assert_tensor_metadata.default,)
 
@@ -169,10 +171,14 @@ class LiftedInputs:
         name = node.name if isinstance(node, Node) else node
         return next((s for s in self.specs if getattr(s.arg, "name", None) == name), None)
 
-    def value_of(self, spec: InputSpec) -> torch.Tensor:
+    def value_of(self, spec: InputSpec, materialized: bool = True) -> torch.Tensor:
+        """The tensor behind a lifted input; with `materialized=False` possibly a deferred weight
+        (frontend/deferred_weights.py) whose values are not made yet: for its shape and dtype only."""
         if spec.kind == InputKind.CONSTANT_TENSOR or (spec.kind == InputKind.BUFFER and not spec.persistent):
-            return self.constants[spec.target]
-        return self.state_dict[spec.target]
+            value = self.constants[spec.target]
+        else:
+            value = self.state_dict[spec.target]
+        return materialize(value) if materialized else value
 
     def weight_value(self, node: object) -> torch.Tensor | None:
         """The tensor behind a lifted weight/buffer/constant placeholder; None for anything else."""

@@ -31,6 +31,7 @@ from torch.fx import GraphModule, Node
 
 from ..errors import FoldlineError
 from ..frontend import quant  # registers torch.ops.foldline.qlinear / qembedding
+from ..frontend.deferred_weights import materialize
 from .graph_edit import LiftedInputs, copy_graph_module, remove_dead_code
 from .registry import CompileUnit, PassResult, register_pass
 
@@ -98,7 +99,7 @@ class _Quantizer:
             if source is not None and (self.mode == "auto" or source.format == wanted):
                 choice = _Choice(source, "checkpoint")
             elif wanted is not None and weight.shape[1] % self.group == 0:
-                w = weight.detach().to(torch.float32).numpy()
+                w = materialize(weight).detach().to(torch.float32).numpy()
                 blocks = quant.quantize(w, wanted, self.group)
                 err = blocks.dequantize() - w
                 rms = float(np.sqrt(np.mean(err * err)) / max(np.sqrt(np.mean(w * w)), 1e-30))
@@ -143,7 +144,7 @@ class _Quantizer:
             spec = lifted.spec_of(weight) if isinstance(weight, Node) else None
             if spec is None or spec.kind != InputKind.PARAMETER:
                 continue
-            choice = self.choose(spec.target, lifted.value_of(spec))
+            choice = self.choose(spec.target, lifted.value_of(spec, materialized=False))
             if choice is None:
                 continue
             b = choice.blocks

@@ -68,9 +68,45 @@ def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def _usage(ids: list[int], outcome: Outcome) -> dict[str, int]:
-    return {"prompt_tokens": len(ids), "completion_tokens": outcome.completion_tokens,
-            "total_tokens": len(ids) + outcome.completion_tokens}
+def _usage(ids: list[int], outcomes: list[Outcome]) -> dict[str, int]:
+    """The prompt once, every choice's completion tokens (as OpenAI counts n choices)."""
+    completion = sum(o.completion_tokens for o in outcomes)
+    return {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion}
+
+
+async def _drain(gen: Generation) -> None:
+    async for _ in gen.pieces():
+        pass
+
+
+async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, str | None]]:
+    """(choice index, text piece) as the choices produce them, then (index, None) as each one ends.
+
+    An ApiError of any choice ends the stream with that error.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(gen: Generation) -> None:
+        try:
+            async for piece in gen.pieces():
+                await queue.put((gen.index, piece, None))
+            await queue.put((gen.index, None, None))
+        except ApiError as e:
+            await queue.put((gen.index, None, e))
+
+    tasks = [asyncio.create_task(pump(g)) for g in gens]
+    try:
+        for _ in range(len(gens)):
+            while True:
+                index, piece, error = await queue.get()
+                if error is not None:
+                    raise error
+                yield index, piece
+                if piece is None:
+                    break
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def create_app(served: ServedModel) -> Starlette:
@@ -97,8 +133,8 @@ def create_app(served: ServedModel) -> Starlette:
     async def chat_completions(request: HttpRequest) -> Response:
         return await _serve(request, chat=True)
 
-    async def _start(request: HttpRequest, chat: bool) -> Generation:
-        """Validate, tokenize (off the event loop) and submit; any refusal is an ApiError."""
+    async def _start(request: HttpRequest, chat: bool) -> list[Generation]:
+        """Validate, tokenize (off the event loop) and submit every choice; any refusal is an ApiError."""
         if served.draining:
             raise ApiError(503, "the server is shutting down", kind="server_error", code="shutting_down")
         data = await _json_body(request, options.max_body_bytes)
@@ -106,76 +142,88 @@ def create_app(served: ServedModel) -> Starlette:
             body = parse_body(ChatBody, data)
             params = generation_params(body, served.model_id, chat=True)
             ids = await asyncio.to_thread(served.chat_ids, body.conversation())
-            return Generation(served, ids, params, prompt_param="messages")
+            return Generation.start_choices(served, ids, params, prompt_param="messages")
         body = parse_body(CompletionBody, data)
         params = generation_params(body, served.model_id, chat=False)
         ids = await asyncio.to_thread(served.completion_ids, body.single_prompt())
-        return Generation(served, ids, params, prompt_param="prompt")
+        return Generation.start_choices(served, ids, params, prompt_param="prompt")
+
+    def _choice(gen: Generation, chat: bool) -> dict:
+        outcome, want_logprobs = gen.outcome, gen.params.logprobs is not None
+        if chat:
+            return {"index": gen.index, "message": {"role": "assistant", "content": outcome.text},
+                    "finish_reason": outcome.finish_reason,
+                    "logprobs": formatter.chat(outcome.logprobs) if want_logprobs else None}
+        return {"index": gen.index, "text": outcome.text, "finish_reason": outcome.finish_reason,
+                "logprobs": formatter.completion(outcome.logprobs) if want_logprobs else None}
 
     async def _serve(request: HttpRequest, chat: bool) -> Response:
         try:
-            gen = await _start(request, chat)
+            gens = await _start(request, chat)
         except ApiError as e:
             return _error(e)
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": served.model_id}
-        if gen.params.stream:
-            return StreamingResponse(_stream(meta, gen, chat), media_type="text/event-stream")
-        watcher = asyncio.create_task(_watch_disconnect(request, gen))
+        if gens[0].params.stream:
+            return StreamingResponse(_stream(meta, gens, chat), media_type="text/event-stream")
+        watchers = [asyncio.create_task(_watch_disconnect(request, gen)) for gen in gens]
         try:
-            async for _ in gen.pieces():
-                pass
+            await asyncio.gather(*(_drain(gen) for gen in gens))
         except ApiError as e:
             return _error(e)
         finally:
-            watcher.cancel()
-        outcome, want_logprobs = gen.outcome, gen.params.logprobs is not None
-        usage = _usage(gen.ids, outcome)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text},
-                      "finish_reason": outcome.finish_reason,
-                      "logprobs": formatter.chat(outcome.logprobs) if want_logprobs else None}
-            return JSONResponse({**meta, "object": "chat.completion", "choices": [choice], "usage": usage})
-        choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason,
-                  "logprobs": formatter.completion(outcome.logprobs) if want_logprobs else None}
-        return JSONResponse({**meta, "object": "text_completion", "choices": [choice], "usage": usage})
+            for watcher in watchers:
+                watcher.cancel()
+            for gen in gens:
+                gen.cancel()  # a no-op once finished; frees the other rows when one choice failed
+        usage = _usage(gens[0].ids, [g.outcome for g in gens])
+        choices = [_choice(gen, chat) for gen in gens]
+        kind = "chat.completion" if chat else "text_completion"
+        return JSONResponse({**meta, "object": kind, "choices": choices, "usage": usage})
 
-    async def _stream(meta: dict, gen: Generation, chat: bool) -> AsyncIterator[str]:
+    async def _stream(meta: dict, gens: list[Generation], chat: bool) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
-        outcome, want_logprobs = gen.outcome, gen.params.logprobs is not None
-        sent = {"logprobs": 0, "offset": 0}  # logprob items already sent; text offset of the next ones
+        want_logprobs = gens[0].params.logprobs is not None
+        # per choice: logprob items already sent, and the text offset of the next ones
+        sent = [{"logprobs": 0, "offset": 0} for _ in gens]
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+        def chunk(gen: Generation, text: str | None, finish: str | None, role: bool = False) -> dict:
+            outcome, mark = gen.outcome, sent[gen.index]
             logprobs = None
             if want_logprobs and not role:
-                items = outcome.logprobs[sent["logprobs"]:]
-                sent["logprobs"] = len(outcome.logprobs)
-                logprobs = formatter.chat(items) if chat else formatter.completion(items, sent["offset"])
+                items = outcome.logprobs[mark["logprobs"]:]
+                mark["logprobs"] = len(outcome.logprobs)
+                logprobs = formatter.chat(items) if chat else formatter.completion(items, mark["offset"])
                 if not chat:
-                    sent["offset"] += sum(len(t) for t in logprobs["tokens"])
+                    mark["offset"] += sum(len(t) for t in logprobs["tokens"])
             if chat:
                 delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+                choice = {"index": gen.index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
+                choice = {"index": gen.index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
             return {**meta, "object": kind, "choices": [choice]}
 
-        pieces = gen.pieces()
+        pieces = _merged(gens)
         try:
             if chat:
-                yield _sse(chunk("", None, role=True))
-            async for piece in pieces:
-                yield _sse(chunk(piece, None))
+                for gen in gens:
+                    yield _sse(chunk(gen, "", None, role=True))
+            async for index, piece in pieces:
+                gen = gens[index]
+                if piece is None:  # this choice is done
+                    yield _sse(chunk(gen, None if chat else "", gen.outcome.finish_reason))
+                else:
+                    yield _sse(chunk(gen, piece, None))
         except ApiError as e:
             yield _sse(e.body())
             yield "data: [DONE]\n\n"
             return
         finally:
             await pieces.aclose()
-            gen.cancel()  # a no-op once finished; frees the row when the client left mid-stream
-        yield _sse(chunk(None if chat else "", outcome.finish_reason))
-        if gen.params.include_usage:
-            yield _sse({**meta, "object": kind, "choices": [], "usage": _usage(gen.ids, outcome)})
+            for gen in gens:
+                gen.cancel()  # a no-op once finished; frees the rows when the client left mid-stream
+        if gens[0].params.include_usage:
+            yield _sse({**meta, "object": kind, "choices": [], "usage": _usage(gens[0].ids, [g.outcome for g in gens])})
         yield "data: [DONE]\n\n"
 
     @contextlib.asynccontextmanager

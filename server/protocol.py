@@ -45,6 +45,7 @@ class GenerationParams:
     include_usage: bool
     logprobs: int | None
     timeout: float | None
+    n: int = 1  # choices, each sampled on its own row from the same prompt
 
 
 def generation_params(body: Any, served_model: str, chat: bool) -> GenerationParams:
@@ -73,4 +74,5 @@ def generation_params(body: Any, served_model: str, chat: bool) -> GenerationPar
         include_usage=bool(options is not None and options.include_usage),
         logprobs=logprobs,
         timeout=body.timeout,
+        n=1 if body.n is None else body.n,
     )

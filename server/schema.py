@@ -63,8 +63,6 @@ class _Common(_Model):
 
     def refuse_unsupported(self) -> None:
         """A 400 for a field set to something foldline does not do."""
-        if self.n not in (None, 1):
-            raise ApiError(400, "n > 1 is not supported: send n separate requests (they share the rows)", param="n")
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0):
                 raise ApiError(400, f"'{name}' is not supported (only 0)", param=name)

@@ -108,8 +108,9 @@ class Generation:
     token id are answered before any response starts.
     """
 
-    def __init__(self, served: ServedModel, ids: list[int], params: GenerationParams, prompt_param: str):
-        self.served, self.params, self.ids = served, params, ids
+    def __init__(self, served: ServedModel, ids: list[int], params: GenerationParams, prompt_param: str,
+                 index: int = 0):
+        self.served, self.params, self.ids, self.index = served, params, ids, index
         self.outcome = Outcome()
         self.client_gone = False
         loop = asyncio.get_running_loop()
@@ -132,7 +133,9 @@ class Generation:
             max_tokens=room if params.max_tokens is None else params.max_tokens,
             on_token=lambda t, lp: loop.call_soon_threadsafe(put, ("token", t, lp)),
             on_finish=lambda reason, err: loop.call_soon_threadsafe(put, ("finish", reason, err)),
-            sampler=Sampler(params.temperature, 0, params.top_p, params.seed),
+            # choice i of n samples with seed + i: the choices differ, and each is reproducible
+            sampler=Sampler(params.temperature, 0, params.top_p,
+                            None if params.seed is None else (params.seed + index) % 2**64),
             stop_ids=frozenset(model.eos_token_ids),
             logprobs=params.logprobs,
             deadline=time.monotonic() + min(limits) if limits else None,
@@ -147,6 +150,24 @@ class Generation:
             raise ApiError(400, str(e), param=prompt_param, code="context_length_exceeded") from e
         except TokenIdError as e:
             raise ApiError(400, str(e), param=prompt_param) from e
+
+    @classmethod
+    def start_choices(cls, served: ServedModel, ids: list[int], params: GenerationParams,
+                      prompt_param: str) -> list[Generation]:
+        """The request's n choices, each a generation of its own; all submitted, or none (a refusal)."""
+        rows = served.scheduler.batch.rows
+        if params.n > rows:
+            raise ApiError(400, f"n is {params.n}, but this bundle generates {rows} sequence(s) at a time: ask for "
+                           f"at most {rows} choices, or compile the bundle with --batch {params.n}", param="n")
+        started: list[Generation] = []
+        try:
+            for index in range(params.n):
+                started.append(cls(served, ids, params, prompt_param, index))
+        except ApiError:
+            for gen in started:
+                gen.cancel()
+            raise
+        return started
 
     def cancel(self) -> None:
         """The client left: free the row at the next step."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..frontend.deferred_weights import materialize_module
 from ..frontend.model import CausalLM, new_state
 from ..runtime import Model
 
@@ -47,6 +48,7 @@ class EagerRunner:
     """Runs the reference module chunk by chunk with its own state, like the runtime does."""
 
     def __init__(self, module: CausalLM, chunk: int):
+        materialize_module(module)  # a module loaded for compiling may hold deferred weights
         self.module = module
         self.chunk = chunk
         self.state = new_state(module.cfg, 1)

@@ -5,6 +5,7 @@ Each test copies a compiled llama-tiny bundle, breaks one thing, and loads it.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -165,13 +166,20 @@ def test_edited_manifest_is_refused(bundle, edit, verify):
 
 def test_resealed_manifest_with_other_state_shapes_is_refused_by_the_module_signature(bundle):
     """Consistent with itself and sealed, but not what the module was compiled for: refused before any call."""
-    data = _manifest(bundle)
+    original = _manifest(bundle)
+    data = copy.deepcopy(original)
     assert data["model"]["max_context"] == 128
-    _set_context(data, 64)
+    _set_context(data, 256)
     _write_manifest(bundle, data)
     Manifest.load(bundle)  # the manifest alone is valid
     with pytest.raises(BundleError, match=r"model.cpu.vmfb: prefill takes state buffer 'layer0.k' as "
-                                          r"float32\[1, 2, 128, 16\]; the manifest says float32\[1, 2, 64, 16\]"):
+                                          r"float32\[1, 2, 128, 16\]; the manifest says float32\[1, 2, 256, 16\]"):
+        Model.load(bundle, device="cpu", verify=False)
+    # a one-tile context: the manifest implies a fixed kv_tiles, the module reads a tile count
+    data = copy.deepcopy(original)
+    _set_context(data, 64)
+    _write_manifest(bundle, data)
+    with pytest.raises(BundleError, match=r"prefill takes kv_tiles as int8\[0, -1\]; the manifest says int8\[0, 1\]"):
         Model.load(bundle, device="cpu", verify=False)
 
 

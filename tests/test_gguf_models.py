@@ -121,11 +121,12 @@ def test_default_bundle_runs_int8_activations_where_the_cpu_has_vnni(name, gguf_
         assert (re.search(rb"foldline_i8dot_\w+" + re.escape(shape), vmfb) is not None) == vnni, shape
     # Decode attention is one hand-written dispatch per layer on any CPU (backends/attention_kernels.py):
     # SmolLM2's 9 query heads on 3 kv heads of 64; Gemma's 4 on 1 of 256, over rings of 512 and full caches.
-    attention = {"smollm2-135m": [b"foldline_attn_b1_h9x3_d64_s8192_l256_"],
-                 "gemma3-270m": [b"foldline_attn_b1_h4x1_d256_s512_l256_", b"foldline_attn_b1_h4x1_d256_s512_l512_",
-                                 b"foldline_attn_b1_h4x1_d256_s8192_l1024_"]}
+    # One kernel per cache size: its loop stops at the step's position, whatever the cache holds.
+    attention = {"smollm2-135m": [b"foldline_attn_b1_h9x3_d64_s8192_l8192_"],
+                 "gemma3-270m": [b"foldline_attn_b1_h4x1_d256_s512_l512_", b"foldline_attn_b1_h4x1_d256_s8192_l8192_"]}
     for kernel in attention[name]:
         assert kernel in vmfb, kernel
+    assert len(set(re.findall(rb"foldline_attn_b1_\w+?_l\d+_", vmfb))) == len(attention[name])
     # every projection of a 64-token chunk: fused q/k/v, o, fused gate/up, down (Gemma: Q6_K and Q4_K downs)
     prefill = {"smollm2-135m": [b"_m64_k576_n960", b"_m64_k576_n576", b"_m64_k576_n3072", b"_m64_k1536_n576"],
                "gemma3-270m": [b"_m64_k640_n1536", b"_m64_k1024_n640", b"_m64_k640_n4096", b"_m64_k2048_n640"]}

@@ -217,7 +217,8 @@ BAD = [  # (path, body, status, param)
     ("/v1/completions", complete(stream="yes"), 400, "stream"),
     ("/v1/completions", complete(stream_options="usage"), 400, "stream_options"),
     ("/v1/completions", complete(stream_options={"include_usage": "yes"}), 400, "stream_options.include_usage"),
-    ("/v1/completions", complete(n=2), 400, "n"),
+    ("/v1/completions", complete(n=3), 400, "n"),
+    ("/v1/completions", complete(n=0), 400, "n"),
     ("/v1/completions", complete(logprobs=21), 400, "logprobs"),
     ("/v1/completions", complete(frequency_penalty=1), 400, "frequency_penalty"),
     ("/v1/completions", complete(echo=True), 400, "echo"),
@@ -339,6 +340,34 @@ def test_logprobs_are_the_models_log_softmax(server):
     assert sum((c["token_logprobs"] for c in streamed), []) == lp["token_logprobs"]
     assert sum((c["text_offset"] for c in streamed), []) == lp["text_offset"]
     assert post(server, complete()).json()["choices"][0]["logprobs"] is None
+
+
+def test_n_choices_are_sampled_on_their_own_rows(server):
+    """n=2 on a 2-row bundle: two choices, each what a single request with seed + index gives;
+    usage counts the prompt once and every choice's tokens; streaming sends both, by index."""
+    body = complete(max_tokens=6, temperature=0.9, seed=11, logprobs=0)
+    both = post(server, {**body, "n": 2}).json()
+    assert [c["index"] for c in both["choices"]] == [0, 1]
+    solo = [post(server, {**body, "seed": 11 + i}).json()["choices"][0] for i in range(2)]
+    assert [token_ids(c) for c in both["choices"]] == [token_ids(c) for c in solo]
+    assert both["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 12, "total_tokens": len(PROMPT) + 12}
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30,
+                      json={**body, "n": 2, "stream": True, "stream_options": {"include_usage": True}}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    for i, choice in enumerate(solo):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert sum((c["logprobs"]["tokens"] for c in mine if c["logprobs"]), []) == choice["logprobs"]["tokens"]
+        assert [c["finish_reason"] for c in mine][-1] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+    chat = post(server, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, CHAT)
+    assert chat.status_code in (200, 400)  # no tokenizer in this bundle: a 400 naming messages, never a 500
+    assert healthy(server)
+
+
+def test_more_choices_than_rows_are_refused(server):
+    error = assert_error(post(server, complete(n=3)), 400, param="n")
+    assert "at most 2 choices" in error["message"] and "--batch 3" in error["message"]
+    assert healthy(server)
 
 
 def test_cors_origin(bundle):
