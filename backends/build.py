@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
@@ -15,7 +12,8 @@ import iree.runtime as rt
 
 from ..dtypes import FLOAT_DTYPES, DTypeError
 from ..frontend.export import export_model, parameter_target
-from ..frontend.sources import checkpoint_fingerprint, load_model
+from ..frontend.fingerprint import checkpoint_fingerprint
+from ..frontend.sources import load_model
 from ..frontend.types import LoadedModel
 from ..passes.manager import CompileUnit, run_pipeline
 from ..runtime.bundle import (
@@ -29,17 +27,16 @@ from ..runtime.bundle import (
 )
 from .abi_declaration import declare_entry_points
 from .attention_kernels import expand_decode_attention_ops
-from .compile_cache import CompileCache, cache_key
+from .compile_cache import CompileCache
 from .compile_pool import pool_size, run_concurrently
 from .importer import import_programs, params_to_numpy
 from .inplace_state import ElideReport, elide_inplace_aliases
 from .int8_isa import FLOAT_KERNELS, Int8Kernels, choose_kernels
 from .lowering import Lowering
+from .options import BuildOptions, Progress, build_cache_key, from_cache
 from .quant_kernels import expand_qlinear_ops
-from .targets import Target, TargetError, make_target
+from .targets import Target, TargetError
 from .vnni_kernels import cpu_has_int8_dot
-
-Progress = Callable[[str], None]
 
 
 class StageClock:
@@ -87,23 +84,6 @@ def compile_torch_module(mlir: str, flags: list[str]) -> tuple[bytes, ElideRepor
     edited, report = elide_inplace_aliases(text)
     edited, _declared = declare_entry_points(edited, mlir)  # the runtime compares them with the manifest
     return ireec.compile_str(edited, extra_args=[*flags, "--compile-from=input"]), report
-
-
-@dataclass
-class BuildOptions:
-    targets: list[Target] = field(default_factory=lambda: [make_target("cpu")])
-    passes: list[str] | None = None  # None: the default pipeline
-    chunk: int | None = None  # prefill chunk; None: default_chunk()
-    batch: int = 1
-    max_context: int | None = None
-    dump_after: dict[str, Path] = field(default_factory=dict)
-    keep_mlir: bool = False
-    hadamard: str = "fold"  # fuse-hadamard mode: "fold" rotations into float weights, or keep them "online"
-    weights: str = "auto"  # quantize-weights mode: auto (the checkpoint's blocks), f32, int8, int4
-    group: int = 32  # quantization group for requantized weights
-    kv_dtype: str = "auto"  # attention cache element type: auto (default_kv_dtype), float32, float16, bfloat16
-    dtype: str = "auto"  # compute dtype: auto (default_compute_dtype), float32, float16, bfloat16
-    activations: str = "auto"  # quantized products: auto (int8 where the CPU has AVX2 or VNNI), int8, f32
 
 
 # Prefill chunk lengths. A quantized linear dequantizes each weight once per prefill call
@@ -205,27 +185,6 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def build_cache_key(fingerprint: dict | None, options: BuildOptions) -> str | None:
-    """The compile cache's key for a checkpoint and options; None when the result must not be cached
-    (a model built by hand has no fingerprint; --dump-after writes files beside the bundle)."""
-    if fingerprint is None or options.dump_after:
-        return None
-    fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
-              if f.name not in ("targets", "dump_after")}
-    return cache_key(fingerprint, fields, [dataclasses.asdict(t) for t in options.targets])
-
-
-def _from_cache(cache: CompileCache | None, key: str | None, out_dir: str | Path, progress: Progress) -> bool:
-    if cache is None or key is None:
-        return False
-    t0 = time.perf_counter()
-    if not cache.fetch(key, Path(out_dir)):
-        return False
-    progress(f"unchanged inputs: bundle reused from the compile cache ({cache.root / key[:16]}...) "
-             f"into {out_dir} in {time.perf_counter() - t0:.1f} s (--no-cache compiles again)")
-    return True
-
-
 def compile_model(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, progress: Progress = print,
                   cache: CompileCache | None = None) -> Path:
     """Write a bundle for an already-loaded model; returns the bundle directory.
@@ -234,7 +193,7 @@ def compile_model(loaded: LoadedModel, out_dir: str | Path, options: BuildOption
     before is copied from it, and a new bundle is stored in it.
     """
     key = build_cache_key(loaded.fingerprint, options)
-    if _from_cache(cache, key, out_dir, progress):
+    if from_cache(cache, key, out_dir, progress):
         return Path(out_dir)
     return _compile_and_store(loaded, out_dir, options, progress, cache, key)
 
@@ -401,7 +360,7 @@ def compile_spec(spec: str, out_dir: str | Path, options: BuildOptions, progress
                  cache: CompileCache | None = None) -> Path:
     """Compile MODEL (a preset, shipped name, .gguf or HF dir); the cache is asked before anything is loaded."""
     key = build_cache_key(checkpoint_fingerprint(spec, options.max_context), options)
-    if _from_cache(cache, key, out_dir, progress):
+    if from_cache(cache, key, out_dir, progress):
         return Path(out_dir)
     progress(f"loading {spec}")
     # The blocks are what a weights=auto compile keeps: their float values are never made.

@@ -6,6 +6,8 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from .shipped import SHIPPED_MODELS, locate_shipped
+
 FULL_HASH_LIMIT = 64 << 20
 SAMPLES, SAMPLE_BYTES = 16, 1 << 20
 
@@ -30,6 +32,23 @@ def directory_fingerprint(path: Path) -> dict[str, Any]:
     return {"dir": path.name, "files": [file_fingerprint(f) for f in sorted(path.iterdir()) if f.is_file()]}
 
 
-def preset_fingerprint(name: str, config: dict[str, Any], seed: int) -> dict[str, Any]:
-    """A preset's weights are a function of its config and the seed."""
-    return {"preset": name, "config": config, "seed": seed}
+def preset_fingerprint(name: str, max_context: int | None, seed: int) -> dict[str, Any]:
+    """A preset's weights are a function of its name, context and seed (and of foldline's sources,
+    which define the presets and are part of the compile cache's key)."""
+    return {"preset": name, "max_context": max_context, "seed": seed}
+
+
+def checkpoint_fingerprint(spec: str, max_context: int | None = None, seed: int = 0) -> dict | None:
+    """What identifies MODEL's weights without loading them (the compile cache's key); None if unknown.
+
+    Reads files only (no torch): `foldline compile` asks the cache before importing the compiler.
+    """
+    path = Path(spec)
+    if spec in SHIPPED_MODELS or path.suffix == ".gguf":
+        gguf_path = locate_shipped(spec) if spec in SHIPPED_MODELS else path
+        return file_fingerprint(gguf_path) if gguf_path.is_file() else None
+    if path.is_dir():
+        return directory_fingerprint(path)
+    if path.suffix or "/" in spec:
+        return None
+    return preset_fingerprint(spec, max_context, seed)

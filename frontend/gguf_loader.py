@@ -6,18 +6,16 @@ names mean and how stored values differ from the module's. Every weight is
 dequantized to float32, one tensor at a time, straight into a module built on
 the meta device, so peak memory stays near the size of the float32 model.
 
-Loaded for compiling only (`defer_block_weights`), a weight whose blocks repack
-exactly into foldline's formats is not dequantized at all: the module holds a
-deferred tensor for it (frontend/deferred_weights.py) and the compile keeps the
-blocks. Exactness is then checked on a sample of rows rather than the whole
-tensor (every row goes through the same repacking code); the eager load checks
-every element.
+A weight whose blocks repack exactly into foldline's formats (frontend/quant.py)
+is repacked once: the blocks are what a compile keeps, and their dequantization
+is the module's float value. Loaded for compiling only (`defer_block_weights`),
+such a weight is not dequantized at all: the module holds a deferred tensor for
+it (frontend/deferred_weights.py).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -105,8 +103,8 @@ def tensor_name_map(cfg: ModelConfig) -> dict[str, str]:
     return arch.gguf_tensor_names(cfg)
 
 
-def _iter_weights(g: GGUFFile, cfg: ModelConfig, skip: set[str] = frozenset()) -> Iterator[tuple[str, np.ndarray]]:
-    """(parameter name, float32 array) for every parameter but `skip`; missing or left-over tensors are errors."""
+def _check_tensor_set(g: GGUFFile, cfg: ModelConfig) -> dict[str, str]:
+    """parameter -> tensor name; a tensor the model needs and lacks, or one it has no place for, is an error."""
     arch = architecture_of(cfg)
     names = tensor_name_map(cfg)
     missing = [t for t in names.values() if t not in g.tensors]
@@ -119,25 +117,39 @@ def _iter_weights(g: GGUFFile, cfg: ModelConfig, skip: set[str] = frozenset()) -
     if unexpected:
         raise GGUFError(f"{g.path}: tensor {unexpected[0]!r} has no place in a {cfg.family} model "
                         f"({len(unexpected)} unexpected)")
-    for param, tname in names.items():
-        if param in skip:
-            continue
-        value = g.dequantize(tname)
-        try:
-            converted = arch.gguf_tensor_value(tname, value, cfg)
-        except GGUFError:
-            raise
-        except ValueError as e:  # a conversion (llama's row permutation) that the stored shape does not fit
-            raise GGUFError(f"{g.path}: tensor {tname!r} of shape {list(value.shape)} does not fit a "
-                            f"{cfg.family} model of this config: {e}") from e
-        yield param, converted
+    return names
+
+
+def _float_value(g: GGUFFile, cfg: ModelConfig, tname: str) -> np.ndarray:
+    """A tensor as float32 in the module's convention (gguf's dequantization, then the architecture's)."""
+    value = g.dequantize(tname)
+    try:
+        return architecture_of(cfg).gguf_tensor_value(tname, value, cfg)
+    except GGUFError:
+        raise
+    except ValueError as e:  # a conversion (llama's row permutation) that the stored shape does not fit
+        raise GGUFError(f"{g.path}: tensor {tname!r} of shape {list(value.shape)} does not fit a "
+                        f"{cfg.family} model of this config: {e}") from e
+
+
+def _reorders_rows(g: GGUFFile, cfg: ModelConfig, tname: str, rows: int) -> bool:
+    """Whether the architecture's conversion of `tname` only reorders its rows (llama's Q/K), so that
+    it applies alike to blocks and to floats; a conversion that changes values does not."""
+    probe = np.arange(rows, dtype=np.int64)[:, None]
+    try:
+        moved = np.asarray(architecture_of(cfg).gguf_tensor_value(tname, probe, cfg))
+    except ValueError:
+        return False
+    return moved.shape == probe.shape and np.array_equal(np.sort(moved[:, 0]), probe[:, 0])
 
 
 def _repacked(g: GGUFFile, cfg: ModelConfig, tname: str) -> QuantizedTensor | None:
-    """A 2-D tensor's blocks in foldline's format with the architecture's value conversion applied, or None
-    when its block type has no exact foldline form."""
+    """A 2-D tensor's blocks in foldline's format with the architecture's row order, or None when its block
+    type has no exact foldline form (or the conversion is more than a row order)."""
     info = g.info(tname)
-    if info.qtype not in [int(q) for q in REPACKABLE] or len(info.shape) != 2:
+    if info.qtype not in [int(q) for q in REPACKABLE] or len(info.shape) != 2 or 0 in info.shape:
+        return None
+    if not _reorders_rows(g, cfg, tname, info.shape[0]) or not _exact_on_sampled_rows(g, tname):
         return None
     arch = architecture_of(cfg)
     blocks = repack_gguf(g.raw(tname), info.qtype)
@@ -154,47 +166,26 @@ SAMPLED_ROWS = 32
 def _exact_on_sampled_rows(g: GGUFFile, tname: str, rows: int = SAMPLED_ROWS) -> bool:
     """Whether repacking `tname` dequantizes to gguf's own float32 values on `rows` rows spread over it.
 
-    Compared before any value conversion (a row reordering, applied alike to the blocks and the floats).
+    Every row goes through the same repacking code, and tests/test_quant.py checks each block
+    type bit for bit; this guards a file against a block type read the wrong way, cheaply.
     """
     info = g.info(tname)
     raw = g.raw(tname)
     picked = np.unique(np.linspace(0, info.shape[0] - 1, min(rows, info.shape[0])).astype(np.int64))
-    blocks = repack_gguf(np.ascontiguousarray(raw[picked]), info.qtype)
-    want = np.asarray(gguf_dequantize(np.ascontiguousarray(raw[picked]), info.qtype), dtype=np.float32)
+    sample = np.ascontiguousarray(raw[picked])
+    blocks = repack_gguf(sample, info.qtype)
+    want = np.asarray(gguf_dequantize(sample, info.qtype), dtype=np.float32)
     return np.array_equal(blocks.dequantize(), want.reshape(len(picked), -1))
 
 
-def source_blocks(g: GGUFFile, cfg: ModelConfig, module: CausalLM) -> dict[str, QuantizedTensor]:
-    """The file's block-quantized 2-D weights, repacked exactly into foldline's formats, by parameter name.
+def build_module(g: GGUFFile, cfg: ModelConfig, defer_blocks: bool = False
+                 ) -> tuple[CausalLM, dict[str, QuantizedTensor]]:
+    """The reference CausalLM with the file's weights, materialised one tensor at a time, and the
+    weights' blocks where they repack exactly into foldline's formats (quant.REPACKABLE).
 
-    A tensor whose blocks do not dequantize to exactly the module's (float32) weight is left out:
-    it stays float.
+    A weight with blocks takes their dequantization as its float value (what gguf's dequantizer
+    gives, and faster), or, with `defer_blocks`, a deferred tensor (frontend/deferred_weights.py).
     """
-    params = dict(module.named_parameters())
-    out: dict[str, QuantizedTensor] = {}
-    for param, tname in tensor_name_map(cfg).items():
-        blocks = _repacked(g, cfg, tname)
-        if blocks is not None and np.array_equal(blocks.dequantize(), params[param].detach().numpy()):
-            out[param] = blocks
-    return out
-
-
-def deferred_blocks(g: GGUFFile, cfg: ModelConfig) -> dict[str, QuantizedTensor]:
-    """As source_blocks, for a module that will not hold their floats: exactness checked on sampled rows."""
-    out: dict[str, QuantizedTensor] = {}
-    for param, tname in tensor_name_map(cfg).items():
-        if tname not in g.tensors:
-            continue  # build_module names what is missing
-        blocks = _repacked(g, cfg, tname)
-        if blocks is not None and _exact_on_sampled_rows(g, tname):
-            out[param] = blocks
-    return out
-
-
-def build_module(g: GGUFFile, cfg: ModelConfig, deferred: dict[str, QuantizedTensor] | None = None) -> CausalLM:
-    """The reference CausalLM with the file's weights, materialised one tensor at a time; the weights in
-    `deferred` become deferred tensors (frontend/deferred_weights.py) backed by those blocks."""
-    deferred = deferred or {}
     _check_sizes_fit(g, weights=True)
     try:
         model = skeleton(cfg)
@@ -202,20 +193,22 @@ def build_module(g: GGUFFile, cfg: ModelConfig, deferred: dict[str, QuantizedTen
         raise GGUFError(f"{g.path}: the metadata's sizes do not form a model: {e}") from e
     expected = dict(model.named_parameters())
     state: dict[str, torch.Tensor] = {}
-    for param, blocks in deferred.items():
+    blocks_of: dict[str, QuantizedTensor] = {}
+    for param, tname in _check_tensor_set(g, cfg).items():
         shape = tuple(expected[param].shape)
-        if tuple(blocks.shape) != shape:
-            raise GGUFError(f"{g.path}: tensor for {param!r} has shape {tuple(blocks.shape)}, the config implies {shape}")
-        state[param] = defer(shape, blocks)
-    for param, w in _iter_weights(g, cfg, skip=set(deferred)):
-        shape = tuple(expected[param].shape)
+        blocks = _repacked(g, cfg, tname)
+        if blocks is not None and tuple(blocks.shape) == shape:
+            blocks_of[param] = blocks
+            state[param] = defer(shape, blocks) if defer_blocks else torch.from_numpy(blocks.dequantize())
+            continue
+        w = _float_value(g, cfg, tname)
         if w.shape != shape:
             raise GGUFError(
                 f"{g.path}: tensor for {param!r} has shape {w.shape}, the config implies {shape}"
             )
         state[param] = torch.from_numpy(w)
     model.load_state_dict(state, strict=True, assign=True)
-    return model.eval()
+    return model.eval(), blocks_of
 
 
 def load_gguf(path: str | Path, max_context: int | None = None, defer_block_weights: bool = False) -> LoadedModel:
@@ -228,11 +221,7 @@ def load_gguf(path: str | Path, max_context: int | None = None, defer_block_weig
     path = Path(path)
     with GGUFFile(path) as g:
         cfg = config_from_file(g, max_context)
-        defer_weights = defer_block_weights and not has_hadamard_metadata(g.metadata)
-        _check_sizes_fit(g, weights=True)
-        deferred = deferred_blocks(g, cfg) if defer_weights else {}
-        module = build_module(g, cfg, deferred)
-        blocks = deferred if defer_weights else source_blocks(g, cfg, module)
+        module, blocks = build_module(g, cfg, defer_blocks=defer_block_weights and not has_hadamard_metadata(g.metadata))
         if has_hadamard_metadata(g.metadata):
             # Weights stored Hadamard-rotated: wrap them so the module computes the unrotated model.
             gguf_to_param = {tensor: param for param, tensor in tensor_name_map(cfg).items()}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .arch import get_preset
 from .config import ConfigError, ModelConfig
-from .fingerprint import directory_fingerprint, file_fingerprint, preset_fingerprint
+from .fingerprint import checkpoint_fingerprint
 from .gguf_file import GGUFFile
 from .gguf_loader import load_gguf, read_gguf_config
 from .hf_loader import load_hf_dir, read_hf_config
@@ -41,22 +41,6 @@ def holds_block_quantized_weights(spec: str) -> bool:
         return False
     with GGUFFile(path) as g:
         return any(t.type_name not in FLOAT_GGUF_TYPES for t in g.tensors.values())
-
-
-def checkpoint_fingerprint(spec: str, max_context: int | None = None, seed: int = 0) -> dict | None:
-    """What identifies MODEL's weights without loading them (the compile cache's key); None if unknown."""
-    path = Path(spec)
-    if spec in SHIPPED_MODELS or path.suffix == ".gguf":
-        gguf_path = locate_shipped(spec) if spec in SHIPPED_MODELS else path
-        return file_fingerprint(gguf_path) if gguf_path.is_file() else None
-    if path.is_dir():
-        return directory_fingerprint(path)
-    if path.suffix or "/" in spec:
-        return None
-    cfg = get_preset(spec)
-    if max_context is not None:
-        cfg = cfg.replace(max_context=max_context)
-    return preset_fingerprint(spec, cfg.to_dict(), seed)
 
 
 def load_model(spec: str, max_context: int | None = None, seed: int = 0,

@@ -79,18 +79,22 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def generate_spm_merges(vocab: Mapping[str, int], scores: Mapping[str, float]) -> list[tuple[str, str]]:
     """Merges implied by a SentencePiece vocabulary: every split of a token into two tokens,
-    ordered by the merged token's score (best first), then by longer left piece."""
-    merges: list[tuple[str, str, float]] = []
+    ordered by the merged token's score (best first), then by longer left piece.
+
+    The splits of one token all differ in the length of their left piece, so that order is
+    total within a token; tokens of equal score keep the vocabulary's order (a stable sort).
+    """
+    merges: list[tuple[float, int, int, str, str]] = []
+    known = vocab.__contains__
     for token, score in scores.items():
-        local = []
         for i in range(1, len(token)):
-            left, right = token[:i], token[i:]
-            if left in vocab and right in vocab:
-                local.append((left, right, score))
-        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
-        merges.extend(local)
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(m[0], m[1]) for m in merges]
+            left = token[:i]
+            if known(left):
+                right = token[i:]
+                if known(right):
+                    merges.append((score, i, len(token) - i, left, right))
+    merges.sort(key=lambda m: m[:3], reverse=True)
+    return [(m[3], m[4]) for m in merges]
 
 
 def _added_tokens(tokens: Sequence[str], types: Sequence[int], vocab: Mapping[str, int],

@@ -20,17 +20,11 @@ from . import (  # noqa: F401  (each registers its pass)
     quantize_weights,
     ring_buffer_swa,
 )
+from .pipeline import DEFAULT_PIPELINE
 from .registry import PASSES, CompileUnit, Pass, PassResult, register_pass
 
 __all__ = ["PASSES", "CompileUnit", "Pass", "PassError", "PassResult", "available_passes", "default_pipeline",
            "register_pass", "resolve_pipeline", "run_pipeline"]
-
-# fuse-hadamard first: folding restores the plain embedding lookups fold-embedding-scale anchors on.
-# quantize-weights after them: it reads the float weights the other passes leave.
-# fuse-sibling-qlinears right after it: it concatenates the blocks quantize-weights lifted.
-DEFAULT_PIPELINE: list[str] = ["fuse-hadamard", "fold-embedding-scale", "ring-buffer-swa", "quantize-weights",
-                               "fuse-sibling-qlinears"]
-
 
 class PassError(FoldlineError, ValueError):
     """An unknown pass name or an invalid pipeline."""

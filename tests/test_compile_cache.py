@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from foldline.backends.build import BuildOptions, build_cache_key
 from foldline.backends.compile_cache import CompileCache
+from foldline.backends.options import BuildOptions, build_cache_key
 from foldline.backends.targets import make_target
-from foldline.frontend.fingerprint import FULL_HASH_LIMIT, file_fingerprint
-from foldline.frontend.sources import checkpoint_fingerprint
+from foldline.frontend.fingerprint import FULL_HASH_LIMIT, checkpoint_fingerprint, file_fingerprint
 
 
 def _bundle(root: Path, text: str) -> Path:

@@ -58,11 +58,25 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from ..backends.build import BuildOptions, compile_spec
-    from ..backends.compile_cache import CompileCache
-    from ..backends.targets import make_targets
+def _pipeline(args) -> list[str]:
+    """The pass pipeline asked for; the default one without importing the passes (and torch)."""
+    if args.passes is None and not args.no_pass:
+        from ..passes.pipeline import DEFAULT_PIPELINE
+
+        return list(DEFAULT_PIPELINE)
     from ..passes.manager import resolve_pipeline
+
+    names = [n for n in args.passes.split(",") if n] if args.passes is not None else None
+    return resolve_pipeline(names, args.no_pass)
+
+
+def run(args) -> int:
+    # Only what an unchanged compile needs is imported before the cache is asked: the compiler
+    # stages (torch, torch.export) take seconds to import.
+    from ..backends.compile_cache import CompileCache
+    from ..backends.options import BuildOptions, build_cache_key, from_cache
+    from ..backends.targets import make_targets
+    from ..frontend.fingerprint import checkpoint_fingerprint
 
     targets = [
         target
@@ -70,13 +84,11 @@ def run(args) -> int:
         for target in make_targets(t, cpu=args.cpu, triple=args.triple, vulkan=args.vulkan_target,
                                    cuda_arch=args.cuda_arch)
     ]
-    names = [n for n in args.passes.split(",") if n] if args.passes is not None else None
-    pipeline = resolve_pipeline(names, args.no_pass)
     if args.batch < 1:
         raise CliError(f"--batch must be at least 1, got {args.batch}")
     options = BuildOptions(
         targets=targets,
-        passes=pipeline,
+        passes=_pipeline(args),
         chunk=args.chunk,
         batch=args.batch,
         max_context=args.max_context,
@@ -91,5 +103,10 @@ def run(args) -> int:
     )
     cache = None if args.no_cache else CompileCache()
     with CompileProgress() as progress:
+        key = build_cache_key(checkpoint_fingerprint(args.model, options.max_context), options)
+        if from_cache(cache, key, args.output, progress):
+            return 0
+        from ..backends.build import compile_spec
+
         compile_spec(args.model, args.output, options, progress=progress, cache=cache)
     return 0

@@ -1,0 +1,58 @@
+"""What a compile is asked for (`BuildOptions`) and where an earlier identical compile lies in the cache.
+
+Torch-free on purpose: `foldline compile` answers an unchanged compile from the
+compile cache (backends/compile_cache.py) without importing torch or the
+compiler stages, which take seconds to import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .compile_cache import CompileCache, cache_key
+from .targets import Target, make_target
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class BuildOptions:
+    targets: list[Target] = field(default_factory=lambda: [make_target("cpu")])
+    passes: list[str] | None = None  # None: the default pipeline
+    chunk: int | None = None  # prefill chunk; None: build.default_chunk()
+    batch: int = 1
+    max_context: int | None = None
+    dump_after: dict[str, Path] = field(default_factory=dict)
+    keep_mlir: bool = False
+    hadamard: str = "fold"  # fuse-hadamard mode: "fold" rotations into float weights, or keep them "online"
+    weights: str = "auto"  # quantize-weights mode: auto (the checkpoint's blocks), f32, int8, int4
+    group: int = 32  # quantization group for requantized weights
+    kv_dtype: str = "auto"  # attention cache element type: auto (build.default_kv_dtype), float32, float16, bfloat16
+    dtype: str = "auto"  # compute dtype: auto (build.default_compute_dtype), float32, float16, bfloat16
+    activations: str = "auto"  # quantized products: auto (int8 where the CPU has AVX2 or VNNI), int8, f32
+
+
+def build_cache_key(fingerprint: dict | None, options: BuildOptions) -> str | None:
+    """The compile cache's key for a checkpoint and options; None when the result must not be cached
+    (a model built by hand has no fingerprint; --dump-after writes files beside the bundle)."""
+    if fingerprint is None or options.dump_after:
+        return None
+    fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+              if f.name not in ("targets", "dump_after")}
+    return cache_key(fingerprint, fields, [dataclasses.asdict(t) for t in options.targets])
+
+
+def from_cache(cache: CompileCache | None, key: str | None, out_dir: str | Path, progress: Progress) -> bool:
+    """Copy the cached bundle for `key` into out_dir, saying so; False when the cache has none."""
+    if cache is None or key is None:
+        return False
+    t0 = time.perf_counter()
+    if not cache.fetch(key, Path(out_dir)):
+        return False
+    progress(f"unchanged inputs: bundle reused from the compile cache ({cache.root / key[:16]}...) "
+             f"into {out_dir} in {time.perf_counter() - t0:.1f} s (--no-cache compiles again)")
+    return True
