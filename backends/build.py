@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import metadata
@@ -18,6 +19,9 @@ from ..frontend.export import export_model, parameter_target
 from ..frontend.fingerprint import checkpoint_fingerprint
 from ..frontend.sources import load_model
 from ..frontend.types import LoadedModel
+from ..kernels.attention import expand_decode_attention_ops
+from ..kernels.isa import FLOAT_KERNELS, Int8Kernels, choose_kernels, cpu_has_int8_dot
+from ..kernels.qlinear import expand_qlinear_ops
 from ..passes.manager import CompileUnit, run_pipeline
 from ..runtime.bundle import (
     FORMAT,
@@ -29,17 +33,13 @@ from ..runtime.bundle import (
     vmfb_info,
 )
 from .abi_declaration import declare_entry_points
-from .attention_kernels import expand_decode_attention_ops
 from .compile_cache import CompileCache
 from .compile_pool import pool_size, run_concurrently
 from .importer import import_programs, params_to_numpy
 from .inplace_state import ElideReport, elide_inplace_aliases
-from .int8_isa import FLOAT_KERNELS, Int8Kernels, choose_kernels
 from .lowering import Lowering
 from .options import BuildOptions, Progress, build_cache_key, from_cache
-from .quant_kernels import expand_qlinear_ops
 from .targets import Target, TargetError
-from .vnni_kernels import cpu_has_int8_dot
 
 
 class StageClock:
@@ -90,7 +90,7 @@ def compile_torch_module(mlir: str, flags: list[str]) -> tuple[bytes, ElideRepor
 
 
 # Prefill chunk lengths. A quantized linear dequantizes each weight once per prefill call
-# (backends/quant_kernels.py), so longer chunks amortize it: SmolLM2 Q4_1 prefilled 220 tok/s
+# (kernels/qlinear.py), so longer chunks amortize it: SmolLM2 Q4_1 prefilled 220 tok/s
 # in chunks of 16 and 369 in chunks of 64, Gemma 3 270M 226 and 346 (docs/benchmarks.md).
 FLOAT_CHUNK = 16
 QUANTIZED_CHUNK = 64
@@ -164,13 +164,13 @@ ACTIVATIONS = ("auto", "int8", "f32")
 def target_activations(target: Target, activations: str) -> str:
     """What a quantized decode product multiplies its codes by on this target: "int8" or "f32".
 
-    int8 (backends/vnni_kernels.py) needs an x86 CPU with AVX2 or AVX-512 VNNI
-    (backends/int8_isa.py); auto takes it there and f32 everywhere else (GPU targets,
+    int8 (kernels/int8_decode.py) needs an x86 CPU with AVX2 or AVX-512 VNNI
+    (kernels/isa.py); auto takes it there and f32 everywhere else (GPU targets,
     other CPUs, `--cpu generic`).
     """
     if activations not in ACTIVATIONS:
         raise TargetError(f"unknown activations {activations!r}; expected one of {', '.join(ACTIVATIONS)}")
-    capable = target.device == "cpu" and target.arch == "x86_64" and cpu_has_int8_dot(target.cpu_flags)
+    capable = target.device == "cpu" and cpu_has_int8_dot(target.cpu_flags, target.arch)
     if activations == "int8" and not capable:
         raise TargetError(f"--activations int8 needs an x86 CPU target with AVX2 (avx2, fma, f16c) or AVX-512 VNNI "
                           f"(avx512f, avx512bw, avx512_vnni); {target.description} has neither: "
@@ -345,19 +345,21 @@ def _compile_targets(targets: list[Target], activations: list[str], imported: di
     clock.stage("iree-compile", f"[4/4] iree-compile for {', '.join(t.description for t in targets)}"
                 + (f": {size.describe(len(jobs))}" if len(jobs) > 1 else ""), total=len(jobs))
 
-    def build(job: tuple[Target, str, tuple[str, str]]) -> tuple[Int8Kernels, bytes, ElideReport, float]:
+    def build(job: tuple[Target, str, tuple[str, str]]) -> tuple[Int8Kernels, Counter[str], bytes, ElideReport, float]:
         target, acts, _ = job
         t1 = time.time()
         cpu = target.device == "cpu"
-        int8 = choose_kernels(target.cpu_flags) if acts == "int8" else FLOAT_KERNELS
-        target_mlir, _ = expand_qlinear_ops(imported[cpu][0], cpu_tiles=cpu, int8=int8)
+        int8 = choose_kernels(target.cpu_flags, target.arch) if acts == "int8" else FLOAT_KERNELS
+        target_mlir, sites = expand_qlinear_ops(imported[cpu][0], cpu_tiles=cpu, int8=int8)
         if cpu:
-            target_mlir, _ = expand_decode_attention_ops(target_mlir)
+            target_mlir, attention = expand_decode_attention_ops(target_mlir)
+            sites += attention
         vmfb, inplace = compile_torch_module(target_mlir, target.flags)
-        return int8, vmfb, inplace, time.time() - t1
+        return int8, sites, vmfb, inplace, time.time() - t1
 
     modules = {}
-    for (target, acts, (key, name)), (int8, vmfb, inplace, seconds) in run_concurrently(build, jobs, size.workers):
+    for (target, acts, (key, name)), (int8, sites, vmfb, inplace, seconds) in run_concurrently(
+            build, jobs, size.workers):
         (out / name).write_bytes(vmfb)
         modules[key] = {
             "file": name,
@@ -372,6 +374,7 @@ def _compile_targets(targets: list[Target], activations: list[str], imported: di
             "cpu_flags": target.cpu_flags,
             "activations": acts,
             "kernel_isa": int8.record(),  # which int8 kernels (or f32) decode and prefill products took
+            "kernels": dict(sorted(sites.items())),  # how many sites took each kernel (kernels/sites.py)
             "executable_formats": vmfb_info(out / name).formats,
         }
         progress(f"      {name} ({target.description}): {len(vmfb) / 1e6:.1f} MB in {seconds:.0f} s; "

@@ -21,7 +21,7 @@ from torch.export import ExportedProgram
 
 from ..frontend.deferred_weights import materialize
 from ..frontend.types import MLIR_ELEMENTS
-from .attention_kernels import covers
+from ..kernels.attention import covers
 from .lowering import DECODE_ATTENTION_OPS, KeepRule, Lowering, is_decode_entry
 
 PARAM_SCOPE = "model"
@@ -106,7 +106,7 @@ def import_programs(
     """Lower named programs to core aten and import them into one MLIR module; returns (MLIR text, lifted weights).
 
     decode_attention_kernel: decode entry points keep their attention ops for
-    backends/attention_kernels.expand_decode_attention_ops (CPU targets only).
+    kernels/attention.expand_decode_attention_ops (CPU targets only).
     lowering: shares its decomposition traces between imports (one per kind of target).
     """
     lowering = Lowering() if lowering is None else lowering

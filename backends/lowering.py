@@ -15,7 +15,7 @@ own fake mode with those SymInts as inputs, so the expanded nodes compute
 from the graph's symbols.
 
 Which attention ops stay ops for a hand-written kernel (decode entry points
-of CPU targets, where backends/attention_kernels.py covers the shape) and
+of CPU targets, where kernels/attention.py covers the shape) and
 which are expanded is decided per node, so a shape no kernel covers gets the
 portable decomposed form instead of a failed compile.
 """
@@ -38,10 +38,10 @@ from ..frontend.ops import DECOMPOSITIONS
 from ..passes.graph_edit import copy_graph_module, fake_mode, rebuild
 
 # Custom ops that reach MLIR as `torch.operator` for a backend rewrite instead of being decomposed
-# (backends/quant_kernels.py lowers foldline::qlinear to a fused dequantize-matmul kernel).
+# (kernels/qlinear.py lowers foldline::qlinear to a fused dequantize-matmul kernel).
 KEPT_OPS = (torch.ops.foldline.qlinear.default,)
 # Kept in decode entry points for targets with a hand-written decode attention kernel
-# (backends/attention_kernels.py) where it covers the shape; expanded elsewhere.
+# (kernels/attention.py) where it covers the shape; expanded elsewhere.
 DECODE_ATTENTION_OPS = (torch.ops.foldline.cache_attention.default, torch.ops.foldline.ring_decode_attention.default)
 
 # Shape queries of symbolic values: the table lists them, but they decompose to themselves.

@@ -118,7 +118,7 @@ def cpu_target(cpu: str = "host", triple: str | None = None) -> Target:
     whose flags its CPU lacks instead of dying with SIGILL.
     """
     # Vectorized reductions: without it each reduction (the fused quantized matmuls above all)
-    # lowers to a chain of scalar adds, 3.5-9x slower (backends/quant_kernels.py).
+    # lowers to a chain of scalar adds, 3.5-9x slower (kernels/qlinear.py).
     # No constant-expression hoisting: it would move the prefill's per-call dequantization of
     # quantized weights into a load-time initializer, a float copy of every weight in memory.
     flags = ["--iree-hal-target-backends=llvm-cpu", "--iree-llvmcpu-reassociate-fp-reductions=true",

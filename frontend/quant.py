@@ -8,7 +8,7 @@ Two formats cover every GGUF block type foldline reads, each exactly:
   of a group of g codes holds element b in its low nibble and element b + g/2
   in its high one. A GGUF Q4_0 / Q4_1 block is this layout as it stands, and
   the decode kernel splits a byte into two codes that meet the two halves of
-  the activation group, each a contiguous vector (backends/quant_kernels.py).
+  the activation group, each a contiguous vector (kernels/qlinear.py).
   One scale and one min per group: w = scale * q + min.
 
 Scales and mins are float16 where the GGUF block stores them as float16

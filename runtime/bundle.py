@@ -484,6 +484,8 @@ def check_schema(path: Path, data: dict[str, Any]) -> None:
             for family in ("decode", "prefill"):
                 r.string(r.key(r.obj(isa, f"{where}.kernel_isa"), family, f"{where}.kernel_isa"),
                          f"{where}.kernel_isa.{family}")
+        for kind, count in r.obj(entry.get("kernels", {}), f"{where}.kernels").items():
+            r.integer(count, f"{where}.kernels[{kind!r}]", lo=0)
     params = data.get("params")
     if params is not None:
         r.filename(params["file"], "params.file")

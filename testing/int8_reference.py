@@ -1,7 +1,7 @@
 """numpy references for the int8-activation kernels: the activation quantization and the products.
 
-The int8 kernels (decode, backends/vnni_kernels.py; prefill,
-backends/vnni_gemm.py; every ISA of backends/int8_isa.py) quantize each activation row per weight group as
+The int8 kernels (decode, kernels/int8_decode.py; prefill,
+kernels/int8_gemm.py; every ISA of kernels/isa.py) quantize each activation row per weight group as
 llama.cpp's Q8 rows do, then take exact integer dots scaled in float. These
 emulate that in numpy (float64 scaling), which the kernels must match to
 float32 rounding.
@@ -53,7 +53,7 @@ def random_blocks(fmt: str, group: int, scale_type: str, n: int, k: int, rng: np
         codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).view(np.int8)
     else:
         codes = rng.integers(-128, 128, (n, k)).astype(np.int8)
-        codes[:, ::7] = -128  # the edge of the products' exactness (backends/int8_isa.py): |-128| is 128
+        codes[:, ::7] = -128  # the edge of the products' exactness (kernels/isa.py): |-128| is 128
         q = codes.astype(np.int64)
     weight = q.reshape(n, k // group, group) * scales.astype(np.float64)[..., None]
     return codes, q, scales, mins, weight

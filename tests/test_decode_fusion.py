@@ -1,4 +1,4 @@
-"""The RMSNorm and residual add taken into the int8-dot decode kernels (backends/decode_fusion.py).
+"""The RMSNorm and residual add taken into the int8-dot decode kernels (kernels/fusion.py).
 
 The matcher reads torch-dialect MLIR as the FX importer writes it; the compiled
 check builds the same quantized tiny models with and without the fusion and
@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 from iree.compiler import ir
 
-from foldline.backends import decode_fusion, quant_kernels
-from foldline.backends.vnni_kernels import RowNorm, cpu_has_int8_dot
+from foldline.kernels import fusion as decode_fusion
+from foldline.kernels import qlinear as quant_kernels
+from foldline.kernels.int8_decode import RowNorm
+from foldline.kernels.isa import cpu_has_int8_dot
 from foldline.runtime.device import host_cpu_features
 
 # One RMSNorm, a projection and the residual add, as torch-mlir imports a llama layer's decode.

@@ -99,7 +99,7 @@ def test_default_bundle_runs_int8_activations_where_the_cpu_has_vnni(name, gguf_
     """On an AVX2 or AVX-512 VNNI CPU the default bundle's decode products are the int8-dot kernels,
     the head's too; on AVX-512 VNNI its prefill products the int8 GEMM kernels (one per projection shape)."""
     _skip_unless_installed(name)
-    from foldline.backends.int8_isa import choose_kernels
+    from foldline.kernels.isa import choose_kernels
     from foldline.runtime.device import host_cpu_features
 
     bundle = gguf_bundles(name)
@@ -113,13 +113,13 @@ def test_default_bundle_runs_int8_activations_where_the_cpu_has_vnni(name, gguf_
     assert (head[name] in vmfb) == vnni
     # The decode kernels take in the RMSNorm before q/k/v, gate/up and the head, the gated activation
     # before down (SmolLM2's SwiGLU, Gemma's GELU), and (SmolLM2; Gemma's post-norms sit between) the
-    # residual add after o and down (backends/decode_fusion.py).
+    # residual add after o and down (kernels/fusion.py).
     fused = {"smollm2-135m": [b"_k576_n960_rms", b"_k576_n3072_rms", b"_k576_n49152_rms", b"_k576_n576_res",
                               b"_k1536_n576_swiglu_res"],
              "gemma3-270m": [b"_k640_n1536_rms", b"_k640_n4096_rms", b"_k640_n262144_rms", b"_k2048_n640_geglu"]}
     for shape in fused[name]:
         assert (re.search(rb"foldline_i8dot_\w+" + re.escape(shape), vmfb) is not None) == vnni, shape
-    # Decode attention is one hand-written dispatch per layer on any CPU (backends/attention_kernels.py):
+    # Decode attention is one hand-written dispatch per layer on any CPU (kernels/attention.py):
     # SmolLM2's 9 query heads on 3 kv heads of 64; Gemma's 4 on 1 of 256, over rings of 512 and full caches.
     # One kernel per cache size: its loop stops at the step's position, whatever the cache holds.
     attention = {"smollm2-135m": [b"foldline_attn_b1_h9x3_d64_s8192_l8192_"],

@@ -157,11 +157,11 @@ def test_decode_writes_rings_and_caches_in_place():
     into one submission per layer)."""
     import iree.compiler as ireec
 
-    from foldline.backends.attention_kernels import expand_decode_attention_ops
     from foldline.backends.importer import import_programs
     from foldline.backends.targets import cpu_target
     from foldline.frontend.export import export_model
     from foldline.frontend.model import build_model
+    from foldline.kernels.attention import expand_decode_attention_ops
     from foldline.passes.registry import CompileUnit
 
     cfg = get_preset("gemma3-tiny").replace(max_context=1024)
@@ -170,7 +170,7 @@ def test_decode_writes_rings_and_caches_in_place():
     run_pipeline(unit, None, progress=lambda _m: None)
     ring_bytes = min(s.nbytes for s in unit.state_specs)
     assert any(s.kind == "local_kv" for s in unit.state_specs) and any(s.kind == "global_kv" for s in unit.state_specs)
-    # as for a CPU target: decode attention is the hand-written kernel (backends/attention_kernels.py)
+    # as for a CPU target: decode attention is the hand-written kernel (kernels/attention.py)
     mlir, _ = expand_decode_attention_ops(import_programs(unit.programs.items(), decode_attention_kernel=True)[0])
     flags = cpu_target().flags
     converted = ireec.compile_str(mlir, input_type="torch", extra_args=[*flags, "--compile-to=input"]).decode()
@@ -200,19 +200,19 @@ def test_decode_never_copies_a_cache(tmp_path):
     """
     import iree.compiler as ireec
 
-    from foldline.backends.attention_kernels import expand_decode_attention_ops
     from foldline.backends.build import compile_torch_module
     from foldline.backends.importer import import_programs
     from foldline.backends.targets import cpu_target
     from foldline.frontend.export import export_model
     from foldline.frontend.model import build_model
+    from foldline.kernels.attention import expand_decode_attention_ops
     from foldline.passes.registry import CompileUnit
 
     cfg = get_preset("llama-tiny").replace(max_context=2048)
     entries = export_model(build_model(cfg), 1, 16)
     unit = CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs)
     run_pipeline(unit, None, progress=lambda _m: None)
-    # as for a CPU target: decode attention is the hand-written kernel (backends/attention_kernels.py)
+    # as for a CPU target: decode attention is the hand-written kernel (kernels/attention.py)
     mlir, _ = expand_decode_attention_ops(import_programs(unit.programs.items(), decode_attention_kernel=True)[0])
     cache_bytes = 2 * 2048 * 16 * 4  # one [1, Hkv=2, 2048, 16] f32 cache
     flags = cpu_target().flags

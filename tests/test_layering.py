@@ -3,7 +3,8 @@
 Every import counts, at module level or inside a function: a lazy import that
 dodges a cycle at run time is still a cycle in the design.
 
-Stage order: tools -> backends -> passes -> frontend. `runtime` stands apart
+Stage order: tools -> backends -> kernels -> passes -> frontend (`kernels` holds the
+hand-written kernels and the rewrites that put them into the imported MLIR). `runtime` stands apart
 (an edge app installs it without the compiler), so it imports no compiler
 stage; `server` (the HTTP front of `foldline serve`) builds on the runtime
 alone; `testing` (golden harness, parity runner, fixture generators) may use
@@ -16,14 +17,15 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("frontend", "passes", "backends", "runtime", "server", "tools", "testing")
+PACKAGES = ("frontend", "passes", "kernels", "backends", "runtime", "server", "tools", "testing")
 
 # stage -> stages it must never import
 FORBIDDEN = {
-    "runtime": {"frontend", "passes", "backends", "server", "tools", "testing"},
-    "server": {"frontend", "passes", "backends", "tools", "testing"},
-    "frontend": {"passes", "backends", "tools", "testing"},
-    "passes": {"backends", "tools", "testing"},
+    "runtime": {"frontend", "passes", "kernels", "backends", "server", "tools", "testing"},
+    "server": {"frontend", "passes", "kernels", "backends", "tools", "testing"},
+    "frontend": {"passes", "kernels", "backends", "tools", "testing"},
+    "passes": {"kernels", "backends", "tools", "testing"},
+    "kernels": {"backends", "tools", "testing"},
     "backends": {"tools", "testing"},
 }
 

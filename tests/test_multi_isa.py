@@ -21,9 +21,10 @@ from test_decode_fusion import _blocked, _eager_logits
 from test_manifest_schema import CASCADELAKE, X86_V2, X86_V3, multi_isa_manifest
 
 from foldline.backends.compile_pool import PEAK_BYTES, pool_size
-from foldline.backends.int8_isa import AVX2, AVX512_VNNI, FLOAT, ISAS
 from foldline.backends.targets import CPU_SETS, TargetError, cpu_names
 from foldline.errors import InputError
+from foldline.kernels.isa import FLOAT, ISAS
+from foldline.kernels.x86 import AVX2, AVX512_VNNI
 from foldline.runtime import BundleError, Manifest, Model
 from foldline.runtime import device as runtime_device
 from foldline.runtime.cpu_select import KERNEL_RANK, select_cpu_module

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from foldline.backends import quant_kernels as qk
 from foldline.backends.targets import cpu_target
+from foldline.kernels import qlinear as qk
 
 
 def _module(spec: qk.QLinearSpec, kernel: str) -> str:

@@ -1,4 +1,4 @@
-"""The int8 prefill kernels (backends/vnni_gemm.py) against numpy, on CPUs with AVX-512 VNNI.
+"""The int8 prefill kernels (kernels/int8_gemm.py) against numpy, on CPUs with AVX-512 VNNI.
 
 As for the decode kernel: an int8 emulation in numpy (the same activation
 quantization per row and group, exact integer dots, float64 scaling), which the
@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from foldline.backends import quant_kernels as qk
-from foldline.backends import vnni_gemm as vg
-from foldline.backends.int8_isa import AVX512_VNNI
+from foldline.kernels import int8_gemm as vg
+from foldline.kernels import qlinear as qk
+from foldline.kernels.x86 import AVX512_VNNI
 from foldline.runtime.device import host_cpu_features
 from foldline.testing.int8_reference import compile_on_host, int8_product, random_blocks
 

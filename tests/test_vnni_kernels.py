@@ -1,4 +1,4 @@
-"""The int8-activation decode kernels (backends/vnni_kernels.py) against numpy, in each ISA of backends/int8_isa.py.
+"""The int8-activation decode kernels (kernels/int8_decode.py) against numpy, in each ISA of kernels/isa.py.
 
 Two references: an int8 emulation in numpy (the same activation quantization,
 exact integer dots, float64 scaling), which the kernel must match to float32
@@ -16,13 +16,15 @@ import re
 import numpy as np
 import pytest
 
-from foldline.backends import vnni_kernels as vk
-from foldline.backends.int8_isa import AVX2, AVX512_VNNI
+from foldline.kernels import int8_decode as vk
+from foldline.kernels.x86 import AVX2, AVX512_VNNI, AVX_VNNI
 from foldline.runtime.device import host_cpu_features
 from foldline.testing.int8_reference import compile_on_host, int8_product, random_blocks
 
 # (ISA, the --cpu its kernels are compiled for here)
-ISAS = [pytest.param(AVX512_VNNI, "host", id="avx512vnni"), pytest.param(AVX2, "x86-64-v3", id="avx2")]
+# each form compiled for a CPU that has it and nothing better: alderlake has AVX-VNNI and no AVX-512
+ISAS = [pytest.param(AVX512_VNNI, "host", id="avx512vnni"), pytest.param(AVX_VNNI, "alderlake", id="avxvnni"),
+        pytest.param(AVX2, "x86-64-v3", id="avx2")]
 
 
 def rms_normed(h: np.ndarray, weight: np.ndarray, norm: vk.RowNorm) -> np.ndarray:
@@ -167,13 +169,14 @@ def test_activations_follow_the_target():
 
 
 def test_each_target_gets_its_best_kernels():
-    from foldline.backends.int8_isa import FLOAT_KERNELS, Int8Kernels, choose_kernels
     from foldline.backends.targets import make_target
+    from foldline.kernels.isa import FLOAT_KERNELS, Int8Kernels, choose_kernels
 
     def kernels(cpu: str) -> Int8Kernels:
         return choose_kernels(make_target("cpu", cpu=cpu).cpu_flags)
 
     assert kernels("znver4") == Int8Kernels(AVX512_VNNI, AVX512_VNNI)
+    assert kernels("alderlake") == Int8Kernels(AVX_VNNI, None)  # VNNI on 256-bit registers
     assert kernels("x86-64-v3") == Int8Kernels(AVX2, None)  # no AVX2 prefill GEMM: float prefill
     assert kernels("generic") == FLOAT_KERNELS
     assert Int8Kernels(AVX2, None).record() == {"decode": "int8-avx2", "prefill": "f32"}

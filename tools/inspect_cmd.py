@@ -56,6 +56,8 @@ def run(args) -> int:
             acts += f" (kernels: decode {isa['decode']}, prefill {isa['prefill']})"
         level = f", ISA {isa_level(mod)}" if m.device_of(key) == "cpu" and mod.get("arch") == "x86_64" else ""
         print(f"module   {key}: {mod['file']} ({_mib(mod['size'])}) {mod['description']}{level}{acts}")
+        if mod.get("kernels"):
+            print("         sites: " + ", ".join(f"{n} {kind}" for kind, n in mod["kernels"].items()))
     if "cpu" in m.devices():
         print(f"this CPU loads {_cpu_choice(m)}")
     print(f"tokenizer {m.data.get('tokenizer') or 'none (token ids only)'}")

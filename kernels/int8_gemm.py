@@ -17,7 +17,7 @@ independent int32 sums, and an int32 sum lives for a whole group of codes
 
 Two dispatches per call:
 
-- `quantize`: each activation row to int8 per weight group (vnni_kernels'
+- `quantize`: each activation row to int8 per weight group (int8_decode's
   quantize_group_lines, identical to the decode kernel's), written in the
   interleaved layout [K/4][M][4] (16 rows' four bytes per 64-byte vector),
   with each group's scale dx, dx * sum xq (for mins) and -128 * sum xq (for
@@ -38,10 +38,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .int8_isa import AVX512_VNNI
-from .vnni_kernels import quantize_group_lines, stream_executable
+from .int8_decode import quantize_group_lines
+from .mlir import as_tensor, codes_dims, memref_type, stream_executable
+from .x86 import AVX512_VNNI
 
-ISA = AVX512_VNNI  # the only form written (int8_isa.PREFILL_ISAS)
+ISA = AVX512_VNNI  # the only form written (kernels/x86: PREFILL_FORMS)
 ROW_VECTORS = 2  # row vectors of 16 per register block
 CHANNELS = 4  # output channels per register block
 MAX_TILE_CHANNELS = 32
@@ -117,15 +118,12 @@ def _per_group_memref(s: Int8GemmShape, element: str) -> str:
 
 
 def _codes_memref(s: Int8GemmShape) -> str:
-    return f"memref<{s.n}x{s.k // 2 if s.fmt == 'q4' else s.k}xi8>"
+    return memref_type(codes_dims(s.fmt, s.n, s.k), "i8")
 
 
 def _scales_memref(s: Int8GemmShape) -> str:
-    return f"memref<{s.n}x{s.groups}x{s.scale_type}>"
+    return memref_type((s.n, s.groups), s.scale_type)
 
-
-def _tensor(memref: str) -> str:
-    return memref.replace("memref", "tensor")
 
 
 def quantize_executable(s: Int8GemmShape) -> str:
@@ -365,12 +363,12 @@ def gemm_executable(s: Int8GemmShape) -> str:
 def int8_gemm_dispatches(s: Int8GemmShape, x: str, codes: str, scales: str, mins: str | None,
                          result: str) -> list[str]:
     """Lines computing `result` (tensor<M x N x f32>) from x (tensor<M x K x f32>)."""
-    per_f, per_i = _tensor(_per_group_memref(s, "f32")), _tensor(_per_group_memref(s, "i32"))
-    xq_t = _tensor(_xq_memref(s))
+    per_f, per_i = as_tensor(_per_group_memref(s, "f32")), as_tensor(_per_group_memref(s, "i32"))
+    xq_t = as_tensor(_xq_memref(s))
     q = f"{result}_q"
     operands = [f"{q}#0", f"{q}#1", f"{q}#2", f"{q}#3", codes, scales] + ([mins] if s.has_min else [])
-    types = [xq_t, per_f, per_f, per_i, _tensor(_codes_memref(s)), _tensor(_scales_memref(s))]
-    types += [_tensor(_scales_memref(s))] if s.has_min else []
+    types = [xq_t, per_f, per_f, per_i, as_tensor(_codes_memref(s)), as_tensor(_scales_memref(s))]
+    types += [as_tensor(_scales_memref(s))] if s.has_min else []
     return [
         f"{q}:4 = flow.dispatch @{s.quantize_name}_exe::@{s.quantize_name}({x}) : (tensor<{s.m}x{s.k}xf32>) "
         f"-> ({xq_t}, {per_f}, {per_f}, {per_i})",

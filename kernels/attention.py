@@ -11,7 +11,7 @@ The decode programs keep `foldline::cache_attention` and
 `foldline::ring_decode_attention` as ops (backends/importer.py), which reach
 MLIR as `torch.operator`; for CPU targets `expand_decode_attention_ops`
 replaces each with a call to a dispatch written here (`stream.executable`,
-vector dialect, called with `flow.dispatch`, as backends/vnni_kernels.py).
+vector dialect, called with `flow.dispatch`, as kernels/int8_decode.py).
 One workgroup per (row, query head) reads its key/value head's cache slots
 in order, 16 features per vector:
 
@@ -33,24 +33,30 @@ the programs a second time for them).
 
 from __future__ import annotations
 
-import re
-import struct
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from iree.compiler import ir
 
 from ..frontend.types import MLIR_ELEMENTS
-from .torch_sites import builtin_tensor, defining_op, torch_operators
-from .vnni_kernels import stream_executable
+from .mlir import f32_bits, memref_type, stream_executable, tensor_type
+from .sites import (
+    KernelCall,
+    SiteError,
+    builtin_tensor,
+    constant,
+    is_constant,
+    rewrite_sites,
+    shape_and_type,
+)
 
 OP_NAMES = ("torch.foldline.cache_attention", "torch.foldline.ring_decode_attention")
 CACHE_TYPES = ("f16", "bf16", "f32")
 LANES = 16  # features per vector (512 bits of f32)
-_VTENSOR = re.compile(r"!torch\.vtensor<\[([0-9,]*)\],(\w+)>")
 
 
-class AttentionKernelError(ValueError):
+class AttentionKernelError(SiteError):
     """A kept attention op this generator cannot express."""
 
 
@@ -82,7 +88,7 @@ class DecodeAttentionShape:
     @property
     def name(self) -> str:
         return (f"foldline_attn_b{self.batch}_h{self.q_heads}x{self.kv_heads}_d{self.head_dim}_s{self.slots}"
-                f"_l{self.length}_w{self.window}_{self.kv_mapping[0]}_{self.cache_type}_sc{_f32_bits(self.scale)}"
+                f"_l{self.length}_w{self.window}_{self.kv_mapping[0]}_{self.cache_type}_sc{f32_bits(self.scale)}"
                 + ("" if self.q_type == "f32" else f"_q{self.q_type}"))
 
 
@@ -93,16 +99,10 @@ def supports(s: DecodeAttentionShape) -> bool:
             and s.kv_mapping in ("blocked", "interleaved") and 0 < s.length <= s.slots and s.window >= 0)
 
 
-def _f32_bits(value: float) -> str:
-    return f"{struct.unpack('<I', struct.pack('<f', value))[0]:08x}"
 
 
-def _memref(dims: tuple[int, ...], elem: str) -> str:
-    return f"memref<{'x'.join(map(str, dims))}x{elem}>"
 
 
-def _tensor(dims: tuple[int, ...], elem: str) -> str:
-    return f"tensor<{'x'.join(map(str, dims))}x{elem}>"
 
 
 def _types(s: DecodeAttentionShape) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -128,7 +128,7 @@ def decode_attention_executable(s: DecodeAttentionShape) -> str:
     t = _types(s)
     chunks = s.head_dim // LANES
     rep = s.q_heads // s.kv_heads
-    q_m, kv_m, pos_m, scr_m = (_memref(*t[k]) for k in ("q", "kv", "pos", "scratch"))
+    q_m, kv_m, pos_m, scr_m = (memref_type(*t[k]) for k in ("q", "kv", "pos", "scratch"))
     kv_vec = f"vector<{LANES}x{s.cache_type}>"
     vf = f"vector<{LANES}xf32>"
     offsets = [f"%d{c} = arith.constant {c * LANES} : index" for c in range(chunks)]
@@ -181,7 +181,7 @@ def decode_attention_executable(s: DecodeAttentionShape) -> str:
         f"%len = arith.constant {s.length} : index",
         "%hi = arith.minsi %p1, %len : index",
         *lo,
-        f"%scale = arith.constant 0x{_f32_bits(s.scale).upper()} : f32",
+        f"%scale = arith.constant 0x{f32_bits(s.scale).upper()} : f32",
         "%f0 = arith.constant 0.0 : f32",
         "%f1 = arith.constant 1.0 : f32",
         f"%zf = arith.constant dense<0.0> : {vf}",
@@ -238,7 +238,7 @@ def decode_attention_executable(s: DecodeAttentionShape) -> str:
 def decode_attention_function(s: DecodeAttentionShape) -> str:
     """The util.func @name(q, k, v, pos) -> out that a site calls: the dispatch, its scratch dropped."""
     t = _types(s)
-    q_t, kv_t, pos_t, scr_t = (_tensor(*t[k]) for k in ("q", "kv", "pos", "scratch"))
+    q_t, kv_t, pos_t, scr_t = (tensor_type(*t[k]) for k in ("q", "kv", "pos", "scratch"))
     return "\n".join([
         f"util.func private @{s.name}(%q: {q_t}, %k: {kv_t}, %v: {kv_t}, %pos: {pos_t}) -> {q_t} {{",
         f"  %out, %scratch = flow.dispatch @{s.name}_exe::@{s.name}(%q, %k, %v, %pos) "
@@ -253,32 +253,19 @@ def decode_attention_function(s: DecodeAttentionShape) -> str:
 # ---------------------------------------------------------------------------
 
 
-def _shape_and_type(value: ir.Value) -> tuple[tuple[int, ...], str]:
-    m = _VTENSOR.match(str(value.type))
-    if m is None:
-        raise AttentionKernelError(f"attention operand has unsupported type {value.type}")
-    return tuple(int(d) for d in m.group(1).split(",") if d), m.group(2)
 
 
-def _constant(value: ir.Value) -> int | float | str:
-    op = defining_op(value)
-    if op is None or op.name not in ("torch.constant.int", "torch.constant.float", "torch.constant.str"):
-        raise AttentionKernelError(f"attention expects a constant here, got {value}")
-    attr = op.attributes["value"]
-    if op.name == "torch.constant.int":
-        return ir.IntegerAttr(attr).value
-    return ir.FloatAttr(attr).value if op.name == "torch.constant.float" else ir.StringAttr(attr).value
 
 
 def shape_of(op: ir.Operation) -> DecodeAttentionShape:
     """The kernel shape of a kept cache_attention / ring_decode_attention op (one query token per row)."""
     q, k, v, _pos, window, scale, kv_mapping, length = op.operands
-    if _shape_and_type(v) != _shape_and_type(k):
+    if shape_and_type(v) != shape_and_type(k):
         raise AttentionKernelError(f"decode attention takes equal key and value caches; got {k.type}, {v.type}")
     name = ir.StringAttr(op.attributes["name"]).value.removesuffix(".default")
-    shape = kernel_shape(*_shape_and_type(q), *_shape_and_type(k), ring=name.endswith("ring_decode_attention"),
-                         window=int(_constant(window)), scale=float(_constant(scale)),
-                         kv_mapping=str(_constant(kv_mapping)), length=_length(length))
+    shape = kernel_shape(*shape_and_type(q), *shape_and_type(k), ring=name.endswith("ring_decode_attention"),
+                         window=int(constant(window)), scale=float(constant(scale)),
+                         kv_mapping=str(constant(kv_mapping)), length=_length(length))
     if not supports(shape):
         raise AttentionKernelError(f"no decode attention kernel for {shape}")
     return shape
@@ -286,8 +273,7 @@ def shape_of(op: ir.Operation) -> DecodeAttentionShape:
 
 def _length(value: ir.Value) -> int:
     """The op's constant length, or 0 (every slot) for a symbolic one: the kernel stops at pos anyway."""
-    op = defining_op(value)
-    return _constant(value) if op is not None and op.name == "torch.constant.int" else 0
+    return constant(value) if is_constant(value, "int") else 0
 
 
 def kernel_shape(q_dims: tuple[int, ...], q_type: str, k_dims: tuple[int, ...], cache_type: str, *, ring: bool,
@@ -322,33 +308,23 @@ def covers(node: torch.fx.Node) -> bool:
     return supports(shape)
 
 
-def expand_decode_attention_ops(mlir: str) -> tuple[str, int]:
-    """Replace every kept decode attention op in the module text with a call to its kernel.
+def expand_decode_attention_ops(mlir: str) -> tuple[str, Counter[str]]:
+    """Replace every kept decode attention op with a call to its hand-written dispatch (CPU targets).
 
-    Returns the new module text and the number of sites rewritten.
+    Returns the new module text and how many sites took the kernel.
     """
-    if not any(name in mlir for name in OP_NAMES):
-        return mlir, 0
-    with ir.Context() as ctx:
-        ctx.allow_unregistered_dialects = True
-        module = ir.Module.parse(mlir)
-        found = torch_operators(module, OP_NAMES)
-        shapes: dict[str, DecodeAttentionShape] = {}
-        for op in found:
-            s = shape_of(op)
-            t = _types(s)
-            with ir.InsertionPoint(op), op.location:
-                operands = [builtin_tensor(op.operands[0], _tensor(*t["q"])), builtin_tensor(op.operands[1], _tensor(*t["kv"])),
-                            builtin_tensor(op.operands[2], _tensor(*t["kv"])), builtin_tensor(op.operands[3], _tensor(*t["pos"]))]
-                call = ir.Operation.create("util.call", results=[ir.Type.parse(_tensor(*t["q"]))], operands=operands,
-                                           attributes={"callee": ir.FlatSymbolRefAttr.get(s.name)})
-                back = ir.Operation.create("torch_c.from_builtin_tensor", results=[op.results[0].type],
-                                           operands=[call.result])
-            op.results[0].replace_all_uses_with(back.result)
-            op.erase()
-            shapes[s.name] = s
-        for s in shapes.values():
-            for text in (decode_attention_executable(s), decode_attention_function(s)):
-                ir.InsertionPoint(module.body).insert(ir.Operation.parse(text))
-        return str(module), len(found)
 
+    def plan(op: ir.Operation) -> KernelCall:
+        s = shape_of(op)
+        t = _types(s)
+
+        def operands() -> list[ir.Value]:
+            kv = tensor_type(*t["kv"])
+            return [builtin_tensor(op.operands[0], tensor_type(*t["q"])), builtin_tensor(op.operands[1], kv),
+                    builtin_tensor(op.operands[2], kv), builtin_tensor(op.operands[3], tensor_type(*t["pos"]))]
+
+        return KernelCall(at=op, callee=s.name, operands=operands, result_type=tensor_type(*t["q"]), replaces=[op],
+                          code=lambda: [decode_attention_executable(s), decode_attention_function(s)],
+                          kind="attention decode")
+
+    return rewrite_sites(mlir, OP_NAMES, plan)

@@ -1,6 +1,6 @@
 """Decode kernels for x86 CPUs with AVX-512 VNNI or AVX2: 8-bit activations against the narrow codes.
 
-The float decode kernel (quant_kernels.half_group_mlir) converts every code to
+The float decode kernel (qlinear.half_group_mlir) converts every code to
 float32 before its multiply: on SmolLM2 its Q4 matvecs ran at 10-12 GB/s of
 codes, bounded by instructions, not by memory. These kernels do what
 llama.cpp does on the same CPUs: the activation row is quantized to int8 per
@@ -12,9 +12,9 @@ four products summed into each 32-bit lane), then scaled in float:
 
 q4 codes are unsigned (0..15) and meet the signed activation directly; q8
 codes are signed and take each ISA's signed form. The dot-product lines come
-from backends/int8_isa.py (the shape's `isa`): on CPUs without VNNI the same
+from kernels/isa.py (the shape's `isa`): on CPUs without VNNI the same
 kernel runs each 64-code step as two 256-bit `vpmaddubsw` + `vpmaddwd`, and
-int8_isa.py says why every form is exact in int32.
+each form (kernels/x86/) says why it is exact in int32.
 
 The codes keep the bundle's layout (frontend/quant.py: [N, K/2] q4 bytes in
 ggml's nibble order, [N, K] q8 codes), so the prefill, embedding and GPU paths
@@ -34,10 +34,11 @@ exact float kernel.
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
-from .int8_isa import AVX512_VNNI, DECODE_ISAS, Int8Isa, best_isa
+from .isa import Int8Isa
+from .mlir import as_tensor, codes_dims, f32_bits, f32_const, memref_type, stream_executable
+from .x86 import AVX512_VNNI
 
 # Workgroups per call below LARGE_N rows: every workgroup quantizes (and normalizes) the whole
 # activation row again, a fifth of its instructions at 32 rows of K = 576, and each costs the task
@@ -91,7 +92,7 @@ class Int8DotShape:
     norm: RowNorm | None = None
     residual: bool = False
     gate: str | None = None  # a key of GATES: the gated activation taken in, if any
-    # The dot-product instruction (int8_isa.py). Not in the name: a module holds one ISA's kernels.
+    # The dot-product form (kernels/isa.py, kernels/x86/). Not in the name: a module holds one ISA's kernels.
     isa: Int8Isa = AVX512_VNNI
 
     @property
@@ -123,8 +124,8 @@ class Int8DotShape:
     def name(self) -> str:
         fused = ""
         if self.norm is not None:
-            offset = "" if self.norm.offset is None else f"o{_f32_bits(self.norm.offset)}"
-            fused += f"_rms{_f32_bits(self.norm.eps)}{offset}"
+            offset = "" if self.norm.offset is None else f"o{f32_bits(self.norm.offset)}"
+            fused += f"_rms{f32_bits(self.norm.eps)}{offset}"
         if self.gated:
             fused += GATES[self.gate]
         if self.residual:
@@ -133,13 +134,8 @@ class Int8DotShape:
                 f"_k{self.k}_n{self.n}{fused}")
 
 
-def _f32_bits(value: float) -> str:
-    """A float32's bits in hex: a symbol-safe name and an exact MLIR constant."""
-    return f"{struct.unpack('<I', struct.pack('<f', value))[0]:08x}"
 
 
-def _f32_const(value: float) -> str:
-    return f"0x{_f32_bits(value).upper()} : f32"
 
 
 def supports(shape: Int8DotShape) -> bool:
@@ -149,17 +145,14 @@ def supports(shape: Int8DotShape) -> bool:
             and (shape.fmt == "q8" or shape.has_min) and (shape.gate is None or shape.gate in GATES))
 
 
-def cpu_has_int8_dot(cpu_flags: list[str] | set[str] | tuple[str, ...]) -> bool:
-    """Whether a CPU with these flags runs one of the decode kernels' ISAs (int8_isa.DECODE_ISAS)."""
-    return best_isa(DECODE_ISAS, cpu_flags) is not None
 
 
 def _codes_memref(s: Int8DotShape) -> str:
-    return f"memref<{s.n}x{s.k // 2 if s.fmt == 'q4' else s.k}xi8>"
+    return memref_type(codes_dims(s.fmt, s.n, s.k), "i8")
 
 
 def _scales_memref(s: Int8DotShape) -> str:
-    return f"memref<{s.n}x{s.groups}x{s.scale_type}>"
+    return memref_type((s.n, s.groups), s.scale_type)
 
 
 def _spread_mask(shape: Int8DotShape) -> list[int]:
@@ -224,7 +217,7 @@ def _row_norm(s: Int8DotShape) -> list[str]:
         "%sumsq = vector.reduction <add>, %ssq : vector<16xf32> into f32",
         f"%kf = arith.constant {float(s.k)} : f32",
         "%mean = arith.divf %sumsq, %kf : f32",
-        f"%eps = arith.constant {_f32_const(s.norm.eps)}",
+        f"%eps = arith.constant {f32_const(s.norm.eps)}",
         "%meps = arith.addf %mean, %eps : f32",
         "%rr = math.rsqrt %meps : f32",
     ]
@@ -242,7 +235,7 @@ def _normed_group(s: Int8DotShape) -> list[str]:
     ]
     weight = "%wv0"
     if s.norm.offset is not None:
-        lines += [f"%wo = arith.constant {_f32_const(s.norm.offset)}",
+        lines += [f"%wo = arith.constant {f32_const(s.norm.offset)}",
                   f"%wov = vector.broadcast %wo : f32 to {vf}",
                   f"%wv = arith.addf %wv0, %wov : {vf}"]
         weight = "%wv"
@@ -448,23 +441,6 @@ def int8_dot_executable(s: Int8DotShape) -> str:
     return stream_executable(s.name, s.n // rows, bindings, body)
 
 
-def stream_executable(name: str, workgroups: int, bindings: list[str], body: list[str]) -> str:
-    """A `stream.executable` @{name}_exe exporting @{name}: a fixed 1-D workgroup count, one func of `body`."""
-    return "\n".join([
-        f"stream.executable private @{name}_exe {{",
-        f"  stream.executable.export public @{name} workgroups() -> (index, index, index) {{",
-        f"    %n = arith.constant {workgroups} : index",
-        "    %one = arith.constant 1 : index",
-        "    stream.return %n, %one, %one : index, index, index",
-        "  }",
-        "  builtin.module {",
-        f"    func.func @{name}({', '.join(bindings)}) {{",
-        *[f"      {line}" for line in body],
-        "      return",
-        "    }",
-        "  }",
-        "}",
-    ])
 
 
 def int8_dot_dispatch(s: Int8DotShape, x: str, codes: str, scales: str, mins: str | None, result: str,
@@ -477,8 +453,8 @@ def int8_dot_dispatch(s: Int8DotShape, x: str, codes: str, scales: str, mins: st
         raise ValueError(f"{s.name}: the norm weight and residual operands must match the shape's fusions")
     if s.gated and s.norm is not None:
         raise ValueError(f"{s.name}: a row is either normalized or gated")
-    codes_t = _codes_memref(s).replace("memref", "tensor")
-    scales_t = _scales_memref(s).replace("memref", "tensor")
+    codes_t = as_tensor(_codes_memref(s))
+    scales_t = as_tensor(_scales_memref(s))
     row_t = f"tensor<{s.k}xf32>"
     operands = [x] + ([norm_weight] if norm_weight else []) + [codes, scales] + ([mins] if s.has_min else [])
     types = [f"tensor<{s.x_len}xf32>"] + ([row_t] if norm_weight else []) + [codes_t, scales_t] + (

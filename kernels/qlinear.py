@@ -20,11 +20,11 @@ replaces each one with a `util.call` to a generated `util.func`:
   Why this form, and what IREE does with the alternatives: docs/quantization.md;
 - decode (one row) on an x86 CPU with AVX2 or AVX-512 VNNI, int8 activations
   asked for (the default there): `int8_dot_mlir`, the hand-written int8-dot
-  dispatch of backends/vnni_kernels.py, in the target's best form
-  (backends/int8_isa.py), behind the same util.func signature;
+  dispatch of kernels/int8_decode.py, in the target's best form
+  (kernels/isa.py), behind the same util.func signature;
 - prefill chunks (M rows, M a multiple of 16) of a one-row bundle on an x86
   CPU with AVX-512 VNNI, int8 activations asked for: `int8_gemm_mlir`, the two hand-written
-  dispatches of backends/vnni_gemm.py (quantize the chunk's activations, then
+  dispatches of kernels/int8_gemm.py (quantize the chunk's activations, then
   int8 products with 16 rows per vector);
 - other prefill chunks on CPU, and every call on GPU targets:
   `dequantize_matmul_mlir`, the weight dequantized into a float tile once per
@@ -51,24 +51,33 @@ the fused kernel runs 3.5-9x slower.
 
 from __future__ import annotations
 
-import re
+from collections import Counter
 from dataclasses import dataclass
 
 from iree.compiler import ir
 
-from .decode_fusion import match_gate, match_norm, match_residual
-from .int8_isa import AVX512_VNNI, FLOAT_KERNELS, Int8Isa, Int8Kernels
-from .torch_sites import builtin_tensor, defining_op, torch_operators
-from .vnni_gemm import Int8GemmShape, gemm_executable, int8_gemm_dispatches, quantize_executable
-from .vnni_gemm import supports as supports_int8_gemm
-from .vnni_kernels import Int8DotShape, RowNorm, int8_dot_dispatch, int8_dot_executable
-from .vnni_kernels import supports as supports_int8_dot
+from .fusion import match_gate, match_norm, match_residual
+from .int8_decode import Int8DotShape, RowNorm, int8_dot_dispatch, int8_dot_executable
+from .int8_decode import supports as supports_int8_dot
+from .int8_gemm import Int8GemmShape, gemm_executable, int8_gemm_dispatches, quantize_executable
+from .int8_gemm import supports as supports_int8_gemm
+from .isa import FLOAT, FLOAT_KERNELS, Int8Isa, Int8Kernels
+from .mlir import codes_dims, tensor_type
+from .sites import (
+    KernelCall,
+    SiteError,
+    builtin_tensor,
+    constant,
+    is_constant,
+    rewrite_sites,
+    shape_and_type,
+)
+from .x86 import AVX512_VNNI
 
 OP_NAME = "torch.foldline.qlinear"
-_VTENSOR = re.compile(r"!torch\.vtensor<\[([0-9,]*)\],(\w+)>")
 
 
-class QuantKernelError(ValueError):
+class QuantKernelError(SiteError):
     """A foldline::qlinear site this generator cannot express."""
 
 
@@ -183,16 +192,14 @@ def _reshape(op: str, src: str, src_t: str, dst_t: str, groups: list[list[int]],
     return f"tensor.collapse_shape {src} {groups} : {src_t} into {dst_t}"
 
 
-def _tensor(shape: tuple[int, ...] | list[int], element: str) -> str:
-    return f"tensor<{'x'.join(map(str, shape))}x{element}>"
 
 
 def _codes_t(spec: QLinearSpec) -> str:
-    return _tensor((spec.n, spec.k // 2 if spec.fmt == "q4" else spec.k), "i8")
+    return tensor_type(codes_dims(spec.fmt, spec.n, spec.k), "i8")
 
 
 def _scales_t(spec: QLinearSpec) -> str:
-    return _tensor((spec.n, spec.groups), spec.scale_type)
+    return tensor_type((spec.n, spec.groups), spec.scale_type)
 
 
 def _codes_by_half(spec: QLinearSpec) -> tuple[list[str], str]:
@@ -204,10 +211,10 @@ def _codes_by_half(spec: QLinearSpec) -> tuple[list[str], str]:
     """
     n, g, half = spec.n, spec.groups, spec.group // 2
     if spec.fmt == "q4":
-        packed_t, q_t = _tensor((n, g, half), "i8"), _tensor((n, g, half, 2), "i4")
+        packed_t, q_t = tensor_type((n, g, half), "i8"), tensor_type((n, g, half, 2), "i4")
         return ["%c3 = " + _reshape("expand", "%codes", _codes_t(spec), packed_t, [[0], [1, 2]], [n, g, half]),
                 f"%qw = flow.tensor.bitcast %c3 : {packed_t} -> {q_t}"], q_t
-    q_t = _tensor((n, g, 2, half), "i8")
+    q_t = tensor_type((n, g, 2, half), "i8")
     return ["%qw = " + _reshape("expand", "%codes", _codes_t(spec), q_t, [[0], [1, 2, 3]], [n, g, 2, half])], q_t
 
 
@@ -219,7 +226,7 @@ def _code_map(spec: QLinearSpec, dims: str, row: str, group: str, b: str, h: str
 
 def _x_as_rows(spec: QLinearSpec) -> str:
     """%x2: the activation x [..., K] as [M, K]."""
-    lead, x_t, x2_t = len(spec.x_shape) - 1, _tensor(spec.x_shape, "f32"), _tensor((spec.m, spec.k), "f32")
+    lead, x_t, x2_t = len(spec.x_shape) - 1, tensor_type(spec.x_shape, "f32"), tensor_type((spec.m, spec.k), "f32")
     if lead == 0:
         return "%x2 = " + _reshape("expand", "%x", x_t, x2_t, [[0, 1]], [1, spec.k])
     if lead == 1:
@@ -229,9 +236,9 @@ def _x_as_rows(spec: QLinearSpec) -> str:
 
 def _rows_as_y(spec: QLinearSpec) -> str:
     """%y: the result %y2 [M, N] as [..., N], the activation's leading shape."""
-    lead, y2_t = len(spec.x_shape) - 1, _tensor((spec.m, spec.n), "f32")
+    lead, y2_t = len(spec.x_shape) - 1, tensor_type((spec.m, spec.n), "f32")
     y_shape = [*spec.x_shape[:-1], spec.n]
-    y_t = _tensor(y_shape, "f32")
+    y_t = tensor_type(y_shape, "f32")
     if lead == 0:
         return "%y = " + _reshape("collapse", "%y2", y2_t, y_t, [[0, 1]], [])
     if lead == 1:
@@ -242,10 +249,10 @@ def _rows_as_y(spec: QLinearSpec) -> str:
 def _function(spec: QLinearSpec, lines: list[str], params: list[str] | None = None, name: str | None = None) -> str:
     """The util.func @name (default spec.name) returning %y; params default to (x, codes, scales[, mins])."""
     if params is None:
-        params = [f"%x: {_tensor(spec.x_shape, 'f32')}", f"%codes: {_codes_t(spec)}", f"%scales: {_scales_t(spec)}"]
+        params = [f"%x: {tensor_type(spec.x_shape, 'f32')}", f"%codes: {_codes_t(spec)}", f"%scales: {_scales_t(spec)}"]
         if spec.has_min:
             params.append(f"%mins: {_scales_t(spec)}")
-    y_t = _tensor((*spec.x_shape[:-1], spec.n), "f32")
+    y_t = tensor_type((*spec.x_shape[:-1], spec.n), "f32")
     body = "\n  ".join(lines)
     return (f"util.func private @{name or spec.name}({', '.join(params)}) -> {y_t} {{\n  {body}\n"
             f"  util.return %y : {y_t}\n}}")
@@ -280,13 +287,13 @@ def _half_code_inputs(spec: QLinearSpec, dims: str) -> tuple[list[str], list[str
     n, g, half = spec.n, spec.groups, spec.group // 2
     row_map = f"affine_map<({dims}) -> (r, g, l)>"
     if spec.fmt == "q4":
-        b_t = _tensor((n, g, half), "i8")
+        b_t = tensor_type((n, g, half), "i8")
         lines = ["%qb = " + _reshape("expand", "%codes", _codes_t(spec), b_t, [[0], [1, 2]], [n, g, half])]
         body = ["%c15 = arith.constant 15 : i8", "%c4 = arith.constant 4 : i8",
                 "%lo8 = arith.andi %b0, %c15 : i8", "%hi8 = arith.shrui %b0, %c4 : i8",
                 "%lo = arith.uitofp %lo8 : i8 to f32", "%hi = arith.uitofp %hi8 : i8 to f32"]
         return lines, ["%qb"], [b_t], [row_map], body
-    c4_t, h_t = _tensor((n, g, 2, half), "i8"), _tensor((n, g, half), "i8")
+    c4_t, h_t = tensor_type((n, g, 2, half), "i8"), tensor_type((n, g, half), "i8")
     lines = ["%c4 = " + _reshape("expand", "%codes", _codes_t(spec), c4_t, [[0], [1, 2, 3]], [n, g, 2, half])]
     for h in (0, 1):
         lines.append(f"%q{h} = tensor.extract_slice %c4[0, 0, {h}, 0] [{n}, {g}, 1, {half}] [1, 1, 1, 1] "
@@ -324,14 +331,14 @@ def half_group_mlir(spec: QLinearSpec) -> str:
     dims = "b, r, l, g" if multi else "r, l, g"
     lines, code_ins, code_ts, code_maps, unpack = _half_code_inputs(spec, dims)
     xv_shape, xh_shape = ((m, g, 2, lanes), (m, g, lanes)) if multi else ((g, 2, lanes), (g, lanes))
-    xv_t, xh_t = _tensor(xv_shape, "f32"), _tensor(xh_shape, "f32")
-    x2_t = _tensor((m, k), "f32")
+    xv_t, xh_t = tensor_type(xv_shape, "f32"), tensor_type(xh_shape, "f32")
+    x2_t = tensor_type((m, k), "f32")
     lines.append(_x_as_rows(spec))
     if multi:
         lines.append("%xv = " + _reshape("expand", "%x2", x2_t, xv_t, [[0], [1, 2, 3]], list(xv_shape)))
     else:
-        lines += ["%x1 = " + _reshape("collapse", "%x2", x2_t, _tensor((k,), "f32"), [[0, 1]], []),
-                  "%xv = " + _reshape("expand", "%x1", _tensor((k,), "f32"), xv_t, [[0, 1, 2]], list(xv_shape))]
+        lines += ["%x1 = " + _reshape("collapse", "%x2", x2_t, tensor_type((k,), "f32"), [[0, 1]], []),
+                  "%xv = " + _reshape("expand", "%x1", tensor_type((k,), "f32"), xv_t, [[0, 1, 2]], list(xv_shape))]
     lead = "0, " if multi else ""
     sizes = f"{m}, " if multi else ""
     for name, h in (("%xa", 0), ("%xb", 1)):
@@ -341,7 +348,7 @@ def half_group_mlir(spec: QLinearSpec) -> str:
     x_map = f"affine_map<({dims}) -> ({'b, ' if multi else ''}g, l)>"
     scale_ins = ["%scales"] + (["%mins"] if spec.has_min else [])
     part_shape = (m, n, lanes) if multi else (n, lanes)
-    part_t = _tensor(part_shape, "f32")
+    part_t = tensor_type(part_shape, "f32")
     maps = ([x_map, x_map, *code_maps] + [f"affine_map<({dims}) -> (r, g)>"] * len(scale_ins)
             + [f"affine_map<({dims}) -> ({'b, ' if multi else ''}r, l)>"])
     rows = _rows_per_step(spec)
@@ -366,7 +373,7 @@ def half_group_mlir(spec: QLinearSpec) -> str:
     kinds = ", ".join(['"parallel"'] * (len(part_shape)) + ['"reduction"'])
     ins = ["%xa", "%xb", *code_ins, *scale_ins]
     ins_t = [xh_t, xh_t, *code_ts, *([_scales_t(spec)] * len(scale_ins))]
-    y2_t = _tensor((m, n), "f32")
+    y2_t = tensor_type((m, n), "f32")
     lines += [
         "%zero = arith.constant 0.0 : f32",
         f"%part_empty = tensor.empty() : {part_t}",
@@ -381,7 +388,7 @@ def half_group_mlir(spec: QLinearSpec) -> str:
         f"}} -> {part_t}",
     ]
     out_shape = (m, n) if multi else (n,)
-    out_t = _tensor(out_shape, "f32")
+    out_t = tensor_type(out_shape, "f32")
     sum_dims = "b, r, l" if multi else "r, l"
     sum_kinds = ", ".join(['"parallel"'] * len(out_shape) + ['"reduction"'])
     lines += [
@@ -433,11 +440,11 @@ def horizontal_matvec_mlir(spec: QLinearSpec) -> str:
     n, k, g, half = spec.n, spec.k, spec.groups, spec.group // 2
     lines, q_t = _codes_by_half(spec)
     scale_ins = ["%scales"] + (["%mins"] if spec.has_min else [])
-    xv_t, out_t, y2_t = (_tensor(s, "f32") for s in ((g, 2, half), (n,), (1, n)))
+    xv_t, out_t, y2_t = (tensor_type(s, "f32") for s in ((g, 2, half), (n,), (1, n)))
     lines += [
         _x_as_rows(spec),
-        "%x1 = " + _reshape("collapse", "%x2", _tensor((1, k), "f32"), _tensor((k,), "f32"), [[0, 1]], []),
-        "%xv = " + _reshape("expand", "%x1", _tensor((k,), "f32"), xv_t, [[0, 1, 2]], [g, 2, half]),
+        "%x1 = " + _reshape("collapse", "%x2", tensor_type((1, k), "f32"), tensor_type((k,), "f32"), [[0, 1]], []),
+        "%xv = " + _reshape("expand", "%x1", tensor_type((k,), "f32"), xv_t, [[0, 1, 2]], [g, 2, half]),
     ]
     dims = "r, g, b, h"
     maps = ([f"affine_map<({dims}) -> (g, h, b)>", _code_map(spec, dims, "r", "g", "b", "h")]
@@ -472,10 +479,10 @@ def dequantize_matmul_mlir(spec: QLinearSpec, q4_bytes: bool = True) -> str:
     """
     m, n, k, g, half = spec.m, spec.n, spec.k, spec.groups, spec.group // 2
     scale_ins = ["%scales"] + (["%mins"] if spec.has_min else [])
-    w3_t, w_t, x2_t, y2_t = (_tensor(s, "f32") for s in ((n, g, 2, half), (n, k), (m, k), (m, n)))
+    w3_t, w_t, x2_t, y2_t = (tensor_type(s, "f32") for s in ((n, g, 2, half), (n, k), (m, k), (m, n)))
     dims = "n, g, h, b"
     if spec.fmt == "q4" and q4_bytes:
-        q_t = _tensor((n, g, half), "i8")
+        q_t = tensor_type((n, g, half), "i8")
         lines = ["%qw = " + _reshape("expand", "%codes", _codes_t(spec), q_t, [[0], [1, 2]], [n, g, half])]
         code_map = f"affine_map<({dims}) -> (n, g, b)>"
         nibble = ["%h = linalg.index 2 : index", "%hi = arith.index_cast %h : index to i8",
@@ -516,35 +523,14 @@ def dequantize_matmul_mlir(spec: QLinearSpec, q4_bytes: bool = True) -> str:
 # ---------------------------------------------------------------------------
 
 
-def _shape_and_type(value: ir.Value) -> tuple[tuple[int, ...], str]:
-    m = _VTENSOR.match(str(value.type))
-    if m is None:
-        raise QuantKernelError(f"qlinear operand has unsupported type {value.type}")
-    dims = tuple(int(d) for d in m.group(1).split(",") if d)
-    return dims, m.group(2)
-
-
-def _constant(value: ir.Value) -> object:
-    """The Python value of a torch.constant.{int,str,none} operand."""
-    op = defining_op(value)
-    if op is None or not op.name.startswith("torch.constant."):
-        raise QuantKernelError(f"qlinear expects a constant here, got {value}")
-    if op.name == "torch.constant.none":
-        return None
-    attr = op.attributes["value"]
-    return ir.StringAttr(attr).value if op.name == "torch.constant.str" else ir.IntegerAttr(attr).value
-
-
 def _spec_of(op: ir.Operation) -> QLinearSpec:
     x, codes, scales, mins, fmt, group = op.operands
-    x_shape, x_type = _shape_and_type(x)
+    x_shape, x_type = shape_and_type(x)
     if x_type != "f32":
         raise QuantKernelError(f"qlinear activations must be f32, got {x_type}")
-    (n, _), _ = _shape_and_type(codes)
-    _, s_type = _shape_and_type(scales)
-    mins_op = defining_op(mins)
-    has_min = not (mins_op is not None and mins_op.name == "torch.constant.none")
-    spec = QLinearSpec(str(_constant(fmt)), int(_constant(group)), s_type, has_min, x_shape, n)
+    (n, _), _ = shape_and_type(codes)
+    _, s_type = shape_and_type(scales)
+    spec = QLinearSpec(str(constant(fmt)), int(constant(group)), s_type, not is_constant(mins, "none"), x_shape, n)
     if spec.fmt not in ("q8", "q4") or spec.scale_type not in ("f16", "f32") or spec.k % spec.group:
         raise QuantKernelError(f"no kernel for {spec}")
     if spec.fmt == "q4" and not spec.has_min:
@@ -554,13 +540,13 @@ def _spec_of(op: ir.Operation) -> QLinearSpec:
 
 def int8_dot_shape(spec: QLinearSpec, norm: RowNorm | None = None, residual: bool = False,
                    gate: str | None = None, isa: Int8Isa = AVX512_VNNI) -> Int8DotShape:
-    """The int8-dot kernel of a site; gate: the gated MLP activation it takes in (vnni_kernels.GATES), if any."""
+    """The int8-dot kernel of a site; gate: the gated MLP activation it takes in (int8_decode.GATES), if any."""
     return Int8DotShape(spec.fmt, spec.group, spec.scale_type, spec.has_min, spec.k, spec.n, norm, residual, gate,
                         isa)
 
 
 def uses_int8_dot(spec: QLinearSpec) -> bool:
-    """Whether a one-row call of this shape can take the int8-activation kernel (backends/vnni_kernels.py)."""
+    """Whether a one-row call of this shape can take the int8-activation kernel (kernels/int8_decode.py)."""
     return spec.m == 1 and supports_int8_dot(int8_dot_shape(spec))
 
 
@@ -569,14 +555,14 @@ def _flatten(result: str, src: str, shape: tuple[int, ...]) -> str:
     size = 1
     for d in shape:
         size *= d
-    src_t, flat_t = _tensor(shape, "f32"), _tensor((size,), "f32")
+    src_t, flat_t = tensor_type(shape, "f32"), tensor_type((size,), "f32")
     if len(shape) == 1:
         return f"{result} = tensor.cast {src} : {src_t} to {flat_t}"
     return f"{result} = " + _reshape("collapse", src, src_t, flat_t, [list(range(len(shape)))], [])
 
 
 def int8_dot_function_name(spec: QLinearSpec, shape: Int8DotShape) -> str:
-    """The util.func of a site: spec.name, plus the kernel's fusion suffix (decode_fusion) where it fuses."""
+    """The util.func of a site: spec.name, plus the kernel's fusion suffix (fusion.py) where it fuses."""
     return spec.name + shape.name[len(int8_dot_shape(spec).name):]
 
 
@@ -595,13 +581,13 @@ def int8_dot_mlir(spec: QLinearSpec, shape: Int8DotShape | None = None) -> list[
     lines += [
         int8_dot_dispatch(shape, "%x1", "%codes", "%scales", "%mins" if spec.has_min else None, "%y1",
                           norm_weight="%w" if shape.norm else None, residual="%r1" if shape.residual else None),
-        "%y2 = " + _reshape("expand", "%y1", _tensor((n,), "f32"), _tensor((1, n), "f32"), [[0, 1]], [1, n]),
+        "%y2 = " + _reshape("expand", "%y1", tensor_type((n,), "f32"), tensor_type((1, n), "f32"), [[0, 1]], [1, n]),
         _rows_as_y(spec),
     ]
-    params = [f"%x: {_tensor(x_shape, 'f32')}"] + ([f"%w: {_tensor((k,), 'f32')}"] if shape.norm else [])
+    params = [f"%x: {tensor_type(x_shape, 'f32')}"] + ([f"%w: {tensor_type((k,), 'f32')}"] if shape.norm else [])
     params += [f"%codes: {_codes_t(spec)}", f"%scales: {_scales_t(spec)}"]
     params += ([f"%mins: {_scales_t(spec)}"] if spec.has_min else [])
-    params += [f"%r: {_tensor(y_shape, 'f32')}"] if shape.residual else []
+    params += [f"%r: {tensor_type(y_shape, 'f32')}"] if shape.residual else []
     return [int8_dot_executable(shape), _function(spec, lines, params, int8_dot_function_name(spec, shape))]
 
 
@@ -610,7 +596,7 @@ def int8_gemm_shape(spec: QLinearSpec) -> Int8GemmShape:
 
 
 def uses_int8_gemm(spec: QLinearSpec) -> bool:
-    """Whether a prefill chunk of this shape can take the int8 GEMM kernel (backends/vnni_gemm.py).
+    """Whether a prefill chunk of this shape can take the int8 GEMM kernel (kernels/int8_gemm.py).
 
     Only in one-row bundles, whose decode is int8 too (uses_int8_dot). A batched bundle decodes
     its rows with float activations (fused_rows_mlir), and its scheduler may advance a row's next
@@ -633,72 +619,56 @@ def int8_gemm_mlir(spec: QLinearSpec) -> list[str]:
     return [quantize_executable(shape), gemm_executable(shape), _function(spec, lines)]
 
 
-def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8: Int8Kernels = FLOAT_KERNELS) -> tuple[str, int]:
+def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8: Int8Kernels = FLOAT_KERNELS) -> tuple[str, Counter[str]]:
     """Replace every foldline::qlinear op in the module text with a call to its kernel.
 
     cpu_tiles: a CPU target: the fused, tiled kernel for single rows (decode) and
     dequantize-then-matmul for prefill chunks; otherwise dequantize-then-matmul.
-    int8: the int8-activation kernels the target's CPU takes (int8_isa.choose_kernels), where int8
+    int8: the int8-activation kernels the target's CPU takes (isa.choose_kernels), where int8
     activations are asked for: with int8.decode, one-row calls whose shape allows take the
-    int8-dot kernel of that ISA (vnni_kernels.py); with int8.prefill, prefill chunks the int8
-    GEMM (vnni_gemm.py). Every other call keeps its float kernel.
+    int8-dot kernel of that ISA (int8_decode.py); with int8.prefill, prefill chunks the int8
+    GEMM (int8_gemm.py). Every other call keeps its float kernel.
 
-    Returns the new module text and the number of sites rewritten.
+    Returns the new module text and how many sites took each kind of kernel.
     """
-    if OP_NAME not in mlir:
-        return mlir, 0
-    with ir.Context() as ctx:
-        ctx.allow_unregistered_dialects = True
-        module = ir.Module.parse(mlir)
-        found = torch_operators(module, (OP_NAME,))
-        kernels: dict[str, tuple[QLinearSpec, Int8DotShape | None]] = {}
-        for op in found:
-            spec = _spec_of(op)
-            x, codes, scales, mins = op.operands[:4]
-            dot = None
-            norm = gate = residual = None
-            if cpu_tiles and int8.decode is not None and uses_int8_dot(spec):
-                norm, residual = match_norm(x, spec.k), match_residual(op.results[0])
-                gate = None if norm else match_gate(x, spec.k)
-                dot = int8_dot_shape(spec, norm.norm if norm else None, residual is not None,
-                                     gate.activation if gate else None, int8.decode)
-            name = int8_dot_function_name(spec, dot) if dot else spec.name
-            # The call goes where every operand is defined: at the residual add when it takes one.
-            site = residual.add if residual else op
-            with ir.InsertionPoint(site), op.location:
-                row = norm.h if norm else gate.gate_up if gate else x
-                operands = [builtin_tensor(row, _tensor((*spec.x_shape[:-1], dot.x_len if dot else spec.k), "f32"))]
-                if norm:
-                    operands.append(builtin_tensor(norm.weight, _tensor((spec.k,), "f32")))
-                operands += [builtin_tensor(codes, _codes_t(spec)), builtin_tensor(scales, _scales_t(spec))]
-                if spec.has_min:
-                    operands.append(builtin_tensor(mins, _scales_t(spec)))
-                if residual:
-                    operands.append(builtin_tensor(residual.residual, _tensor((*spec.x_shape[:-1], spec.n), "f32")))
-                call = ir.Operation.create(
-                    "util.call", results=[ir.Type.parse(_tensor((*spec.x_shape[:-1], spec.n), "f32"))],
-                    operands=operands, attributes={"callee": ir.FlatSymbolRefAttr.get(name)})
-                back = ir.Operation.create("torch_c.from_builtin_tensor", results=[op.results[0].type],
-                                           operands=[call.result])
+
+    def plan(op: ir.Operation) -> KernelCall:
+        spec = _spec_of(op)
+        x, codes, scales, mins = op.operands[:4]
+        dot = norm = gate = residual = None
+        if cpu_tiles and int8.decode is not None and uses_int8_dot(spec):
+            norm, residual = match_norm(x, spec.k), match_residual(op.results[0])
+            gate = None if norm else match_gate(x, spec.k)
+            dot = int8_dot_shape(spec, norm.norm if norm else None, residual is not None,
+                                 gate.activation if gate else None, int8.decode)
+        rows = (*spec.x_shape[:-1],)
+
+        def operands() -> list[ir.Value]:
+            row = norm.h if norm else gate.gate_up if gate else x
+            made = [builtin_tensor(row, tensor_type((*rows, dot.x_len if dot else spec.k), "f32"))]
+            if norm:
+                made.append(builtin_tensor(norm.weight, tensor_type((spec.k,), "f32")))
+            made += [builtin_tensor(codes, _codes_t(spec)), builtin_tensor(scales, _scales_t(spec))]
+            if spec.has_min:
+                made.append(builtin_tensor(mins, _scales_t(spec)))
             if residual:
-                residual.add.results[0].replace_all_uses_with(back.result)
-                residual.add.erase()
-            op.results[0].replace_all_uses_with(back.result)  # what is left: shape checks, or every use
-            op.erase()
-            kernels[name] = (spec, dot)
-        inserted: set[str] = set()  # symbols already in the module (kernels of one K share a quantize dispatch)
-        for spec, dot in kernels.values():
-            if dot is not None:
-                texts = int8_dot_mlir(spec, dot)
-            elif cpu_tiles and int8.prefill is not None and uses_int8_gemm(spec):
-                texts = int8_gemm_mlir(spec)
-            elif cpu_tiles and fuses_rows(spec):
-                texts = [fused_rows_mlir(spec)]
-            else:
-                texts = [dequantize_matmul_mlir(spec, q4_bytes=cpu_tiles)]
-            for text in texts:
-                symbol = re.search(r"@(\w+)", text).group(1)
-                if symbol not in inserted:
-                    inserted.add(symbol)
-                    ir.InsertionPoint(module.body).insert(ir.Operation.parse(text))
-        return str(module), len(found)
+                made.append(builtin_tensor(residual.residual, tensor_type((*rows, spec.n), "f32")))
+            return made
+
+        if dot is not None:
+            name, kind, code = int8_dot_function_name(spec, dot), f"qlinear decode {dot.isa.name}", \
+                (lambda: int8_dot_mlir(spec, dot))
+        elif cpu_tiles and int8.prefill is not None and uses_int8_gemm(spec):
+            name, kind, code = spec.name, f"qlinear prefill {int8.prefill.name}", lambda: int8_gemm_mlir(spec)
+        elif cpu_tiles and fuses_rows(spec):
+            name, kind, code = spec.name, f"qlinear rows {FLOAT}", lambda: [fused_rows_mlir(spec)]
+        else:
+            phase = "decode" if spec.m == 1 else "prefill"
+            name, kind, code = spec.name, f"qlinear {phase} {FLOAT}", \
+                (lambda: [dequantize_matmul_mlir(spec, q4_bytes=cpu_tiles)])
+        # The call goes where every operand is defined: at the residual add when it takes one.
+        return KernelCall(at=residual.add if residual else op, callee=name, operands=operands,
+                          result_type=tensor_type((*rows, spec.n), "f32"),
+                          replaces=[residual.add, op] if residual else [op], code=code, kind=kind)
+
+    return rewrite_sites(mlir, (OP_NAME,), plan)

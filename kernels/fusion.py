@@ -3,7 +3,7 @@
 A decode step of a small model is mostly dispatches, not bytes: on SmolLM2
 575 per step, ~4 us apiece in IREE's task system against 1-40 us of work
 for the projections. Three patterns around the projections are small
-dispatches of their own that the int8-dot kernel (vnni_kernels.py) can do on
+dispatches of their own that the int8-dot kernel (int8_decode.py) can do on
 the way in or out:
 
 - the RMSNorm in front (a sum-of-squares dispatch and a scaling dispatch):
@@ -16,7 +16,7 @@ the way in or out:
   projection and the add (Gemma's post-norms do, and stay).
 
 These functions read the torch-dialect MLIR (the FX importer's output) around
-a `torch.foldline.qlinear` op and say what matched; quant_kernels rewrites the
+a `torch.foldline.qlinear` op and say what matched; qlinear.py rewrites the
 site. A pattern that does not match exactly is left alone.
 """
 
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from iree.compiler import ir
 
-from .torch_sites import defining_op
-from .vnni_kernels import RowNorm
+from .int8_decode import RowNorm
+from .sites import defining_op
 
 _ASSERT = "torch.aten._assert_tensor_metadata"  # a check with no effect on values; never a real use
 

@@ -1,0 +1,53 @@
+"""AVX-VNNI: `vpdpbusd` on 256-bit registers, without AVX-512 (Intel Alder Lake and later client CPUs,
+Zen 5 beside its AVX-512).
+
+The same product as AVX-512 VNNI (avx512_vnni.py), 32 bytes per instruction:
+unsigned bytes times signed bytes, four products per 32-bit lane; signed q8
+codes meet the activation offset by 128 and a second product takes 128 * sum q
+back out. LLVM encodes the intrinsic with VEX where the CPU has AVX-VNNI and no
+AVX-512 VL. A 64-byte step is two instructions, each on its own half of the
+sixteen lanes, so no lanes move between halves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..isa import LANES, VECTOR, Int8Isa
+from .avx512_vnni import vpdpbusd
+
+
+@dataclass(frozen=True)
+class AvxVnni(Int8Isa):
+    def constants(self) -> list[str]:
+        return ["%isa_zi = arith.constant dense<0> : vector<16xi32>",
+                "%isa_zh = arith.constant dense<0> : vector<8xi32>",
+                "%isa_x128 = arith.constant dense<-128> : vector<64xi8>"]
+
+    def dot_unsigned(self, out: str, acc: str, u: str, s: str) -> list[str]:
+        lines, halves = [], []
+        for h in range(2):
+            p = f"{out}_h{h}"
+            for name, whole in (("u", u), ("s", s)):
+                lines.append(f"{p}_{name} = vector.shuffle {whole}, {whole} {list(range(h * 32, (h + 1) * 32))} "
+                             f": {VECTOR}, {VECTOR}")
+            if acc == "%isa_zi":
+                start = "%isa_zh"
+            else:
+                start = f"{p}_a"
+                lines.append(f"{start} = vector.shuffle {acc}, {acc} {list(range(h * 8, (h + 1) * 8))} "
+                             ": vector<16xi32>, vector<16xi32>")
+            lines.append(vpdpbusd(f"{p}_d", start, f"{p}_u", f"{p}_s", width=256))
+            halves.append(f"{p}_d")
+        lines.append(f"{out} = vector.shuffle {halves[0]}, {halves[1]} {list(range(LANES))} "
+                     ": vector<8xi32>, vector<8xi32>")
+        return lines
+
+    def dot_signed(self, out: str, acc: str, x: str, q: str) -> list[str]:
+        return [f"{out}_xu = arith.xori {x}, %isa_x128 : {VECTOR}",  # x + 128, read unsigned
+                *self.dot_unsigned(f"{out}_p", acc, f"{out}_xu", q),
+                *self.dot_unsigned(f"{out}_o", "%isa_zi", "%isa_x128", q),  # 128 * sum q
+                f"{out} = arith.subi {out}_p, {out}_o : vector<16xi32>"]
+
+
+AVX_VNNI = AvxVnni("int8-avxvnni", "x86_64", frozenset({"avx_vnni", "avx2", "fma", "f16c"}), 32, "vpdpbusd", False)
