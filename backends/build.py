@@ -20,8 +20,9 @@ from ..frontend.fingerprint import checkpoint_fingerprint
 from ..frontend.sources import load_model
 from ..frontend.types import LoadedModel
 from ..kernels.attention import expand_decode_attention_ops
-from ..kernels.isa import FLOAT_KERNELS, Int8Kernels, choose_kernels, cpu_has_int8_dot
+from ..kernels.isa import FLOAT_KERNELS, Int8Kernels
 from ..kernels.qlinear import expand_qlinear_ops
+from ..kernels.select import choose_kernels, cpu_has_int8_dot
 from ..passes.manager import CompileUnit, run_pipeline
 from ..runtime.bundle import (
     FORMAT,

@@ -5,10 +5,9 @@ one generator each; what differs between CPUs is the instruction that turns
 bytes into int32 sums of four products per lane. An `Int8Isa` says what a CPU
 must have for it (its arch and feature flags, in /proc/cpuinfo spelling, as a
 Target's cpu_flags) and emits that product for 64 bytes at a time. Each ISA
-family lives in a folder of its own (kernels/x86/); each kernel family lists the
-forms it is written for, best first (`DECODE_ISAS`, `PREFILL_ISAS`), and
-`choose_kernels` gives a target the first form its CPU runs, or the float
-kernels (kernels/qlinear.py) when it runs none.
+family lives in a folder of its own (kernels/x86/), and kernels/select.py says
+which forms each kernel family is written for and gives a target the first
+form its CPU runs, or the float kernels (kernels/qlinear.py) when it runs none.
 """
 
 from __future__ import annotations
@@ -57,10 +56,6 @@ class Int8Isa(ABC):
         """Lines making `out` = `acc` + the lane sums of x * q, both signed (x in [-127, 127], q any int8)."""
 
 
-def best_isa(isas: Iterable[Int8Isa], arch: str, cpu_flags: Iterable[str]) -> Int8Isa | None:
-    """The first of `isas` a CPU of `arch` with these flags runs, or None (the float kernels)."""
-    flags = set(cpu_flags)
-    return next((isa for isa in isas if isa.available(flags, arch)), None)
 
 
 @dataclass(frozen=True)
@@ -77,27 +72,3 @@ class Int8Kernels:
 
 
 FLOAT_KERNELS = Int8Kernels()
-
-
-def _families() -> tuple[tuple[Int8Isa, ...], tuple[Int8Isa, ...]]:
-    from .x86 import (  # each ISA family's folder lists its forms, best first
-        DECODE_FORMS,
-        PREFILL_FORMS,
-    )
-
-    return DECODE_FORMS, PREFILL_FORMS
-
-
-DECODE_ISAS, PREFILL_ISAS = _families()
-ISAS = {isa.name: isa for isa in (*DECODE_ISAS, *PREFILL_ISAS)}
-
-
-def choose_kernels(cpu_flags: Iterable[str], arch: str = "x86_64") -> Int8Kernels:
-    """The best int8 kernels of each family a CPU of `arch` with these flags runs."""
-    flags = set(cpu_flags)
-    return Int8Kernels(best_isa(DECODE_ISAS, arch, flags), best_isa(PREFILL_ISAS, arch, flags))
-
-
-def cpu_has_int8_dot(cpu_flags: Iterable[str], arch: str = "x86_64") -> bool:
-    """Whether a CPU of `arch` with these flags runs one of the decode kernels' forms."""
-    return best_isa(DECODE_ISAS, arch, cpu_flags) is not None

@@ -624,7 +624,7 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8: Int8Kernels = FLOAT_KER
 
     cpu_tiles: a CPU target: the fused, tiled kernel for single rows (decode) and
     dequantize-then-matmul for prefill chunks; otherwise dequantize-then-matmul.
-    int8: the int8-activation kernels the target's CPU takes (isa.choose_kernels), where int8
+    int8: the int8-activation kernels the target's CPU takes (select.choose_kernels), where int8
     activations are asked for: with int8.decode, one-row calls whose shape allows take the
     int8-dot kernel of that ISA (int8_decode.py); with int8.prefill, prefill chunks the int8
     GEMM (int8_gemm.py). Every other call keeps its float kernel.

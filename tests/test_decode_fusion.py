@@ -16,7 +16,7 @@ from iree.compiler import ir
 from foldline.kernels import fusion as decode_fusion
 from foldline.kernels import qlinear as quant_kernels
 from foldline.kernels.int8_decode import RowNorm
-from foldline.kernels.isa import cpu_has_int8_dot
+from foldline.kernels.select import cpu_has_int8_dot
 from foldline.runtime.device import host_cpu_features
 
 # One RMSNorm, a projection and the residual add, as torch-mlir imports a llama layer's decode.

@@ -99,7 +99,7 @@ def test_default_bundle_runs_int8_activations_where_the_cpu_has_vnni(name, gguf_
     """On an AVX2 or AVX-512 VNNI CPU the default bundle's decode products are the int8-dot kernels,
     the head's too; on AVX-512 VNNI its prefill products the int8 GEMM kernels (one per projection shape)."""
     _skip_unless_installed(name)
-    from foldline.kernels.isa import choose_kernels
+    from foldline.kernels.select import choose_kernels
     from foldline.runtime.device import host_cpu_features
 
     bundle = gguf_bundles(name)

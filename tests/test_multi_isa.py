@@ -23,7 +23,8 @@ from test_manifest_schema import CASCADELAKE, X86_V2, X86_V3, multi_isa_manifest
 from foldline.backends.compile_pool import PEAK_BYTES, pool_size
 from foldline.backends.targets import CPU_SETS, TargetError, cpu_names
 from foldline.errors import InputError
-from foldline.kernels.isa import FLOAT, ISAS
+from foldline.kernels.isa import FLOAT
+from foldline.kernels.select import ISAS
 from foldline.kernels.x86 import AVX2, AVX512_VNNI
 from foldline.runtime import BundleError, Manifest, Model
 from foldline.runtime import device as runtime_device

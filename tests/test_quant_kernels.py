@@ -10,12 +10,12 @@ from foldline.kernels import qlinear as qk
 
 
 def _module(spec: qk.QLinearSpec, kernel: str) -> str:
-    params = [f"%x: {qk._tensor(spec.x_shape, 'f32')}", f"%codes: {qk._codes_t(spec)}", f"%scales: {qk._scales_t(spec)}"]
+    params = [f"%x: {qk.tensor_type(spec.x_shape, 'f32')}", f"%codes: {qk._codes_t(spec)}", f"%scales: {qk._scales_t(spec)}"]
     if spec.has_min:
         params.append(f"%mins: {qk._scales_t(spec)}")
     names = ", ".join(p.split(":")[0] for p in params)
     types = ", ".join(p.split(": ")[1] for p in params)
-    y_t = qk._tensor((*spec.x_shape[:-1], spec.n), "f32")
+    y_t = qk.tensor_type((*spec.x_shape[:-1], spec.n), "f32")
     return (f"module {{\n{kernel}\nutil.func public @main({', '.join(params)}) -> {y_t} {{\n"
             f"  %y = util.call @{spec.name}({names}) : ({types}) -> {y_t}\n  util.return %y : {y_t}\n}}\n}}")
 

@@ -34,7 +34,7 @@ def _case(s: vg.Int8GemmShape, rng: np.random.Generator):
 
 
 def _module(s: vg.Int8GemmShape) -> str:
-    codes_t, scales_t = vg._tensor(vg._codes_memref(s)), vg._tensor(vg._scales_memref(s))
+    codes_t, scales_t = vg.as_tensor(vg._codes_memref(s)), vg.as_tensor(vg._scales_memref(s))
     params = [f"%x: tensor<{s.m}x{s.k}xf32>", f"%c: {codes_t}", f"%s: {scales_t}"] + (
         [f"%mn: {scales_t}"] if s.has_min else [])
     lines = vg.int8_gemm_dispatches(s, "%x", "%c", "%s", "%mn" if s.has_min else None, "%y")

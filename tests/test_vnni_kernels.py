@@ -170,7 +170,8 @@ def test_activations_follow_the_target():
 
 def test_each_target_gets_its_best_kernels():
     from foldline.backends.targets import make_target
-    from foldline.kernels.isa import FLOAT_KERNELS, Int8Kernels, choose_kernels
+    from foldline.kernels.isa import FLOAT_KERNELS, Int8Kernels
+    from foldline.kernels.select import choose_kernels
 
     def kernels(cpu: str) -> Int8Kernels:
         return choose_kernels(make_target("cpu", cpu=cpu).cpu_flags)
