@@ -18,6 +18,7 @@ Facts about IREE 3.13 that shape these presets (checked with iree-compile):
 from __future__ import annotations
 
 import functools
+import platform
 import re
 from dataclasses import dataclass, field
 
@@ -150,6 +151,12 @@ def cpu_target(cpu: str = "host", triple: str | None = None) -> Target:
 #   AVX-512 VNNI (Cascade Lake onwards) and AMD Zen 4 / Zen 5 run: the VNNI decode and prefill kernels.
 #   znver4 or icelake-server would add VBMI, BF16, GFNI..., which Cascade Lake lacks.
 CPU_SETS = {"x86-all": ("x86-64-v2", "x86-64-v3", "cascadelake")}
+
+
+def default_cpu(triple: str | None = None) -> str:
+    """`foldline compile`'s --cpu when none is given: x86-all on an x86-64 machine compiling for itself
+    (every x86-64 CPU runs the bundle with its best kernels), else host (a cross compile names its CPU)."""
+    return "x86-all" if triple is None and platform.machine().lower() in ("x86_64", "amd64") else "host"
 
 
 def cpu_names(spec: str, triple: str | None = None) -> list[str]:

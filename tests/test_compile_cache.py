@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -109,6 +111,15 @@ def test_cli_reuses_an_unchanged_compile(tmp_path, monkeypatch, capsys):
     assert main([*args, "-o", str(tmp_path / "b")]) == 0
     assert "reused from the compile cache" in capsys.readouterr().err
     assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
+    # answered without importing torch or the compiler stages (seconds of imports on a cache hit)
+    probe = ("import sys; from foldline.tools.cli import main; "
+             f"rc = main({[*args, '-o', str(tmp_path / 'e')]!r}); "
+             "print(rc, sorted(m for m in ('torch', 'foldline.backends.build', 'foldline.passes.manager') "
+             "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env={**os.environ, "FOLDLINE_CACHE": str(tmp_path / "cache")})
+    assert out.stdout.strip().splitlines()[-1] == "0 []", out.stdout + out.stderr
+    assert "reused from the compile cache" in out.stderr
     assert main([*args, "--no-cache", "-o", str(tmp_path / "c")]) == 0
     assert "reused" not in capsys.readouterr().err
     assert main([*args, "--max-context", "64", "-o", str(tmp_path / "d")]) == 0  # other options: a miss

@@ -115,6 +115,22 @@ def test_cpu_lists_and_named_sets():
         cpu_names(",")
 
 
+def test_the_default_cpu_is_every_x86_level_on_x86(monkeypatch):
+    """`foldline compile` without --cpu: one module per x86 ISA level on x86-64, so the bundle runs at
+    its best kernels on any x86 host; host on other machines; a cross compile names its CPU."""
+    from foldline.backends import targets
+    from foldline.tools.cli import build_parser
+    from foldline.tools.compile_cmd import run
+
+    monkeypatch.setattr(targets.platform, "machine", lambda: "x86_64")
+    assert targets.default_cpu() == "x86-all"
+    assert targets.default_cpu("aarch64-unknown-linux-gnu") == "host"
+    monkeypatch.setattr(targets.platform, "machine", lambda: "aarch64")
+    assert targets.default_cpu() == "host"
+    assert build_parser().parse_args(["compile", "llama-tiny", "-o", "b"]).cpu is None  # resolved in run()
+    assert run is not None
+
+
 def test_concurrent_compiles_are_bounded_by_cores_and_memory():
     assert pool_size(3, cores=2, memory=20 * PEAK_BYTES).workers == 2
     assert pool_size(3, cores=16, memory=int(2.5 * PEAK_BYTES)).workers == 2
