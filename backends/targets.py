@@ -145,7 +145,7 @@ def cpu_target(cpu: str = "host", triple: str | None = None) -> Target:
 # Named sets of CPUs for --cpu: one module each, the runtime loads the best one the CPU runs.
 # x86-all: every x86-64 CPU in use gets its best int8 kernels from one bundle.
 # - x86-64-v2 (SSE4.2, CPUs since 2009): the float kernels, the baseline that runs anywhere;
-# - x86-64-v3 (AVX2, FMA, F16C, BMI2: Haswell, Zen 1-3 and later): the AVX2 int8 decode kernels;
+# - x86-64-v3 (AVX2, FMA, F16C, BMI2: Haswell, Zen 1-3 and later): the AVX2 int8 decode and prefill kernels;
 # - cascadelake: x86-64-v4 (AVX-512 F/BW/CD/DQ/VL) plus AVX-512 VNNI and nothing else (LLVM's
 #   feature strings, targets.llvm_cpu_features), so the widest level every Intel Xeon with
 #   AVX-512 VNNI (Cascade Lake onwards) and AMD Zen 4 / Zen 5 run: the VNNI decode and prefill kernels.

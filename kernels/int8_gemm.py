@@ -1,4 +1,4 @@
-"""Prefill kernels for x86 CPUs with AVX-512 VNNI: a chunk of int8 activations against the narrow codes.
+"""Prefill kernels for x86 CPUs with VNNI or AVX2: a chunk of int8 activations against the narrow codes.
 
 A prefill chunk (M rows, M a multiple of 16) otherwise dequantizes each weight
 to a float tile and runs IREE's float32 matmul, which on two Zen 4 cores
@@ -30,6 +30,13 @@ Two dispatches per call:
   transposed in registers (a transpose as a separate op, fused into the
   next elementwise dispatch, cost IREE 300 us per call for Gemma's gate/up).
 
+The dot product is the shape's ISA form (kernels/isa.py): with VNNI (512- or
+256-bit) the unpacked codes are unsigned bytes against the activations, q8
+codes offset by 128 as above; AVX2's int16 step would saturate on 255 * 127
+pairs, so its q8 codes stay signed and take the form's signed product (|q|
+against the activation with q's sign), with no offset. A form on 256-bit
+registers holds one row vector per block (its 16 lanes are two registers).
+
 Activations keep 8 bits per group, as in decode and as llama.cpp's Q8 rows:
 the same lossy path and bounds (docs/quantization.md).
 """
@@ -39,11 +46,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .int8_decode import quantize_group_lines
+from .isa import Int8Isa
 from .mlir import as_tensor, codes_dims, memref_type, stream_executable
 from .x86 import AVX512_VNNI
 
-ISA = AVX512_VNNI  # the only form written (kernels/x86: PREFILL_FORMS)
-ROW_VECTORS = 2  # row vectors of 16 per register block
+ROW_VECTORS = 2  # row vectors of 16 per register block (on 512-bit registers)
 CHANNELS = 4  # output channels per register block
 MAX_TILE_CHANNELS = 32
 STACK_BYTES = 24576  # a workgroup's float tile and unpacked codes (IREE's stack limit is 32 KiB)
@@ -63,14 +70,21 @@ class Int8GemmShape:
     m: int
     k: int
     n: int
+    isa: Int8Isa = AVX512_VNNI  # the form of the dot product (not in the name: a module holds one ISA's kernels)
 
     @property
     def groups(self) -> int:
         return self.k // self.group
 
     @property
+    def signed_codes(self) -> bool:
+        """q8 codes met signed: the form's unsigned product would saturate on codes offset by 128 (AVX2)."""
+        return self.fmt == "q8" and not self.isa.unsigned_bytes_exact
+
+    @property
     def row_vectors(self) -> int:
-        return ROW_VECTORS if self.m % (16 * ROW_VECTORS) == 0 else 1
+        wide = self.isa.zmm and self.m % (16 * ROW_VECTORS) == 0
+        return ROW_VECTORS if wide else 1
 
     @property
     def tile_channels(self) -> int:
@@ -200,6 +214,14 @@ def _unpack_codes(s: Int8GemmShape) -> list[str]:
             f"    vector.store %lo32, %w[%t, %q0] : {w_t}, vector<{words}xi32>",
             f"    vector.store %hi32, %w[%t, %q1] : {w_t}, vector<{words}xi32>",
         ]
+    elif s.signed_codes:  # q8 codes as they are, met by the form's signed product
+        lines += [
+            f"    %ng = arith.constant {g} : index",
+            "    %koff = arith.muli %gi, %ng : index",
+            f"    %b = vector.load %codes[%cn, %koff] : {_codes_memref(s)}, vector<{g}xi8>",
+            f"    %b32 = vector.bitcast %b : vector<{g}xi8> to vector<{g // 4}xi32>",
+            f"    vector.store %b32, %w[%t, %q0] : {w_t}, vector<{g // 4}xi32>",
+        ]
     else:  # signed codes + 128 as unsigned bytes
         lines += [
             f"    %ng = arith.constant {g} : index",
@@ -222,10 +244,11 @@ def _group_step(s: Int8GemmShape) -> list[str]:
     lines = ["%gi = arith.addi %g0, %gl : index",
              "%q0 = arith.muli %gi, %nq : index",  # quads: global in the activations, chunk-local in %w
              "%wq0 = arith.muli %gl, %nq : index"]
+    offset = s.fmt == "q8" and not s.signed_codes  # codes + 128: the sum starts at -128 * sum xq
     for r in range(R):
-        if s.fmt == "q8":  # the int32 sum starts at -128 * sum xq, taking the codes' offset back out
+        if offset:
             lines.append(f"%init{r} = vector.load %ofs[%gi, %mr{r}] : {_per_group_memref(s, 'i32')}, vector<16xi32>")
-    acc = {(r, j): (f"%init{r}" if s.fmt == "q8" else "%isa_zi") for r in range(R) for j in range(J)}
+    acc = {(r, j): (f"%init{r}" if offset else "%isa_zi") for r in range(R) for j in range(J)}
     for q in range(g // 4):
         lines += [f"%kq{q} = arith.addi %q0, %cq{q} : index", f"%wk{q} = arith.addi %wq0, %cq{q} : index"]
         for r in range(R):
@@ -238,7 +261,10 @@ def _group_step(s: Int8GemmShape) -> list[str]:
             ]
             for r in range(R):
                 new = f"%d{q}_{r}_{j}"
-                lines += ISA.dot_unsigned(new, acc[r, j], f"%wb{q}_{j}", f"%a{q}_{r}")
+                if s.signed_codes:
+                    lines += s.isa.dot_signed(new, acc[r, j], f"%a{q}_{r}", f"%wb{q}_{j}")
+                else:
+                    lines += s.isa.dot_unsigned(new, acc[r, j], f"%wb{q}_{j}", f"%a{q}_{r}")
                 acc[r, j] = new
     for r in range(R):
         lines.append(f"%dxv{r} = vector.load %dx[%gi, %mr{r}] : {_per_group_memref(s, 'f32')}, vector<16xf32>")
@@ -301,7 +327,7 @@ def gemm_executable(s: Int8GemmShape) -> str:
         f"%nq = arith.constant {g // 4} : index",
         f"%nGc = arith.constant {s.chunk // g} : index",
         f"%nG = arith.constant {s.groups} : index",
-        *ISA.constants(),
+        *s.isa.constants(),
         "%zf = arith.constant dense<0.0> : vector<16xf32>",
         f"%cJ = arith.constant {J} : index",
         f"%cM = arith.constant {s.m} : index",

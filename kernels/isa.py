@@ -37,6 +37,12 @@ class Int8Isa(ABC):
     instruction: str  # what the compiled code must hold (the tests look for it)
     zmm: bool  # whether its code uses 512-bit registers
 
+    @property
+    def unsigned_bytes_exact(self) -> bool:
+        """Whether dot_unsigned is exact for any unsigned byte (0..255) against the activations, not
+        only q4 codes: true of VNNI's four products per int32 lane, false where pairs meet in int16."""
+        return True
+
     def available(self, cpu_flags: Iterable[str], arch: str = "x86_64") -> bool:
         return arch == self.arch and self.cpu_flags <= set(cpu_flags)
 

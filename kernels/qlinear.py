@@ -591,8 +591,8 @@ def int8_dot_mlir(spec: QLinearSpec, shape: Int8DotShape | None = None) -> list[
     return [int8_dot_executable(shape), _function(spec, lines, params, int8_dot_function_name(spec, shape))]
 
 
-def int8_gemm_shape(spec: QLinearSpec) -> Int8GemmShape:
-    return Int8GemmShape(spec.fmt, spec.group, spec.scale_type, spec.has_min, spec.m, spec.k, spec.n)
+def int8_gemm_shape(spec: QLinearSpec, isa: Int8Isa = AVX512_VNNI) -> Int8GemmShape:
+    return Int8GemmShape(spec.fmt, spec.group, spec.scale_type, spec.has_min, spec.m, spec.k, spec.n, isa)
 
 
 def uses_int8_gemm(spec: QLinearSpec) -> bool:
@@ -608,9 +608,9 @@ def uses_int8_gemm(spec: QLinearSpec) -> bool:
     return one_row and spec.m > MAX_FUSED_ROWS and supports_int8_gemm(int8_gemm_shape(spec))
 
 
-def int8_gemm_mlir(spec: QLinearSpec) -> list[str]:
+def int8_gemm_mlir(spec: QLinearSpec, isa: Int8Isa = AVX512_VNNI) -> list[str]:
     """The int8 prefill kernel behind the usual util.func signature: its two executables, then the func."""
-    shape = int8_gemm_shape(spec)
+    shape = int8_gemm_shape(spec, isa)
     lines = [
         _x_as_rows(spec),
         *int8_gemm_dispatches(shape, "%x2", "%codes", "%scales", "%mins" if spec.has_min else None, "%y2"),
@@ -659,7 +659,8 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8: Int8Kernels = FLOAT_KER
             name, kind, code = int8_dot_function_name(spec, dot), f"qlinear decode {dot.isa.name}", \
                 (lambda: int8_dot_mlir(spec, dot))
         elif cpu_tiles and int8.prefill is not None and uses_int8_gemm(spec):
-            name, kind, code = spec.name, f"qlinear prefill {int8.prefill.name}", lambda: int8_gemm_mlir(spec)
+            name, kind, code = spec.name, f"qlinear prefill {int8.prefill.name}", \
+                (lambda: int8_gemm_mlir(spec, int8.prefill))
         elif cpu_tiles and fuses_rows(spec):
             name, kind, code = spec.name, f"qlinear rows {FLOAT}", lambda: [fused_rows_mlir(spec)]
         else:

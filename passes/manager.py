@@ -8,6 +8,7 @@ here; one that fails to import is an error, never a silently missing pass.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,8 +65,10 @@ def run_pipeline(
     """Run passes in order on `unit` (in place); returns the per-pass report for the manifest."""
     report = []
     for name in resolve_pipeline(names, drop):
+        started = time.perf_counter()
         result = PASSES[name].run(unit)
-        progress(f"      {name}: {'changed' if result.changed else 'no change'} ({result.summary()})")
+        progress(f"      {name}: {'changed' if result.changed else 'no change'} in "
+                 f"{time.perf_counter() - started:.1f} s ({result.summary()})")
         entry = {"name": name, "changed": result.changed, "sites": result.sites,
                  "bytes_saved": result.bytes_saved, "notes": result.notes}
         if result.details:

@@ -58,7 +58,7 @@ def test_x86_64_v3_bundle_takes_the_avx2_int8_kernels(preset, avx2_bundles):
     bundle = avx2_bundles(preset)
     module = json.loads((bundle / "manifest.json").read_text())["modules"]["cpu"]
     assert module["activations"] == "int8"
-    assert module["kernel_isa"] == {"decode": "int8-avx2", "prefill": "f32"}
+    assert module["kernel_isa"] == {"decode": "int8-avx2", "prefill": "int8-avx2"}
     # what LLVM compiled the executables for: AVX2, nothing of AVX-512
     compiled = vmfb_info(bundle / module["file"]).cpu_flags
     assert "avx2" in compiled and not any(f.startswith("avx512") for f in compiled), compiled
@@ -66,7 +66,7 @@ def test_x86_64_v3_bundle_takes_the_avx2_int8_kernels(preset, avx2_bundles):
     assert kernels, "no int8-dot kernel in the module"
     for marker in ("_rms", "_swiglu", "_geglu", "_res"):
         assert any(marker in k for k in kernels) == (marker in MODELS[preset][2]), marker
-    assert not re.search(rb"foldline_i8gemm_", (bundle / module["file"]).read_bytes())  # prefill stays float
+    assert re.search(rb"foldline_i8gemm_", (bundle / module["file"]).read_bytes())  # prefill: the AVX2 int8 GEMM
 
 
 @pytest.mark.parametrize("preset", list(MODELS))

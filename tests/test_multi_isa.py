@@ -178,7 +178,7 @@ def test_each_cpu_gets_its_module_and_the_weights_are_shared(multi_isa_bundle):
     manifest = json.loads((multi_isa_bundle / "manifest.json").read_text())
     modules = manifest["modules"]
     assert list(modules) == ["cpu-x86-64-v3", "cpu-cascadelake"]
-    assert modules["cpu-x86-64-v3"]["kernel_isa"] == {"decode": "int8-avx2", "prefill": "f32"}
+    assert modules["cpu-x86-64-v3"]["kernel_isa"] == {"decode": "int8-avx2", "prefill": "int8-avx2"}
     assert modules["cpu-cascadelake"]["kernel_isa"] == {"decode": "int8-avx512vnni", "prefill": "int8-avx512vnni"}
     assert sorted(p.name for p in multi_isa_bundle.iterdir()) == [
         "manifest.json", "model.cpu-cascadelake.vmfb", "model.cpu-x86-64-v3.vmfb", "params.irpa"]

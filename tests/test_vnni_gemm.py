@@ -1,4 +1,4 @@
-"""The int8 prefill kernels (kernels/int8_gemm.py) against numpy, on CPUs with AVX-512 VNNI.
+"""The int8 prefill kernels (kernels/int8_gemm.py) against numpy, in every x86 form the host runs.
 
 As for the decode kernel: an int8 emulation in numpy (the same activation
 quantization per row and group, exact integer dots, float64 scaling), which the
@@ -8,17 +8,21 @@ unquantized activations, which bounds what 8-bit activations cost.
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import numpy as np
 import pytest
 
 from foldline.kernels import int8_gemm as vg
 from foldline.kernels import qlinear as qk
-from foldline.kernels.x86 import AVX512_VNNI
+from foldline.kernels.x86 import AVX2, AVX512_VNNI, AVX_VNNI
 from foldline.runtime.device import host_cpu_features
 from foldline.testing.int8_reference import compile_on_host, int8_product, random_blocks
 
-needs_vnni = pytest.mark.skipif(not AVX512_VNNI.available(host_cpu_features() or set()),
-                                reason="this CPU has no AVX-512 VNNI")
+# each form compiled for a CPU that has it and nothing better, with the instruction its code must hold
+ISAS = [pytest.param(AVX512_VNNI, "host", id="avx512vnni"), pytest.param(AVX_VNNI, "alderlake", id="avxvnni"),
+        pytest.param(AVX2, "x86-64-v3", id="avx2")]
 
 
 def _case(s: vg.Int8GemmShape, rng: np.random.Generator):
@@ -55,11 +59,16 @@ SHAPES = [
 
 
 @pytest.mark.slow
-@needs_vnni
+@pytest.mark.parametrize("isa,cpu", ISAS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-def test_int8_gemm_kernel_matches_int8_emulation(shape, tmp_path):
-    module, assembly = compile_on_host(_module(shape), tmp_path / "dump")
-    assert "vpdpbusd" in assembly, "the kernel was compiled without VNNI dot products"
+def test_int8_gemm_kernel_matches_int8_emulation(shape, isa, cpu, tmp_path):
+    if not isa.available(host_cpu_features() or set()):
+        pytest.skip(f"this CPU cannot run {isa.name}")
+    shape = dataclasses.replace(shape, isa=isa)
+    module, assembly = compile_on_host(_module(shape), tmp_path / "dump", cpu)
+    assert isa.instruction in assembly, f"the kernel was compiled without {isa.instruction}"
+    if not isa.zmm:
+        assert not re.search(r"\bzmm\d", assembly), "512-bit registers in a kernel for a CPU without them"
     args, emulated, exact = _case(shape, np.random.default_rng(0))
     y = module.main(*args).to_host()
     scale = np.abs(exact).max(1, keepdims=True)  # per row: row 5 is 50x the others

@@ -177,7 +177,7 @@ def test_each_target_gets_its_best_kernels():
         return choose_kernels(make_target("cpu", cpu=cpu).cpu_flags)
 
     assert kernels("znver4") == Int8Kernels(AVX512_VNNI, AVX512_VNNI)
-    assert kernels("alderlake") == Int8Kernels(AVX_VNNI, None)  # VNNI on 256-bit registers
-    assert kernels("x86-64-v3") == Int8Kernels(AVX2, None)  # no AVX2 prefill GEMM: float prefill
+    assert kernels("alderlake") == Int8Kernels(AVX_VNNI, AVX_VNNI)  # VNNI on 256-bit registers
+    assert kernels("x86-64-v3") == Int8Kernels(AVX2, AVX2)
     assert kernels("generic") == FLOAT_KERNELS
     assert Int8Kernels(AVX2, None).record() == {"decode": "int8-avx2", "prefill": "f32"}

@@ -45,7 +45,11 @@ def add_parser(sub) -> None:
                    help="also time foldline's own torch reference module on MODEL (what compiling buys; not a peer)")
     p.add_argument("--rounds", type=int, default=3,
                    help="run the engines in turn this many times and report medians (default 3)")
-    p.add_argument("--threads", type=int, default=None, help="threads for the peers (default: all cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads for foldline and every peer alike (default: all cores)")
+    p.add_argument("--cpu", default=None, metavar="NAME",
+                   help="bench the CPU module compiled for NAME (e.g. x86-64-v3: the AVX2 kernels on any "
+                        "x86 host with AVX2), beside a llama.cpp built for the same ISA (--llama-python)")
     p.add_argument("--peer-context", type=int, default=None, metavar="N",
                    help="llama.cpp's context (KV capacity; default: the bundle's max_context, so both hold "
                         "caches of the same size)")
@@ -68,12 +72,15 @@ def prompt_ids(vocab: int, n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(min(1000, vocab // 2), vocab, size=n).tolist()
 
 
-def bench_compiled(bundle: str, device: str, prompt_len: int, new_tokens: int, seed: int) -> dict[str, Any]:
-    """Runs in the child process: the embedded runtime only."""
+def bench_compiled(bundle: str, device: str, prompt_len: int, new_tokens: int, seed: int,
+                   threads: int | None = None, cpu: str | None = None) -> dict[str, Any]:
+    """Runs in the child process: the embedded runtime only, on `threads` threads (None: IREE's default),
+    the CPU module compiled for `cpu` (None: the best one this CPU runs)."""
     from ..runtime import Model
 
     t0 = time.perf_counter()
-    model = Model.load(bundle, device=device, verify=False)
+    model = Model.load(bundle, device=device, verify=False,
+                       **({"threads": threads, "cpu": cpu} if device == "cpu" else {}))
     load_s = time.perf_counter() - t0
     ids = prompt_ids(model.vocab_size, prompt_len, seed)
     session = model.session()  # first calls allocate and page in the weights
@@ -82,7 +89,7 @@ def bench_compiled(bundle: str, device: str, prompt_len: int, new_tokens: int, s
     session.reset()  # the same buffers, zeroed: one session's state at the peak, as an app holds
     out = time_engine(session.prefill, session.decode, ids, new_tokens)
     out.update(load_s=load_s, peak_rss_mib=peak_rss_mib(), chunk=model.chunk, max_context=model.max_context,
-               threads=os.cpu_count())
+               threads=threads or os.cpu_count(), module=model.module_key)
     return out
 
 
@@ -202,8 +209,9 @@ def run(args) -> int:
     threads = args.threads or os.cpu_count() or 1
     if args.rounds < 1:
         raise CliError("--rounds must be >= 1")
-    runners = {f"foldline ({args.device})": lambda: _child("compiled", {"bundle": str(args.bundle),
-                                                                       "device": args.device, **common})}
+    ours = {"bundle": str(args.bundle), "device": args.device, "threads": threads, "cpu": args.cpu, **common}
+    label = f"foldline ({args.device}{', ' + args.cpu if args.cpu else ''})"
+    runners = {label: lambda: _child("compiled", ours)}
     if args.llama_cpp:
         gguf = _source_model(manifest, args.llama_cpp)
         runners["llama.cpp"] = lambda: bench_llama_cpp(gguf, ids, args.new_tokens, threads, python=args.llama_python,
@@ -237,8 +245,13 @@ def run(args) -> int:
     for line in skipped.values():
         print(f"skipped {line}")
     compiled = next(iter(engines.values()))
+    print(f"foldline: module {compiled.get('module', '?')}, {compiled.get('threads')} threads")
+    if "llama.cpp" in engines:
+        settings = engines["llama.cpp"].get("settings") or {}
+        print("llama.cpp " + engines["llama.cpp"].get("version", "") + ": "
+              + ", ".join(f"{k}={v}" for k, v in settings.items()))
     if args.hadamard_online:
-        online = _child("compiled", {"bundle": str(args.hadamard_online), "device": args.device, **common})
+        online = _child("compiled", {**ours, "bundle": str(args.hadamard_online), "cpu": None})
         fold_ms, online_ms = (1000 * r["decode_s"] / max(args.new_tokens, 1) for r in (compiled, online))
         print(f"online Hadamard rotation: {online_ms - fold_ms:+.3f} ms per decode step "
               f"(online {online_ms:.3f} ms vs this bundle {fold_ms:.3f} ms)")
@@ -288,7 +301,7 @@ def run_held(args, manifest) -> int:
         prompt_len = min(held, manifest.max_context - new_tokens)  # the last decode must still fit
         ids = prompt_ids(manifest.vocab_size, prompt_len, args.seed)
         ours = _child("compiled", {"bundle": str(args.bundle), "device": args.device, "prompt_len": prompt_len,
-                                   "new_tokens": new_tokens, "seed": args.seed})
+                                   "new_tokens": new_tokens, "seed": args.seed, "threads": threads, "cpu": args.cpu})
         peer = None
         if args.llama_cpp and skipped is None:
             try:

@@ -27,7 +27,12 @@ from . import bench_timer
 _TIMER = Path(bench_timer.__file__).read_text() + "\n\nimport json, sys\nargs = json.loads(sys.argv[1])\n"
 
 _LLAMA_CPP = '''
+import ctypes
+import inspect
 from importlib.metadata import version
+
+import llama_cpp
+import numpy as np
 from llama_cpp import Llama
 
 ids, new_tokens, threads = args["ids"], args["new_tokens"], args["threads"]
@@ -35,24 +40,38 @@ t0 = time.perf_counter()
 needed = len(ids) + new_tokens + 8
 # The context the bundle was compiled for, so both engines hold caches of the same capacity.
 n_ctx = max(args.get("n_ctx") or needed, needed)
-# n_batch >= every position reached: without logits_all, llama-cpp-python keeps n_batch rows of scores
-# and indexes them by position (n_batch = n_ctx would allocate n_ctx x vocab floats: 32 GiB for Gemma 3).
-llm = Llama(model_path=args["gguf"], n_ctx=n_ctx, n_batch=needed, n_threads=threads, n_threads_batch=threads,
-            verbose=False)
+# As llama-server runs it: flash attention on, and sliding-window layers holding only their window
+# (swa_full off). llama-cpp-python defaults to neither; versions name the switches differently.
+params = inspect.signature(Llama.__init__).parameters
+settings = {}
+if "flash_attn" in params:
+    settings["flash_attn"] = True
+if "swa_full" in params:
+    settings["swa_full"] = False
+llm = Llama(model_path=args["gguf"], n_ctx=n_ctx, n_batch=needed, n_ubatch=min(needed, 512), n_threads=threads,
+            n_threads_batch=threads, logits_all=False, verbose=False, **settings)
 load_s = time.perf_counter() - t0
+n_vocab = llm.n_vocab()
+
+def last_logits():
+    # The logits of the last evaluated token, read from the context (with logits_all off, Llama.eval
+    # does not copy them into Llama.scores).
+    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,)).copy()
 
 def prefill(tokens):
     llm.reset()
     llm.eval(tokens)
-    return llm.scores[llm.n_tokens - 1]
+    return last_logits()
 
 def decode(token):
     llm.eval([token])
-    return llm.scores[llm.n_tokens - 1]
+    return last_logits()
 
-prefill(ids[:8]); decode(ids[0])  # warm up: page in the weights
+prefill(ids[:8]); decode(ids[0])  # warm up, as every engine: page in the weights
 out = time_engine(prefill, decode, ids, new_tokens)
-out.update(load_s=load_s, peak_rss_mib=peak_rss_mib(), threads=threads, version=version("llama-cpp-python"))
+out.update(load_s=load_s, peak_rss_mib=peak_rss_mib(), threads=threads, version=version("llama-cpp-python"),
+           settings={**settings, "n_ctx": n_ctx, "logits": "llama_get_logits_ith"})
 print("BENCH " + json.dumps(out))
 '''
 

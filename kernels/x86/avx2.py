@@ -20,6 +20,10 @@ from ..isa import LANES, VECTOR, Int8Isa
 
 @dataclass(frozen=True)
 class Avx2(Int8Isa):
+    @property
+    def unsigned_bytes_exact(self) -> bool:
+        return False  # 2 * 255 * 127 saturates the int16 pair sum
+
     def constants(self) -> list[str]:
         return ["%isa_zi = arith.constant dense<0> : vector<16xi32>",
                 f"%isa_ones = arith.constant dense<1> : vector<{self.vector_bytes // 2}xi16>"]
