@@ -180,17 +180,18 @@ ACTIVATIONS = ("auto", "int8", "f32")
 def target_activations(target: Target, activations: str) -> str:
     """What a quantized decode product multiplies its codes by on this target: "int8" or "f32".
 
-    int8 (kernels/int8_decode.py) needs an x86 CPU with AVX2 or AVX-512 VNNI
-    (kernels/isa.py); auto takes it there and f32 everywhere else (GPU targets,
-    other CPUs, `--cpu generic`).
+    int8 (kernels/int8_decode.py) needs a CPU one of the int8 dot-product forms runs
+    on (kernels/select.py: x86 AVX2 or VNNI, aarch64 dotprod); auto takes it there
+    and f32 everywhere else (GPU targets, other CPUs, `--cpu generic`).
     """
     if activations not in ACTIVATIONS:
         raise TargetError(f"unknown activations {activations!r}; expected one of {', '.join(ACTIVATIONS)}")
     capable = target.device == "cpu" and cpu_has_int8_dot(target.cpu_flags, target.arch)
     if activations == "int8" and not capable:
-        raise TargetError(f"--activations int8 needs an x86 CPU target with AVX2 (avx2, fma, f16c) or AVX-512 VNNI "
-                          f"(avx512f, avx512bw, avx512_vnni); {target.description} has neither: "
-                          "use --activations f32 or name such a CPU with --cpu (e.g. x86-64-v3, znver4)")
+        raise TargetError(f"--activations int8 needs a CPU target with an int8 dot product: x86 AVX2 (avx2, fma, "
+                          f"f16c) or AVX-512 VNNI (avx512f, avx512bw, avx512_vnni), or aarch64 dotprod (asimddp); "
+                          f"{target.description} has none: use --activations f32 or name such a CPU with --cpu "
+                          "(e.g. x86-64-v3, znver4, cortex-a76)")
     return "int8" if activations != "f32" and capable else "f32"
 
 

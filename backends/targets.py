@@ -23,11 +23,12 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import FoldlineError
-from ..runtime.bundle import X86_LLVM_FEATURES, x86_isa_flags
+from ..runtime.bundle import AARCH64_LLVM_FEATURES, X86_LLVM_FEATURES, isa_flags
 
 # x86 ISA extensions (cpuinfo spelling) that LLVM may use when compiling for a named/host CPU;
 # the runtime refuses a module whose recorded flags this CPU lacks.
 X86_ISA_FLAGS = tuple(X86_LLVM_FEATURES.values())
+ISA_FLAGS = {"x86_64": X86_ISA_FLAGS, "aarch64": tuple(AARCH64_LLVM_FEATURES.values())}
 # The smallest module iree-compile resolves a CPU's target attributes for.
 _PROBE_MLIR = """
 func.func @probe(%a: tensor<4xf32>) -> tensor<4xf32> {
@@ -78,11 +79,11 @@ def normalize_triple_arch(triple: str) -> str:
 
 
 def _host_isa_flags() -> list[str]:
-    """The X86_ISA_FLAGS this CPU has: what a --cpu host module may rely on."""
+    """The ISA_FLAGS of this arch this CPU has: what a --cpu host module may rely on."""
     from ..runtime.device import host_cpu_features
 
     have = host_cpu_features() or set()
-    return [f for f in X86_ISA_FLAGS if f in have]
+    return [f for f in ISA_FLAGS.get(host_arch(), ()) if f in have]
 
 
 @functools.cache
@@ -113,10 +114,11 @@ def cpu_target(cpu: str = "host", triple: str | None = None) -> Target:
     """llvm-cpu for this machine (host), any CPU of the arch (generic), or a named LLVM CPU.
 
     The arch comes from the triple so the runtime can refuse a cross-compiled
-    module. x86 ISA flags are recorded for every x86 CPU: `host` what this CPU
-    has, a named CPU (skylake-avx512, znver4, x86-64-v3, ...) what LLVM enables
-    for it, `generic` none (the x86-64 baseline); the runtime refuses a module
-    whose flags its CPU lacks instead of dying with SIGILL.
+    module. ISA flags (x86-64 and aarch64) are recorded for every CPU: `host`
+    what this CPU has, a named CPU (skylake-avx512, znver4, x86-64-v3,
+    cortex-a76, ...) what LLVM enables for it, `generic` none (the arch's
+    baseline); the runtime refuses a module whose flags its CPU lacks instead of
+    dying with SIGILL, and the int8 kernels follow them (kernels/select.py).
     """
     # Vectorized reductions: without it each reduction (the fused quantized matmuls above all)
     # lowers to a chain of scalar adds, 3.5-9x slower (kernels/qlinear.py).
@@ -134,11 +136,11 @@ def cpu_target(cpu: str = "host", triple: str | None = None) -> Target:
             raise TargetError("--cpu host cannot be combined with a cross-compile --triple; name the CPU "
                               "(e.g. --cpu generic or --cpu cortex-a76)")
         flags.append("--iree-llvmcpu-target-cpu=host")
-        cpu_flags = _host_isa_flags() if arch == "x86_64" else []
+        cpu_flags = _host_isa_flags()
     elif cpu != "generic":
         flags.append(f"--iree-llvmcpu-target-cpu={cpu}")
-        if arch == "x86_64":
-            cpu_flags = x86_isa_flags(llvm_cpu_features(cpu, triple))
+        if arch in ISA_FLAGS:
+            cpu_flags = isa_flags(llvm_cpu_features(cpu, triple))
     return Target("cpu", flags, f"llvm-cpu ({cpu}{', ' + triple if triple else ''})", arch, cpu_flags, cpu)
 
 

@@ -1,6 +1,6 @@
 """Which int8 kernels a target gets: the forms each kernel family is written for, best first.
 
-Every ISA family's folder (kernels/x86/) lists its forms; a new family adds its
+Every ISA family's folder (kernels/x86/, kernels/arm/) lists its forms; a new family adds its
 forms here. A target gets, per kernel family, the first form its CPU runs
 (kernels/isa.py), else that family's float kernels.
 """
@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from .arm import DECODE_FORMS as ARM_DECODE
+from .arm import PREFILL_FORMS as ARM_PREFILL
 from .isa import Int8Isa, Int8Kernels
 from .x86 import DECODE_FORMS as X86_DECODE
 from .x86 import PREFILL_FORMS as X86_PREFILL
 
-DECODE_ISAS: tuple[Int8Isa, ...] = (*X86_DECODE,)
-PREFILL_ISAS: tuple[Int8Isa, ...] = (*X86_PREFILL,)
+DECODE_ISAS: tuple[Int8Isa, ...] = (*X86_DECODE, *ARM_DECODE)
+PREFILL_ISAS: tuple[Int8Isa, ...] = (*X86_PREFILL, *ARM_PREFILL)
 ISAS = {isa.name: isa for isa in (*DECODE_ISAS, *PREFILL_ISAS)}
 
 

@@ -56,6 +56,13 @@ X86_LLVM_FEATURES = {
     "avx512vpopcntdq": "avx512_vpopcntdq", "avx512bitalg": "avx512_bitalg", "avxvnni": "avx_vnni",
     "gfni": "gfni", "vaes": "vaes", "vpclmulqdq": "vpclmulqdq",
 }
+# The same for aarch64 (the `Features` line of its /proc/cpuinfo).
+AARCH64_LLVM_FEATURES = {
+    "neon": "asimd", "fullfp16": "asimdhp", "dotprod": "asimddp", "i8mm": "i8mm", "sve": "sve", "sve2": "sve2",
+}
+LLVM_FEATURE_FLAGS = {**X86_LLVM_FEATURES, **AARCH64_LLVM_FEATURES}  # no name is both arches'
+ARCH_ISA_FLAGS = {"x86_64": frozenset(X86_LLVM_FEATURES.values()),
+                  "aarch64": frozenset(AARCH64_LLVM_FEATURES.values())}
 
 
 class BundleError(FoldlineError, RuntimeError):
@@ -70,8 +77,8 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def x86_isa_flags(llvm_features: str) -> list[str]:
-    """The X86_LLVM_FEATURES an LLVM feature string enables, in cpuinfo spelling.
+def isa_flags(llvm_features: str) -> list[str]:
+    """The LLVM_FEATURE_FLAGS an LLVM feature string enables, in cpuinfo spelling.
 
     LLVM reads `+a,-a` left to right, the last word wins: a host CPU's string
     lists its model's features, then what the CPU reports (e.g. `-amx-tile`).
@@ -79,9 +86,9 @@ def x86_isa_flags(llvm_features: str) -> list[str]:
     enabled: dict[str, bool] = {}
     for word in llvm_features.split(","):
         word = word.strip()
-        if word[:1] in "+-" and word[1:] in X86_LLVM_FEATURES:
+        if word[:1] in "+-" and word[1:] in LLVM_FEATURE_FLAGS:
             enabled[word[1:]] = word[0] == "+"
-    return [flag for name, flag in X86_LLVM_FEATURES.items() if enabled.get(name)]
+    return [flag for name, flag in LLVM_FEATURE_FLAGS.items() if enabled.get(name)]
 
 
 @dataclass
@@ -91,7 +98,7 @@ class VmfbInfo:
     formats: list[str] = field(default_factory=list)  # e.g. embedded-elf-arm_64, cuda-nvptx-fb
     elf_machines: list[str] = field(default_factory=list)  # arch of each embedded ELF executable
     ptx_targets: list[str] = field(default_factory=list)  # e.g. sm_80
-    # X86_LLVM_FEATURES (cpuinfo spelling) some embedded executable was compiled to use
+    # LLVM_FEATURE_FLAGS (cpuinfo spelling) some embedded executable was compiled to use
     cpu_flags: list[str] = field(default_factory=list)
 
     @property
@@ -109,7 +116,7 @@ def vmfb_info(path: str | Path) -> VmfbInfo:
     info = VmfbInfo()
     info.formats = sorted({m.decode() for m in _FORMAT_RE.findall(data)})
     info.ptx_targets = sorted({m.decode() for m in _PTX_TARGET_RE.findall(data)})
-    info.cpu_flags = sorted({f for m in _CPU_FEATURES_RE.findall(data) for f in x86_isa_flags(m.decode())})
+    info.cpu_flags = sorted({f for m in _CPU_FEATURES_RE.findall(data) for f in isa_flags(m.decode())})
     machines = set()
     start = data.find(b"\x7fELF")
     while start != -1:

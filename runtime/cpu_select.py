@@ -3,7 +3,8 @@
 A bundle compiled with `--cpu x86-all` (or a list of CPUs) holds one CPU module
 per ISA level, all reading the same params.irpa. As llama.cpp's all-variants
 build does, the runtime takes, among the modules whose recorded `cpu_flags` the
-CPU has, the one with the best int8 kernels (AVX-512 VNNI > AVX-VNNI > AVX2 > float), and
+CPU has, the one with the best int8 kernels (AVX-512 VNNI > AVX-VNNI > AVX2 > float on
+x86-64, NEON dotprod > float on aarch64), and
 among equals the one compiled for more ISA extensions. Pure functions of the
 manifest and a feature set, so the choice is testable on any machine;
 runtime/device.py supplies the features (detected or overridden).
@@ -15,10 +16,10 @@ from typing import Any
 
 from .bundle import BundleError, Manifest
 
-# The manifest's kernel_isa names (kernels/isa.py), worst first.
-KERNEL_RANK = ("f32", "int8-avx2", "int8-avxvnni", "int8-avx512vnni")
+# The manifest's kernel_isa names (kernels/isa.py), worst first (modules of one arch compete).
+KERNEL_RANK = ("f32", "int8-neon-dotprod", "int8-avx2", "int8-avxvnni", "int8-avx512vnni")
 # cpu_flags that name a module's ISA level in `foldline inspect`, widest first.
-ISA_LEVELS = ("avx512_vnni", "avx512f", "avx_vnni", "avx2", "avx", "sse4_2")
+ISA_LEVELS = ("avx512_vnni", "avx512f", "avx_vnni", "avx2", "avx", "sse4_2", "i8mm", "asimddp", "asimd")
 
 
 def missing_flags(entry: dict[str, Any], have: set[str] | None) -> list[str]:

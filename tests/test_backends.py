@@ -16,7 +16,7 @@ from foldline.backends.targets import (
     vulkan_target,
     vulkan_target_for_device,
 )
-from foldline.runtime.bundle import BundleError, x86_isa_flags
+from foldline.runtime.bundle import BundleError, isa_flags
 from foldline.runtime.device import (
     check_host_compatible,
     host_arch,
@@ -43,10 +43,10 @@ def test_cpu_host_records_arch_and_isa_flags():
         assert "sse4_2" in t.cpu_flags  # every x86-64 CPU that runs IREE has it
 
 
-def test_cpu_cross_target_records_triple_arch_and_no_x86_flags():
+def test_cpu_cross_target_records_triple_arch_and_its_arch_flags():
     t = cpu_target("cortex-a76", "aarch64-unknown-linux-gnu")
     assert t.arch == "aarch64"
-    assert t.cpu_flags == []
+    assert t.cpu_flags == ["asimd", "asimdhp", "asimddp"]  # NEON, fp16 arithmetic, dotprod: no x86 flag
     assert "--iree-llvmcpu-target-triple=aarch64-unknown-linux-gnu" in t.flags
     assert "--iree-llvmcpu-target-cpu=cortex-a76" in t.flags
     generic = cpu_target("generic", "arm64-apple-darwin")
@@ -70,7 +70,7 @@ def test_cpu_named_x86_records_the_features_llvm_enables(cpu, has, lacks):
 
 def test_cpu_generic_records_only_the_x86_64_baseline():
     assert cpu_target("generic", "x86_64-unknown-linux-gnu").cpu_flags == []
-    assert x86_isa_flags(llvm_cpu_features("generic", "x86_64-unknown-linux-gnu")) == []
+    assert isa_flags(llvm_cpu_features("generic", "x86_64-unknown-linux-gnu")) == []
 
 
 def test_unknown_x86_cpu_name_lists_the_known_ones():

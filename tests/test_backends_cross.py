@@ -29,7 +29,7 @@ def test_aarch64_bundle_targets_aarch64(aarch64_bundle):
     manifest = json.loads((aarch64_bundle / "manifest.json").read_text())
     entry = manifest["modules"]["cpu"]
     assert entry["arch"] == "aarch64"
-    assert entry["cpu_flags"] == []
+    assert entry["cpu_flags"] == ["asimd", "asimdhp", "asimddp"]  # what LLVM enables for the core: NEON, fp16, dotprod
     assert "--iree-llvmcpu-target-cpu=cortex-a76" in entry["flags"]
     info = vmfb_info(aarch64_bundle / entry["file"])
     assert info.formats == ["embedded-elf-arm_64"]

@@ -26,11 +26,11 @@ from foldline.runtime.bundle import (
     check_schema,
     check_seal,
     declared_inputs,
+    isa_flags,
     kv_tile_size,
     manifest_digest,
     seal_manifest,
     vmfb_info,
-    x86_isa_flags,
 )
 
 PATH = Path("bundle/manifest.json")
@@ -252,9 +252,30 @@ def test_entry_points_matching_the_manifest_pass_and_mismatches_are_named():
 # ---- CPU features -----------------------------------------------------------------------------
 
 def test_llvm_feature_strings_map_to_cpuinfo_flags_last_word_wins():
-    assert x86_isa_flags("+avx,+avx2,+sse4.1,+avx512vnni,+amx-tile,-amx-tile,+cx8") == \
+    assert isa_flags("+avx,+avx2,+sse4.1,+avx512vnni,+amx-tile,-amx-tile,+cx8") == \
         ["sse4_1", "avx", "avx2", "avx512_vnni"]
-    assert x86_isa_flags("") == []
+    assert isa_flags("") == []
+    # aarch64 (the `Features` line of its cpuinfo): cortex-a76's string as LLVM resolves it
+    assert isa_flags("+v8.2a,+aes,+crc,+dotprod,+fp-armv8,+fullfp16,+lse,+neon,+rdm,+reserve-x18") == \
+        ["asimd", "asimdhp", "asimddp"]
+
+
+@pytest.mark.parametrize("arch,cpuinfo,expected", [
+    ("x86_64", "processor\t: 0\nflags\t\t: fpu sse4_2 avx2\n", {"fpu", "sse4_2", "avx2"}),
+    ("aarch64", "processor\t: 0\nFeatures\t: fp asimd asimddp i8mm\nCPU part\t: 0xd0b\n",
+     {"fp", "asimd", "asimddp", "i8mm"}),
+    # an aarch64 process under qemu-user reads the x86 host's cpuinfo: no Features line, so unknown
+    ("aarch64", "processor\t: 0\nflags\t\t: fpu sse4_2 avx2\n", None),
+    ("riscv64", "processor\t: 0\nisa\t\t: rv64imafdc\n", None),
+])
+def test_host_cpu_features_read_the_lines_of_each_arch(arch, cpuinfo, expected, tmp_path, monkeypatch):
+    from foldline.runtime import device
+
+    fake = tmp_path / "cpuinfo"
+    fake.write_text(cpuinfo)
+    monkeypatch.setattr(device, "host_arch", lambda: arch)
+    monkeypatch.setattr(device, "Path", lambda _p: fake)
+    assert device.host_cpu_features() == expected
 
 
 def test_a_module_records_the_cpu_features_it_was_compiled_for(tmp_path, monkeypatch):

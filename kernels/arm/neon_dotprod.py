@@ -1,0 +1,69 @@
+"""NEON dotprod (Armv8.2-A's optional `sdot`, mandatory from Armv8.4-A): signed bytes times signed
+bytes, four products summed into each 32-bit lane, 16 bytes at a time.
+
+Cortex-A55/A76 and later cores, Raspberry Pi 5 (Cortex-A76), Apple M1 and later,
+AWS Graviton 2 and later. Both operands are signed, so neither product needs an
+offset: q4 codes (0..15) and activations in [-127, 127] are already int8, and a
+q8 code meets the activation as it is; four products reach 4 * 128 * 127 < 2^31.
+A 64-byte step is four instructions, each on its own quarter of the sixteen
+lanes (lane i sums bytes 4i..4i+3, as in every x86 form), so no lanes move
+between quarters. Unsigned bytes above 127 would read as negative: the kernels
+take the signed form for q8 codes (`unsigned_bytes_exact` is false).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..isa import LANES, VECTOR, Int8Isa
+
+QUARTERS = 4  # sdot instructions per 64-byte step
+_V = "vector<16xi8>"
+_ACC = "vector<4xi32>"
+
+
+def sdot(out: str, acc: str, a: str, b: str) -> str:
+    """`out` = `acc` + the 4-byte lane sums of a * b (both signed), 16 bytes."""
+    return (f'{out} = llvm.call_intrinsic "llvm.aarch64.neon.sdot.v4i32.v16i8"({acc}, {a}, {b}) '
+            f": ({_ACC}, {_V}, {_V}) -> {_ACC}")
+
+
+@dataclass(frozen=True)
+class NeonDotprod(Int8Isa):
+    @property
+    def unsigned_bytes_exact(self) -> bool:
+        return False  # sdot reads every byte signed: q8 codes take dot_signed
+
+    def constants(self) -> list[str]:
+        return ["%isa_zi = arith.constant dense<0> : vector<16xi32>",
+                f"%isa_zq = arith.constant dense<0> : {_ACC}"]
+
+    def dot_unsigned(self, out: str, acc: str, u: str, s: str) -> list[str]:
+        return self._quarters(out, acc, u, s)  # q4 codes (0..15) are the same bytes read signed
+
+    def dot_signed(self, out: str, acc: str, x: str, q: str) -> list[str]:
+        return self._quarters(out, acc, x, q)
+
+    def _quarters(self, out: str, acc: str, a: str, b: str) -> list[str]:
+        lines, sums = [], []
+        for h in range(QUARTERS):
+            p = f"{out}_q{h}"
+            for name, whole in (("a", a), ("b", b)):
+                lines.append(f"{p}_{name} = vector.shuffle {whole}, {whole} {list(range(h * 16, (h + 1) * 16))} "
+                             f": {VECTOR}, {VECTOR}")
+            if acc == "%isa_zi":
+                start = "%isa_zq"
+            else:
+                start = f"{p}_c"
+                lines.append(f"{start} = vector.shuffle {acc}, {acc} {list(range(h * 4, (h + 1) * 4))} "
+                             ": vector<16xi32>, vector<16xi32>")
+            lines.append(sdot(f"{p}_d", start, f"{p}_a", f"{p}_b"))
+            sums.append(f"{p}_d")
+        lines += [f"{out}_lo = vector.shuffle {sums[0]}, {sums[1]} {list(range(8))} : {_ACC}, {_ACC}",
+                  f"{out}_hi = vector.shuffle {sums[2]}, {sums[3]} {list(range(8))} : {_ACC}, {_ACC}",
+                  f"{out} = vector.shuffle {out}_lo, {out}_hi {list(range(LANES))} "
+                  ": vector<8xi32>, vector<8xi32>"]
+        return lines
+
+
+NEON_DOTPROD = NeonDotprod("int8-neon-dotprod", "aarch64", frozenset({"asimd", "asimddp"}), 16, "sdot", False)

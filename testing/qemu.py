@@ -1,0 +1,70 @@
+"""Python scripts on aarch64 under qemu-user: foldline's runtime running aarch64 bundles on an x86 machine.
+
+scripts/setup_arm64.sh puts an aarch64 userland in .arm64/ (Debian's arm64
+Python unpacked into `sysroot/`, the aarch64 wheels of numpy, ml_dtypes and
+iree-base-runtime in `site/`); $FOLDLINE_ARM64_ROOT names another. The scripts
+import this checkout's foldline (runtime only: no torch on that side) and talk
+to the caller through files. qemu-user emulates the CPU (its `max` model has
+dotprod and i8mm), so this checks what an Arm machine computes, not its speed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ARM64_ROOT_ENV = "FOLDLINE_ARM64_ROOT"
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # this checkout's foldline package
+DEFAULT_ROOT = PACKAGE_DIR / ".arm64"
+
+
+class Arm64Python:
+    """An aarch64 Python under qemu-aarch64, with numpy, iree.runtime and this foldline importable."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.python = root / "sysroot" / "usr" / "bin" / "python3.11"
+        self._imports = Path(tempfile.mkdtemp(prefix="foldline-arm64-"))
+        (self._imports / "foldline").symlink_to(PACKAGE_DIR, target_is_directory=True)
+
+    @classmethod
+    def find(cls) -> Arm64Python | str:
+        """The userland, or why there is none (a skip reason)."""
+        root = Path(os.environ.get(ARM64_ROOT_ENV) or DEFAULT_ROOT)
+        if shutil.which("qemu-aarch64") is None:
+            return "qemu-aarch64 is not installed (scripts/setup_arm64.sh installs Debian's qemu-user)"
+        if not (root / "sysroot" / "usr" / "bin" / "python3.11").exists() or not (root / "site").is_dir():
+            return f"no aarch64 userland in {root} (run scripts/setup_arm64.sh)"
+        return cls(root)
+
+    def run(self, script: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+        """Run `script` (Python source) on aarch64 with `args`; a failure raises with its output."""
+        path = self._imports / "script.py"
+        path.write_text(script)
+        env = {**os.environ, "PYTHONPATH": f"{self._imports}{os.pathsep}{self.root / 'site'}",
+               "PYTHONDONTWRITEBYTECODE": "1"}
+        env.pop("PYTHONHOME", None)
+        cmd = ["qemu-aarch64", "-L", str(self.root / "sysroot"), str(self.python), str(path), *args]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"aarch64 script exited with {done.returncode}:\n{done.stdout}\n{done.stderr}")
+        return done
+
+
+def main() -> int:
+    """`python -m foldline.testing.qemu SCRIPT ARGS...`: run a script on aarch64 (for a person trying it)."""
+    found = Arm64Python.find()
+    if isinstance(found, str):
+        print(found, file=sys.stderr)
+        return 2
+    done = found.run(Path(sys.argv[1]).read_text(), *sys.argv[2:])
+    print(done.stdout, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

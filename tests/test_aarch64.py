@@ -1,0 +1,203 @@
+"""aarch64 executed, not only compiled: bundles and kernels for Arm CPUs run under qemu-user.
+
+The aarch64 side is this checkout's runtime on Debian's arm64 Python with the
+aarch64 iree-base-runtime wheel (foldline/testing/qemu.py; scripts/setup_arm64.sh
+installs it, and CI runs setup). Bundles for a dotprod CPU (cortex-a76: the
+int8-activation kernels in their NEON `sdot` form, kernels/arm/) and for
+`--cpu generic` (the float kernels any Armv8-A runs) are compared with the
+same weights' x86 bundle and with torch eager; each int8 kernel shape is
+compared with its int8 emulation, as the x86 forms are (test_vnni_kernels.py,
+test_vnni_gemm.py). qemu emulates the CPU: this checks what an Arm machine
+computes, not how fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import test_quant_compile
+import test_vnni_gemm
+import test_vnni_kernels
+
+from foldline.kernels.arm import NEON_DOTPROD
+from foldline.testing.qemu import Arm64Python
+
+pytestmark = pytest.mark.slow
+
+TRIPLE = "aarch64-unknown-linux-gnu"
+PROMPT = list(range(3, 83))  # 80 tokens: two prefill chunks of 64, gemma3-tiny's 16-slot windows wrap 5 times
+FORCED = list(range(40, 64))  # 24 decode steps, the same tokens on every side
+
+# Runs on aarch64: each job's bundle, prefill PROMPT, decode FORCED, the logits to a file.
+RUN_BUNDLES = """
+import json, sys
+import numpy as np
+from foldline.runtime import Model
+for job in json.load(open(sys.argv[1])):
+    with Model.load(job["bundle"]) as model:
+        session = model.session()
+        steps = [session.prefill(job["prompt"])] + [session.decode(t) for t in job["forced"]]
+    np.save(job["out"], np.stack(steps))
+"""
+
+# Runs on aarch64: each job's module `main` on its arguments, the result to a file.
+RUN_KERNELS = """
+import json, sys
+import numpy as np
+import iree.runtime as rt
+for job in json.load(open(sys.argv[1])):
+    config = rt.Config("local-task")
+    ctx = rt.SystemContext(config=config)
+    with open(job["vmfb"], "rb") as f:
+        ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, f.read()))
+    args = np.load(job["args"])
+    y = ctx.modules.module.main(*[args[f"a{i}"] for i in range(len(args.files))]).to_host()
+    np.save(job["out"], y)
+"""
+
+
+@pytest.fixture(scope="module")
+def arm64() -> Arm64Python:
+    found = Arm64Python.find()
+    if isinstance(found, str):
+        pytest.skip(found)
+    return found
+
+
+def _compile(loaded, out: Path, cpu: str, triple: str | None, **options) -> Path:
+    from foldline.backends.build import BuildOptions, compile_model
+    from foldline.backends.targets import cpu_target
+
+    compile_model(loaded, out, BuildOptions(targets=[cpu_target(cpu, triple)], weights="auto", **options),
+                  progress=lambda _m: None)
+    return out
+
+
+def _eager(loaded) -> tuple[np.ndarray, np.ndarray]:
+    """Teacher-forced float32 eager logits and each logit's term scale (testing/parity.py)."""
+    from foldline.testing.parity import EagerRunner
+
+    runner = EagerRunner(loaded.module, 64)
+    logits, scales = [runner.prefill(PROMPT)], [runner.term_scale()]
+    for token in FORCED:
+        logits.append(runner.decode(token))
+        scales.append(runner.term_scale())
+    return np.stack(logits), np.stack(scales)
+
+
+def _x86_logits(bundle: Path) -> np.ndarray:
+    from foldline.runtime import Model
+
+    with Model.load(bundle) as model:
+        session = model.session()
+        return np.stack([session.prefill(PROMPT)] + [session.decode(t) for t in FORCED])
+
+
+# (preset, block format, aarch64 CPU, build options): llama with q4 blocks and gemma3 (windows, a q8
+# table tied to the head) with q8 on a dotprod core; llama on any Armv8-A, float kernels and caches.
+CASES = {
+    "llama-q4-dotprod": ("llama-tiny", "q4", "cortex-a76", {}),
+    "gemma3-q8-dotprod": ("gemma3-tiny", "q8", "cortex-a76", {}),
+    "llama-q4-generic": ("llama-tiny", "q4", "generic", {"kv_dtype": "float32"}),
+}
+
+
+@pytest.fixture(scope="module")
+def arm_runs(arm64, tmp_path_factory):
+    """Every case compiled for aarch64 (and the dotprod ones for this x86 CPU too), run in one qemu process."""
+    root = tmp_path_factory.mktemp("aarch64")
+    runs, jobs = {}, []
+    for name, (preset, fmt, cpu, options) in CASES.items():
+        loaded = test_quant_compile._blocked(preset, fmt)
+        arm = _compile(loaded, root / name / "arm", cpu, TRIPLE, **options)
+        x86 = _compile(loaded, root / name / "x86", "host", None, **options) if cpu != "generic" else None
+        runs[name] = {"loaded": loaded, "arm": arm, "x86": x86, "out": root / name / "logits.npy"}
+        jobs.append({"bundle": str(arm), "prompt": PROMPT, "forced": FORCED, "out": str(runs[name]["out"])})
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    arm64.run(RUN_BUNDLES, str(root / "jobs.json"))
+    for run in runs.values():
+        run["logits"] = np.load(run["out"])
+    return runs
+
+
+@pytest.mark.parametrize("case", ["llama-q4-dotprod", "gemma3-q8-dotprod"])
+def test_dotprod_bundle_on_arm_matches_x86_and_eager(case, arm_runs):
+    """The sdot kernels compute what the x86 int8 kernels compute, and stay within int8 bounds of eager."""
+    run = arm_runs[case]
+    manifest = json.loads((run["arm"] / "manifest.json").read_text())["modules"]["cpu"]
+    assert manifest["arch"] == "aarch64" and "asimddp" in manifest["cpu_flags"]
+    assert manifest["kernel_isa"] == {"decode": NEON_DOTPROD.name, "prefill": NEON_DOTPROD.name}
+    assert manifest["kernels"][f"qlinear decode {NEON_DOTPROD.name}"] > 0
+    arm, x86 = run["logits"], _x86_logits(run["x86"])
+    assert arm.shape == (1 + len(FORCED), 512)
+    # The same activation quantization and integer dots on both, but not the same float32 rounding
+    # before it (the norms, GELU): where that moves an activation across an int8 step, the logits move
+    # by a fraction of that step's 1/127. On llama-tiny that happens in one step of 25, on gemma3-tiny
+    # in most; a wrong kernel is off by far more, and further from eager than x86 is.
+    scaled = np.abs(arm - x86).max(axis=1) / np.abs(x86).max(axis=1)
+    assert scaled.max() < 2e-2, f"aarch64 and x86 differ by {scaled.max():.2e} of the largest logit"
+    assert (arm.argmax(axis=1) == x86.argmax(axis=1)).all()
+    eager, _ = _eager(run["loaded"])
+    err_arm, err_x86 = ((np.abs(a - eager).max(axis=1) / np.abs(eager).max(axis=1)).max() for a in (arm, x86))
+    assert err_arm < 3e-2, f"int8 activations on aarch64: {err_arm:.2e} of the largest logit from eager"
+    assert err_arm <= 1.25 * err_x86 + 1e-3, f"aarch64 {err_arm:.2e} from eager, x86 {err_x86:.2e}"
+
+
+def test_generic_armv8_bundle_takes_the_float_kernels_and_matches_eager(arm_runs):
+    """No dotprod named: the portable float kernels, within fp32 tolerance of eager."""
+    from foldline.testing.parity import SCALED_TOL_FP32
+
+    run = arm_runs["llama-q4-generic"]
+    manifest = json.loads((run["arm"] / "manifest.json").read_text())["modules"]["cpu"]
+    assert manifest["arch"] == "aarch64" and manifest["cpu_flags"] == []
+    assert manifest["kernel_isa"] == {"decode": "f32", "prefill": "f32"}
+    eager, scale = _eager(run["loaded"])
+    worst = (np.abs(run["logits"].astype(np.float64) - eager) / np.maximum(scale, 1e-30)).max()
+    assert worst <= SCALED_TOL_FP32, f"worst scaled error {worst:.2e}"
+    assert (run["logits"].argmax(axis=1) == eager.argmax(axis=1)).all()
+
+
+def _compile_for_arm(text: str, dump: Path) -> tuple[bytes, str]:
+    import iree.compiler as ireec
+
+    from foldline.backends.targets import cpu_target
+
+    vmfb = ireec.compile_str(text, extra_args=[*cpu_target("cortex-a76", TRIPLE).flags,
+                                               f"--iree-hal-dump-executable-files-to={dump}"])
+    return vmfb, "\n".join(p.read_text() for p in dump.glob("*.s"))
+
+
+KERNELS = ([("decode", s) for s in test_vnni_kernels.SHAPES] + [("prefill", s) for s in test_vnni_gemm.SHAPES])
+
+
+@pytest.fixture(scope="module")
+def arm_kernels(arm64, tmp_path_factory):
+    """Every decode and prefill kernel shape in its sdot form, compiled for aarch64 and run in one qemu process."""
+    root = tmp_path_factory.mktemp("aarch64_kernels")
+    cases, jobs = {}, []
+    for i, (family, shape) in enumerate(KERNELS):
+        shape = dataclasses.replace(shape, isa=NEON_DOTPROD)
+        tests = test_vnni_kernels if family == "decode" else test_vnni_gemm
+        vmfb, assembly = _compile_for_arm(tests._module(shape), root / f"dump{i}")
+        args, emulated, exact = tests._case(shape, np.random.default_rng(0))
+        (root / f"k{i}.vmfb").write_bytes(vmfb)
+        np.savez(root / f"k{i}.npz", **{f"a{j}": a for j, a in enumerate(args)})
+        cases[shape.name] = {"assembly": assembly, "emulated": emulated, "exact": exact, "out": root / f"k{i}.npy"}
+        jobs.append({"vmfb": str(root / f"k{i}.vmfb"), "args": str(root / f"k{i}.npz"), "out": str(root / f"k{i}.npy")})
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    arm64.run(RUN_KERNELS, str(root / "jobs.json"))
+    return cases
+
+
+@pytest.mark.parametrize("family,shape", KERNELS, ids=lambda v: v if isinstance(v, str) else v.name)
+def test_sdot_kernel_on_arm_matches_int8_emulation(family, shape, arm_kernels):
+    case = arm_kernels[dataclasses.replace(shape, isa=NEON_DOTPROD).name]
+    assert NEON_DOTPROD.instruction in case["assembly"], "the kernel was compiled without sdot"
+    y, emulated, exact = np.load(case["out"]), case["emulated"], case["exact"]
+    axis = 1 if y.ndim == 2 else None  # prefill: per row (rows of very different magnitudes)
+    scale = np.abs(exact).max(axis=axis, keepdims=axis is not None)
+    assert np.all(np.abs(y - emulated) <= 1e-5 * scale), "differs from the int8 emulation beyond float32 rounding"
