@@ -107,8 +107,16 @@ def check_host_compatible(module: dict[str, Any], device: str, have: set[str] | 
     if missing:
         raise BundleError(
             f"the cpu module needs CPU features this machine lacks: {', '.join(missing)}; "
-            "recompile with --cpu generic, or with --cpu host on this machine"
+            f"{_recompile_hint(here)}"
         )
+
+
+def _recompile_hint(arch: str) -> str:
+    """What to compile instead for a CPU that lacks a module's features."""
+    if arch == "x86_64":
+        return ("recompile without --cpu (x86-all, the default on x86-64: a module for every x86-64 level, "
+                "each loaded where it runs) or with --cpu host on this machine")
+    return "recompile with --cpu generic, with this core's name (e.g. cortex-a55), or with --cpu host on this machine"
 
 
 def check_vmfb_arch(vmfb: Path, have: set[str] | None = None) -> None:
@@ -129,7 +137,7 @@ def check_vmfb_arch(vmfb: Path, have: set[str] | None = None) -> None:
         if missing:
             raise BundleError(
                 f"{vmfb} was compiled for CPU features this machine lacks: {', '.join(missing)}; "
-                "recompile with --cpu generic, or with --cpu host on this machine"
+                f"{_recompile_hint(here)}"
             )
 
 
