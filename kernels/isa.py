@@ -5,7 +5,7 @@ one generator each; what differs between CPUs is the instruction that turns
 bytes into int32 sums of four products per lane. An `Int8Isa` says what a CPU
 must have for it (its arch and feature flags, in /proc/cpuinfo spelling, as a
 Target's cpu_flags) and emits that product for 64 bytes at a time. Each ISA
-family lives in a folder of its own (kernels/x86/), and kernels/select.py says
+family lives in a folder of its own (kernels/x86/, kernels/arm/), and kernels/select.py says
 which forms each kernel family is written for and gives a target the first
 form its CPU runs, or the float kernels (kernels/qlinear.py) when it runs none.
 """
@@ -13,7 +13,7 @@ form its CPU runs, or the float kernels (kernels/qlinear.py) when it runs none.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 VECTOR = "vector<64xi8>"  # the byte operands the kernels hand over: 64 bytes, 16 int32 lanes of four
@@ -31,7 +31,7 @@ class Int8Isa(ABC):
     """
 
     name: str  # recorded in the manifest's module entry: "int8-avx512vnni", "int8-avx2"
-    arch: str  # the target arch it runs on ("x86_64")
+    arch: str  # the target arch it runs on ("x86_64", "aarch64")
     cpu_flags: frozenset[str]  # feature flags the CPU must have (cpuinfo spelling)
     vector_bytes: int  # bytes one dot-product instruction takes (64: zmm, 32: ymm)
     instruction: str  # what the compiled code must hold (the tests look for it)
@@ -62,6 +62,41 @@ class Int8Isa(ABC):
         """Lines making `out` = `acc` + the lane sums of x * q, both signed (x in [-127, 127], q any int8)."""
 
 
+
+
+def lane_pieces(out: str, acc: str, a: str, b: str, pieces: int, zero_piece: str,
+                instruction: Callable[[str, str, str, str], str]) -> list[str]:
+    """`out` = `acc` + the lane sums of a * b, as `pieces` narrower instructions on 64 / pieces bytes each.
+
+    Lane i sums bytes 4i..4i+3 in every form, so piece h takes bytes of its own
+    and its own slice of the sixteen lanes; no lane moves between pieces.
+    `instruction(out, acc, a, b)` emits one piece's product (`zero_piece`: its
+    zero accumulator, used when `acc` is %isa_zi); the pieces are joined pairwise.
+    """
+    width, lanes = 64 // pieces, LANES // pieces
+    lines, parts = [], []
+    for h in range(pieces):
+        p = f"{out}_p{h}"
+        for name, whole in (("a", a), ("b", b)):
+            lines.append(f"{p}_{name} = vector.shuffle {whole}, {whole} {list(range(h * width, (h + 1) * width))} "
+                         f": {VECTOR}, {VECTOR}")
+        start = zero_piece
+        if acc != "%isa_zi":
+            start = f"{p}_c"
+            lines.append(f"{start} = vector.shuffle {acc}, {acc} {list(range(h * lanes, (h + 1) * lanes))} "
+                         f": vector<{LANES}xi32>, vector<{LANES}xi32>")
+        lines.append(instruction(f"{p}_d", start, f"{p}_a", f"{p}_b"))
+        parts.append(f"{p}_d")
+    level = 0
+    while len(parts) > 1:
+        joined = []
+        for i in range(0, len(parts), 2):
+            name = out if len(parts) == 2 else f"{out}_j{level}_{i // 2}"
+            lines.append(f"{name} = vector.shuffle {parts[i]}, {parts[i + 1]} {list(range(2 * lanes))} "
+                         f": vector<{lanes}xi32>, vector<{lanes}xi32>")
+            joined.append(name)
+        parts, lanes, level = joined, 2 * lanes, level + 1
+    return lines
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import platform
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,10 +270,18 @@ class DeviceContext:
 # read at that moment: the first CPU load fixes the thread count for the process.
 _cpu_task_threads: int | None = None
 _cpu_task_created = False
+# Models may be loaded from several threads at once: the check of the count fixed so far and the
+# setting of it are one step, or two first loads could each set their own count.
+_cpu_task_lock = threading.Lock()
 
 
 def _cpu_driver(threads: int | None) -> str:
     """The IREE driver for `threads` CPU threads: local-sync for 1 (runs on the caller's thread), else local-task."""
+    with _cpu_task_lock:
+        return _cpu_driver_locked(threads)
+
+
+def _cpu_driver_locked(threads: int | None) -> str:
     global _cpu_task_threads, _cpu_task_created
     if threads is None and _cpu_task_created:
         threads = _cpu_task_threads

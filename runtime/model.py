@@ -87,8 +87,13 @@ class Model:
         return self._ctx is None
 
     def close(self) -> None:
-        """Release the module and the device; sessions of this model stop working. Idempotent."""
-        self._ctx = None
+        """Release the module and the device; sessions of this model stop working. Idempotent.
+
+        Waits for a module call in progress on another thread (calls hold the model's lock),
+        so no call loses its device halfway through.
+        """
+        with self.lock:
+            self._ctx = None
 
     def __enter__(self) -> Model:
         return self

@@ -241,7 +241,9 @@ class Scheduler:
 
     def _drop_running(self) -> None:
         now = time.monotonic()
-        for request in list(self._running.values()):
+        with self._wake:
+            running = list(self._running.values())
+        for request in running:
             if request.cancelled.is_set():
                 self._finish(request, request.cancel_reason)
             elif _expired(request, now):
@@ -249,15 +251,19 @@ class Scheduler:
 
     def _fail_running(self, e: BaseException) -> None:
         """Every running request fails and the rows start again from a new batch."""
-        for request in list(self._running.values()):
+        with self._wake:
+            running = list(self._running.values())
+        for request in running:
             self._finish(request, "error", f"{type(e).__name__}: {e}")
         self.batch.close()
         self.batch = self.model.batch()  # if this fails too, the loop ends and health says so
 
     def _step(self) -> None:
         chunk = self.model.chunk
+        with self._wake:  # stop() may finish requests from another thread while a call runs
+            running = list(self._running.items())
         feeds: dict[int, list[int]] = {}
-        for row, request in self._running.items():
+        for row, request in running:
             if request.pending:
                 feeds[row], request.pending = request.pending[:chunk], request.pending[chunk:]
             else:
@@ -268,12 +274,14 @@ class Scheduler:
             self._fail_running(e)
             return
         self.steps += 1
-        for row, request in list(self._running.items()):
+        for row, request in running:
             if request.pending:
                 continue  # still reading its prompt
             self._emit(request, logits[row])
 
     def _emit(self, request: Request, logits: np.ndarray) -> None:
+        if request.finished:
+            return  # ended while its call ran (stop() on a stuck call): no token after the end
         try:
             token = request.sampler(logits)
             info = None if request.logprobs is None else token_logprobs(logits, token, request.logprobs)
@@ -295,10 +303,11 @@ class Scheduler:
                 return
             request.finished = True
             self.finished[reason] += 1
-        if request.row is not None and self._running.get(request.row) is request:
-            del self._running[request.row]
-            if not self.batch.closed:
-                self.batch.release(request.row)
+        with self._wake:  # the loop thread and stop() both end requests: _running changes under the lock
+            if request.row is not None and self._running.get(request.row) is request:
+                del self._running[request.row]
+                if not self.batch.closed:
+                    self.batch.release(request.row)
         try:
             request.on_finish(reason, error)
         except Exception:  # noqa: S110 - a finished consumer has nothing left to tell

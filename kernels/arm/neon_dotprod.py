@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..isa import LANES, VECTOR, Int8Isa
+from ..isa import Int8Isa, lane_pieces
 
 QUARTERS = 4  # sdot instructions per 64-byte step
 _V = "vector<16xi8>"
@@ -39,31 +39,10 @@ class NeonDotprod(Int8Isa):
                 f"%isa_zq = arith.constant dense<0> : {_ACC}"]
 
     def dot_unsigned(self, out: str, acc: str, u: str, s: str) -> list[str]:
-        return self._quarters(out, acc, u, s)  # q4 codes (0..15) are the same bytes read signed
+        return lane_pieces(out, acc, u, s, QUARTERS, "%isa_zq", sdot)  # q4 codes (0..15): the same bytes signed
 
     def dot_signed(self, out: str, acc: str, x: str, q: str) -> list[str]:
-        return self._quarters(out, acc, x, q)
-
-    def _quarters(self, out: str, acc: str, a: str, b: str) -> list[str]:
-        lines, sums = [], []
-        for h in range(QUARTERS):
-            p = f"{out}_q{h}"
-            for name, whole in (("a", a), ("b", b)):
-                lines.append(f"{p}_{name} = vector.shuffle {whole}, {whole} {list(range(h * 16, (h + 1) * 16))} "
-                             f": {VECTOR}, {VECTOR}")
-            if acc == "%isa_zi":
-                start = "%isa_zq"
-            else:
-                start = f"{p}_c"
-                lines.append(f"{start} = vector.shuffle {acc}, {acc} {list(range(h * 4, (h + 1) * 4))} "
-                             ": vector<16xi32>, vector<16xi32>")
-            lines.append(sdot(f"{p}_d", start, f"{p}_a", f"{p}_b"))
-            sums.append(f"{p}_d")
-        lines += [f"{out}_lo = vector.shuffle {sums[0]}, {sums[1]} {list(range(8))} : {_ACC}, {_ACC}",
-                  f"{out}_hi = vector.shuffle {sums[2]}, {sums[3]} {list(range(8))} : {_ACC}, {_ACC}",
-                  f"{out} = vector.shuffle {out}_lo, {out}_hi {list(range(LANES))} "
-                  ": vector<8xi32>, vector<8xi32>"]
-        return lines
+        return lane_pieces(out, acc, x, q, QUARTERS, "%isa_zq", sdot)
 
 
 NEON_DOTPROD = NeonDotprod("int8-neon-dotprod", "aarch64", frozenset({"asimd", "asimddp"}), 16, "sdot", False)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..isa import LANES, VECTOR, Int8Isa
+from ..isa import VECTOR, Int8Isa, lane_pieces
 from .avx512_vnni import vpdpbusd
 
 
@@ -25,23 +25,7 @@ class AvxVnni(Int8Isa):
                 "%isa_x128 = arith.constant dense<-128> : vector<64xi8>"]
 
     def dot_unsigned(self, out: str, acc: str, u: str, s: str) -> list[str]:
-        lines, halves = [], []
-        for h in range(2):
-            p = f"{out}_h{h}"
-            for name, whole in (("u", u), ("s", s)):
-                lines.append(f"{p}_{name} = vector.shuffle {whole}, {whole} {list(range(h * 32, (h + 1) * 32))} "
-                             f": {VECTOR}, {VECTOR}")
-            if acc == "%isa_zi":
-                start = "%isa_zh"
-            else:
-                start = f"{p}_a"
-                lines.append(f"{start} = vector.shuffle {acc}, {acc} {list(range(h * 8, (h + 1) * 8))} "
-                             ": vector<16xi32>, vector<16xi32>")
-            lines.append(vpdpbusd(f"{p}_d", start, f"{p}_u", f"{p}_s", width=256))
-            halves.append(f"{p}_d")
-        lines.append(f"{out} = vector.shuffle {halves[0]}, {halves[1]} {list(range(LANES))} "
-                     ": vector<8xi32>, vector<8xi32>")
-        return lines
+        return lane_pieces(out, acc, u, s, 2, "%isa_zh", lambda o, c, x, y: vpdpbusd(o, c, x, y, width=256))
 
     def dot_signed(self, out: str, acc: str, x: str, q: str) -> list[str]:
         return [f"{out}_xu = arith.xori {x}, %isa_x128 : {VECTOR}",  # x + 128, read unsigned
