@@ -208,7 +208,8 @@ def test_qwen35_hf_dir_compiled_matches_hf(tmp_path):
 
     path, hf = make_hf_dir("qwen35", tmp_path)
     bundle_dir = tmp_path / "bundle"
-    assert main(["compile", str(path), "-o", str(bundle_dir), "--max-context", "96", "--chunk", str(CHUNK)]) == 0
+    assert main(["compile", str(path), "-o", str(bundle_dir), "--max-context", "96", "--chunk", str(CHUNK),
+                 "--cpu", "host"]) == 0
     bundle = Model.load(bundle_dir)
     prompt = _prompt(bundle.vocab_size)
     ref_logits, ref_tokens = hf_reference(hf, prompt, DECODE_STEPS)

@@ -79,7 +79,7 @@ def _check_bundle(spec: str, bundle_dir) -> None:
 def test_compiled_ripple_tiny_default_pipeline(cli_bundle, tmp_path_factory):
     """Compiled through `foldline compile --dump-after`, which also writes the graph after the ring pass."""
     dump = tmp_path_factory.mktemp("ripple_dump")
-    bundle_dir = cli_bundle("ripple-tiny", "--dump-after", "ring-buffer-swa", str(dump))
+    bundle_dir = cli_bundle("ripple-tiny", "--cpu", "host", "--dump-after", "ring-buffer-swa", str(dump))
     assert "ring_decode_attention" in (dump / "decode.after-ring-buffer-swa.txt").read_text()
     _check_bundle("ripple-tiny", bundle_dir)
 

@@ -282,7 +282,8 @@ def test_compiled_gguf_matches_recorded_references(tmp_path):
     from foldline.tools.cli import main
 
     bundle_dir = tmp_path / "bundle"
-    assert main(["compile", str(GGUF), "-o", str(bundle_dir), "--max-context", "96", "--chunk", str(CHUNK)]) == 0
+    assert main(["compile", str(GGUF), "-o", str(bundle_dir), "--max-context", "96", "--chunk", str(CHUNK),
+                 "--cpu", "host"]) == 0
     bundle = Model.load(bundle_dir)
     loaded = load_gguf(GGUF, max_context=96)
     for run in RECORD["runs"]:
