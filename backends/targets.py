@@ -18,17 +18,15 @@ Facts about IREE 3.13 that shape these presets (checked with iree-compile):
 from __future__ import annotations
 
 import functools
-import platform
 import re
 from dataclasses import dataclass, field
 
 from ..errors import FoldlineError
-from ..runtime.bundle import AARCH64_LLVM_FEATURES, X86_LLVM_FEATURES, isa_flags
+from ..runtime.bundle import ARCH_ISA_FLAGS, isa_flags
 
 # x86 ISA extensions (cpuinfo spelling) that LLVM may use when compiling for a named/host CPU;
 # the runtime refuses a module whose recorded flags this CPU lacks.
-X86_ISA_FLAGS = tuple(X86_LLVM_FEATURES.values())
-ISA_FLAGS = {"x86_64": X86_ISA_FLAGS, "aarch64": tuple(AARCH64_LLVM_FEATURES.values())}
+X86_ISA_FLAGS = ARCH_ISA_FLAGS["x86_64"]
 # The smallest module iree-compile resolves a CPU's target attributes for.
 _PROBE_MLIR = """
 func.func @probe(%a: tensor<4xf32>) -> tensor<4xf32> {
@@ -79,11 +77,11 @@ def normalize_triple_arch(triple: str) -> str:
 
 
 def _host_isa_flags() -> list[str]:
-    """The ISA_FLAGS of this arch this CPU has: what a --cpu host module may rely on."""
+    """The ARCH_ISA_FLAGS of this arch this CPU has: what a --cpu host module may rely on."""
     from ..runtime.device import host_cpu_features
 
     have = host_cpu_features() or set()
-    return [f for f in ISA_FLAGS.get(host_arch(), ()) if f in have]
+    return [f for f in ARCH_ISA_FLAGS.get(host_arch(), ()) if f in have]
 
 
 @functools.cache
@@ -139,7 +137,7 @@ def cpu_target(cpu: str = "host", triple: str | None = None) -> Target:
         cpu_flags = _host_isa_flags()
     elif cpu != "generic":
         flags.append(f"--iree-llvmcpu-target-cpu={cpu}")
-        if arch in ISA_FLAGS:
+        if arch in ARCH_ISA_FLAGS:
             cpu_flags = isa_flags(llvm_cpu_features(cpu, triple))
     return Target("cpu", flags, f"llvm-cpu ({cpu}{', ' + triple if triple else ''})", arch, cpu_flags, cpu)
 
@@ -158,7 +156,7 @@ CPU_SETS = {"x86-all": ("x86-64-v2", "x86-64-v3", "cascadelake")}
 def default_cpu(triple: str | None = None) -> str:
     """`foldline compile`'s --cpu when none is given: x86-all on an x86-64 machine compiling for itself
     (every x86-64 CPU runs the bundle with its best kernels), else host (a cross compile names its CPU)."""
-    return "x86-all" if triple is None and platform.machine().lower() in ("x86_64", "amd64") else "host"
+    return "x86-all" if triple is None and host_arch() == "x86_64" else "host"
 
 
 def cpu_names(spec: str, triple: str | None = None) -> list[str]:

@@ -61,8 +61,8 @@ AARCH64_LLVM_FEATURES = {
     "neon": "asimd", "fullfp16": "asimdhp", "dotprod": "asimddp", "i8mm": "i8mm", "sve": "sve", "sve2": "sve2",
 }
 LLVM_FEATURE_FLAGS = {**X86_LLVM_FEATURES, **AARCH64_LLVM_FEATURES}  # no name is both arches'
-ARCH_ISA_FLAGS = {"x86_64": frozenset(X86_LLVM_FEATURES.values()),
-                  "aarch64": frozenset(AARCH64_LLVM_FEATURES.values())}
+# Per arch, the flags a CPU module of that arch may record, in the tables' order.
+ARCH_ISA_FLAGS = {"x86_64": tuple(X86_LLVM_FEATURES.values()), "aarch64": tuple(AARCH64_LLVM_FEATURES.values())}
 
 
 class BundleError(FoldlineError, RuntimeError):

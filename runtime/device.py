@@ -22,7 +22,7 @@ import iree.runtime as rt
 import numpy as np
 
 from ..errors import InputError
-from .bundle import ARCH_ISA_FLAGS, BundleError, Manifest, check_entry_points, vmfb_info
+from .bundle import BundleError, Manifest, check_entry_points, vmfb_info
 from .cpu_select import missing_flags, select_cpu_module
 
 # foldline device name -> IREE HAL driver
@@ -85,12 +85,16 @@ def cpu_features(override: str | Iterable[str] | None = None) -> set[str] | None
     return names
 
 
-def check_host_compatible(module: dict[str, Any], device: str, have: set[str] | None = None) -> None:
+def check_host_compatible(module: dict[str, Any], device: str, have: set[str] | None = None,
+                          vmfb: Path | None = None) -> None:
     """Refuse a CPU module built for another architecture or for features this CPU lacks
     (`have`: the CPU's flags; None: detect them).
 
     Running such a module would fail at load with an opaque IREE error or,
-    worse, die with SIGILL in the middle of a call.
+    worse, die with SIGILL in the middle of a call. With `vmfb`, the module's own
+    executables are read too, whatever the manifest says: the arches first (the
+    manifest's, then the executables'), then the features, so a manifest that
+    claims this arch for another arch's module is refused for its arch.
     """
     if device != "cpu":
         return
@@ -101,15 +105,18 @@ def check_host_compatible(module: dict[str, Any], device: str, have: set[str] | 
             f"the cpu module {module.get('file', '')} was compiled for {arch}; this machine is {here}: "
             f"run it on an {arch} machine or recompile with --target cpu (no --triple)"
         )
-    missing = sorted(missing_flags(module, host_cpu_features() if have is None else have))
-    known = ARCH_ISA_FLAGS.get(here)
-    if known is not None and any(f not in known for f in missing):
-        return  # another arch's flags under this arch's name: the module's own ELF machine decides (check_vmfb_arch)
+    info = vmfb_info(vmfb) if vmfb is not None else None
+    if info is not None:
+        _refuse_other_machine(vmfb, info.arches, here)
+    have = host_cpu_features() if have is None else have
+    missing = sorted(missing_flags(module, have))
     if missing:
         raise BundleError(
             f"the cpu module needs CPU features this machine lacks: {', '.join(missing)}; "
             f"{_recompile_hint(here)}"
         )
+    if info is not None:
+        _refuse_missing_features(vmfb, info.cpu_flags, have, here)
 
 
 def _recompile_hint(arch: str) -> str:
@@ -120,26 +127,31 @@ def _recompile_hint(arch: str) -> str:
     return "recompile with --cpu generic, with this core's name (e.g. cortex-a55), or with --cpu host on this machine"
 
 
-def check_vmfb_arch(vmfb: Path, have: set[str] | None = None) -> None:
-    """Refuse a CPU module whose embedded executables are for another arch or need CPU features
-    this machine lacks (`have`; None: detect them), whatever the manifest says: the module's own
-    target attributes decide."""
-    info = vmfb_info(vmfb)
-    arches = info.arches
-    here = host_arch()
+def _refuse_other_machine(vmfb: Path, arches: set[str], here: str) -> None:
     if arches and here not in arches:
         raise BundleError(
             f"{vmfb} holds executables for {', '.join(sorted(arches))}; this machine is {here}: "
             "the module was cross-compiled or copied from another bundle"
         )
-    have = host_cpu_features() if have is None else have
-    if info.cpu_flags and have is not None:
-        missing = [f for f in info.cpu_flags if f not in have]
-        if missing:
-            raise BundleError(
-                f"{vmfb} was compiled for CPU features this machine lacks: {', '.join(missing)}; "
-                f"{_recompile_hint(here)}"
-            )
+
+
+def _refuse_missing_features(vmfb: Path, cpu_flags: list[str], have: set[str] | None, here: str) -> None:
+    missing = [f for f in cpu_flags if have is not None and f not in have]
+    if missing:
+        raise BundleError(
+            f"{vmfb} was compiled for CPU features this machine lacks: {', '.join(missing)}; "
+            f"{_recompile_hint(here)}"
+        )
+
+
+def check_vmfb_arch(vmfb: Path, have: set[str] | None = None) -> None:
+    """Refuse a CPU module whose embedded executables are for another arch or need CPU features
+    this machine lacks (`have`; None: detect them), whatever the manifest says: the module's own
+    target attributes decide."""
+    info = vmfb_info(vmfb)
+    here = host_arch()
+    _refuse_other_machine(vmfb, info.arches, here)
+    _refuse_missing_features(vmfb, info.cpu_flags, host_cpu_features() if have is None else have, here)
 
 
 def available_devices(device: str) -> list[str]:
@@ -342,9 +354,7 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
     try:
         key = select_cpu_module(manifest, have, host_arch(), cpu) if device == "cpu" else manifest.module_keys(device)[0]
         entry = manifest.modules[key]
-        check_host_compatible(entry, device, have)
-        if device == "cpu":
-            check_vmfb_arch(manifest.root / entry["file"], have)
+        check_host_compatible(entry, device, have, manifest.root / entry["file"] if device == "cpu" else None)
     except BundleError as e:
         if features is None and os.environ.get(CPU_FEATURES_ENV, "").strip():
             raise BundleError(f"{e} (CPU features from ${CPU_FEATURES_ENV}={os.environ[CPU_FEATURES_ENV]})") from None

@@ -122,10 +122,10 @@ def test_the_default_cpu_is_every_x86_level_on_x86(monkeypatch):
     from foldline.tools.cli import build_parser
     from foldline.tools.compile_cmd import run
 
-    monkeypatch.setattr(targets.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(targets, "host_arch", lambda: "x86_64")
     assert targets.default_cpu() == "x86-all"
     assert targets.default_cpu("aarch64-unknown-linux-gnu") == "host"
-    monkeypatch.setattr(targets.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(targets, "host_arch", lambda: "aarch64")
     assert targets.default_cpu() == "host"
     assert build_parser().parse_args(["compile", "llama-tiny", "-o", "b"]).cpu is None  # resolved in run()
     assert run is not None

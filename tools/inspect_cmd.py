@@ -32,7 +32,7 @@ def _cpu_choice(m) -> str:
 
 
 def run(args) -> int:
-    from ..runtime.bundle import Manifest
+    from ..runtime.bundle import ARCH_ISA_FLAGS, Manifest
     from ..runtime.cpu_select import isa_level
 
     m = Manifest.load(args.bundle)
@@ -54,7 +54,7 @@ def run(args) -> int:
         isa = mod.get("kernel_isa")
         if isa:
             acts += f" (kernels: decode {isa['decode']}, prefill {isa['prefill']})"
-        level = f", ISA {isa_level(mod)}" if m.device_of(key) == "cpu" and mod.get("arch") in ("x86_64", "aarch64") else ""
+        level = f", ISA {isa_level(mod)}" if m.device_of(key) == "cpu" and mod.get("arch") in ARCH_ISA_FLAGS else ""
         print(f"module   {key}: {mod['file']} ({_mib(mod['size'])}) {mod['description']}{level}{acts}")
         if mod.get("kernels"):
             print("         sites: " + ", ".join(f"{n} {kind}" for kind, n in mod["kernels"].items()))
