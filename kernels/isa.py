@@ -65,13 +65,14 @@ class Int8Isa(ABC):
 
 
 def lane_pieces(out: str, acc: str, a: str, b: str, pieces: int, zero_piece: str,
-                instruction: Callable[[str, str, str, str], str]) -> list[str]:
-    """`out` = `acc` + the lane sums of a * b, as `pieces` narrower instructions on 64 / pieces bytes each.
+                instruction: Callable[[str, str, str, str], list[str]]) -> list[str]:
+    """`out` = `acc` + the lane sums of a * b, as `pieces` narrower products on 64 / pieces bytes each.
 
     Lane i sums bytes 4i..4i+3 in every form, so piece h takes bytes of its own
     and its own slice of the sixteen lanes; no lane moves between pieces.
-    `instruction(out, acc, a, b)` emits one piece's product (`zero_piece`: its
-    zero accumulator, used when `acc` is %isa_zi); the pieces are joined pairwise.
+    `instruction(out, acc, a, b)` emits the lines of one piece's `out` = `acc` +
+    product (`zero_piece`: its zero accumulator, used when `acc` is %isa_zi);
+    the pieces are joined pairwise.
     """
     width, lanes = 64 // pieces, LANES // pieces
     lines, parts = [], []
@@ -85,7 +86,7 @@ def lane_pieces(out: str, acc: str, a: str, b: str, pieces: int, zero_piece: str
             start = f"{p}_c"
             lines.append(f"{start} = vector.shuffle {acc}, {acc} {list(range(h * lanes, (h + 1) * lanes))} "
                          f": vector<{LANES}xi32>, vector<{LANES}xi32>")
-        lines.append(instruction(f"{p}_d", start, f"{p}_a", f"{p}_b"))
+        lines += instruction(f"{p}_d", start, f"{p}_a", f"{p}_b")
         parts.append(f"{p}_d")
     level = 0
     while len(parts) > 1:

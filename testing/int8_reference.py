@@ -9,7 +9,13 @@ float32 rounding.
 
 from __future__ import annotations
 
+import re
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..kernels.isa import Int8Isa
 
 
 def quantize_activation(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
@@ -74,3 +80,10 @@ def compile_on_host(text: str, dump_dir, cpu: str = "host") -> tuple[object, str
     ctx = rt.SystemContext(config=config)
     ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
     return ctx.modules.module, assembly
+
+
+def check_form_code(assembly: str, isa: Int8Isa) -> None:
+    """The compiled kernel holds its int8 form's instruction, and no 512-bit register where the form has none."""
+    assert isa.instruction in assembly, f"the kernel was compiled without {isa.instruction}"
+    if not isa.zmm:
+        assert not re.search(r"\bzmm\d", assembly), "512-bit registers in a kernel for a CPU without them"

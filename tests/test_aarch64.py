@@ -24,6 +24,7 @@ import test_vnni_gemm
 import test_vnni_kernels
 
 from foldline.kernels.arm import NEON_DOTPROD
+from foldline.testing.int8_reference import check_form_code
 from foldline.testing.qemu import Arm64Python
 
 pytestmark = pytest.mark.slow
@@ -196,7 +197,7 @@ def arm_kernels(arm64, tmp_path_factory):
 @pytest.mark.parametrize("family,shape", KERNELS, ids=lambda v: v if isinstance(v, str) else v.name)
 def test_sdot_kernel_on_arm_matches_int8_emulation(family, shape, arm_kernels):
     case = arm_kernels[dataclasses.replace(shape, isa=NEON_DOTPROD).name]
-    assert NEON_DOTPROD.instruction in case["assembly"], "the kernel was compiled without sdot"
+    check_form_code(case["assembly"], NEON_DOTPROD)
     y, emulated, exact = np.load(case["out"]), case["emulated"], case["exact"]
     axis = 1 if y.ndim == 2 else None  # prefill: per row (rows of very different magnitudes)
     scale = np.abs(exact).max(axis=axis, keepdims=axis is not None)

@@ -28,6 +28,10 @@ def sdot(out: str, acc: str, a: str, b: str) -> str:
             f": ({_ACC}, {_V}, {_V}) -> {_ACC}")
 
 
+def _sdot(out: str, acc: str, a: str, b: str) -> list[str]:
+    return [sdot(out, acc, a, b)]
+
+
 @dataclass(frozen=True)
 class NeonDotprod(Int8Isa):
     @property
@@ -39,10 +43,10 @@ class NeonDotprod(Int8Isa):
                 f"%isa_zq = arith.constant dense<0> : {_ACC}"]
 
     def dot_unsigned(self, out: str, acc: str, u: str, s: str) -> list[str]:
-        return lane_pieces(out, acc, u, s, QUARTERS, "%isa_zq", sdot)  # q4 codes (0..15): the same bytes signed
+        return lane_pieces(out, acc, u, s, QUARTERS, "%isa_zq", _sdot)  # q4 codes (0..15): the same bytes signed
 
     def dot_signed(self, out: str, acc: str, x: str, q: str) -> list[str]:
-        return lane_pieces(out, acc, x, q, QUARTERS, "%isa_zq", sdot)
+        return lane_pieces(out, acc, x, q, QUARTERS, "%isa_zq", _sdot)
 
 
 NEON_DOTPROD = NeonDotprod("int8-neon-dotprod", "aarch64", frozenset({"asimd", "asimddp"}), 16, "sdot", False)

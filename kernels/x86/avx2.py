@@ -12,10 +12,9 @@ exact only because its q8 codes never hold -128.)
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..isa import LANES, VECTOR, Int8Isa
+from ..isa import LANES, Int8Isa, lane_pieces
 
 
 @dataclass(frozen=True)
@@ -24,45 +23,36 @@ class Avx2(Int8Isa):
     def unsigned_bytes_exact(self) -> bool:
         return False  # 2 * 255 * 127 saturates the int16 pair sum
 
+    @property
+    def _pieces(self) -> int:
+        return 64 // self.vector_bytes
+
     def constants(self) -> list[str]:
+        lanes = LANES // self._pieces
         return ["%isa_zi = arith.constant dense<0> : vector<16xi32>",
+                f"%isa_zh = arith.constant dense<0> : vector<{lanes}xi32>",
                 f"%isa_ones = arith.constant dense<1> : vector<{self.vector_bytes // 2}xi16>"]
 
     def dot_unsigned(self, out: str, acc: str, u: str, s: str) -> list[str]:
-        return self._pieces(out, acc, u, s, lambda p, uh, sh: ([], uh, sh))
+        return lane_pieces(out, acc, u, s, self._pieces, "%isa_zh", self._madd)
 
     def dot_signed(self, out: str, acc: str, x: str, q: str) -> list[str]:
         v = f"vector<{self.vector_bytes}xi8>"
 
-        def sign_moved(p: str, xh: str, qh: str) -> tuple[list[str], str, str]:  # |q| against x * sign(q)
-            return ([f"{p}_a = math.absi {qh} : {v}",
-                     f'{p}_s = llvm.call_intrinsic "llvm.x86.avx2.psign.b"({xh}, {qh}) : ({v}, {v}) -> {v}'],
-                    f"{p}_a", f"{p}_s")
+        def sign_moved(o: str, c: str, xh: str, qh: str) -> list[str]:  # |q| against x * sign(q)
+            return [f"{o}_a = math.absi {qh} : {v}",
+                    f'{o}_s = llvm.call_intrinsic "llvm.x86.avx2.psign.b"({xh}, {qh}) : ({v}, {v}) -> {v}',
+                    *self._madd(o, c, f"{o}_a", f"{o}_s")]
 
-        return self._pieces(out, acc, x, q, sign_moved)
+        return lane_pieces(out, acc, x, q, self._pieces, "%isa_zh", sign_moved)
 
-    def _pieces(self, out: str, acc: str, a: str, b: str,
-                prepare: Callable[[str, str, str], tuple[list[str], str, str]]) -> list[str]:
-        """The product of 64 bytes: per 32-byte piece, (u, s) = prepare(a, b), vpmaddubsw, vpmaddwd with ones."""
+    def _madd(self, out: str, acc: str, u: str, s: str) -> list[str]:
+        """`out` = `acc` + the lane sums of u * s on one piece: vpmaddubsw, then vpmaddwd against ones."""
         vb = self.vector_bytes
         v, v16, v32 = f"vector<{vb}xi8>", f"vector<{vb // 2}xi16>", f"vector<{vb // 4}xi32>"
-        lines, sums = [], []
-        for h in range(64 // vb):
-            p = f"{out}_h{h}"
-            for name, whole in (("x", a), ("y", b)):
-                piece = list(range(h * vb, (h + 1) * vb))
-                lines.append(f"{p}_{name} = vector.shuffle {whole}, {whole} {piece} : {VECTOR}, {VECTOR}")
-            prep, u, s = prepare(p, f"{p}_x", f"{p}_y")
-            lines += [*prep,
-                      f'{p}_w = llvm.call_intrinsic "llvm.x86.avx2.pmadd.ub.sw"({u}, {s}) : ({v}, {v}) -> {v16}',
-                      f'{p}_d = llvm.call_intrinsic "llvm.x86.avx2.pmadd.wd"({p}_w, %isa_ones) '
-                      f": ({v16}, {v16}) -> {v32}"]
-            sums.append(f"{p}_d")
-        joined = out if acc == "%isa_zi" else f"{out}_j"
-        lines.append(f"{joined} = vector.shuffle {sums[0]}, {sums[1]} {list(range(LANES))} : {v32}, {v32}")
-        if joined != out:
-            lines.append(f"{out} = arith.addi {acc}, {joined} : vector<16xi32>")
-        return lines
+        return [f'{out}_w = llvm.call_intrinsic "llvm.x86.avx2.pmadd.ub.sw"({u}, {s}) : ({v}, {v}) -> {v16}',
+                f'{out}_m = llvm.call_intrinsic "llvm.x86.avx2.pmadd.wd"({out}_w, %isa_ones) : ({v16}, {v16}) -> {v32}',
+                f"{out} = arith.addi {acc}, {out}_m : {v32}"]
 
 
 AVX2 = Avx2("int8-avx2", "x86_64", frozenset({"avx2", "fma", "f16c"}), 32, "vpmaddubsw", False)

@@ -25,7 +25,7 @@ class AvxVnni(Int8Isa):
                 "%isa_x128 = arith.constant dense<-128> : vector<64xi8>"]
 
     def dot_unsigned(self, out: str, acc: str, u: str, s: str) -> list[str]:
-        return lane_pieces(out, acc, u, s, 2, "%isa_zh", lambda o, c, x, y: vpdpbusd(o, c, x, y, width=256))
+        return lane_pieces(out, acc, u, s, 2, "%isa_zh", lambda o, c, x, y: [vpdpbusd(o, c, x, y, width=256)])
 
     def dot_signed(self, out: str, acc: str, x: str, q: str) -> list[str]:
         return [f"{out}_xu = arith.xori {x}, %isa_x128 : {VECTOR}",  # x + 128, read unsigned
