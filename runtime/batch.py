@@ -6,15 +6,20 @@ the N rows of state and advances any subset of them in one call:
 
 - every fed row takes one token (decode) or up to `chunk` tokens (prefill);
 - when every open row takes exactly one token, the call is `decode` (the cheap
-  entry point); free rows ride along on a pad token at position 0, which only
-  touches their own, unused state;
+  entry point); free rows ride along on a pad token, which only touches their
+  own state: at the row's next position when its kept tokens survive that
+  (runtime/prompt_cache.py), else at position 0;
 - otherwise the call is `prefill`, and open rows that take nothing get
   n_valid = 0, which leaves their state untouched (the module's padding rules,
   docs/architecture.md), so a long prompt can be fed chunk by chunk between
-  the decode steps of the other rows.
+  the decode steps of the other rows. Free rows take n_valid = 0 at their own
+  position too: a ring reads its start position to know which slot holds
+  which token, so a kept row fed nothing at position 0 would lose its window.
 
 Opening a row zeroes its slice of every state buffer in place: the other rows'
-state is never touched.
+state is never touched. A released row keeps its state and tokens:
+`open_row_reusing(prompt)` reopens the free row that serves the longest
+prefix of a new prompt (the prompt cache), else the one released longest ago.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import numpy as np
 from ..errors import InputError
 from .bundle import decode_inputs, kv_tiles_input
 from .checks import ContextFullError, SessionStateError, check_ids
+from .prompt_cache import ReuseRule
 
 
 class RowError(InputError):
@@ -50,6 +56,9 @@ class Batch:
         self.positions = [0] * self.rows
         self.tokens: list[list[int]] = [[] for _ in range(self.rows)]
         self.open = [False] * self.rows
+        self.reuse = ReuseRule.for_state(model.manifest.state, model.max_context)
+        self._released_at = [-1] * self.rows  # when each row was released (-1: never used), for LRU
+        self._releases = 0
         self.broken: str | None = None
         self.closed = False
 
@@ -71,10 +80,41 @@ class Batch:
         self.positions[row], self.tokens[row], self.open[row] = 0, [], True
         return row
 
+    def open_row_reusing(self, prompt: Sequence[int]) -> tuple[int, int]:
+        """Open a free row for `prompt`: the one whose kept state serves its longest prefix; (row, tokens reused).
+
+        With nothing to reuse, the row released longest ago (or never used) is zeroed and
+        opened, so the rows most likely to be asked for again keep their tokens longest.
+        """
+        self._check_usable()
+        free = self.free_rows()
+        if not free:
+            raise RowError(f"all {self.rows} rows are in use")
+        reused, row = max((self.reuse.usable(self.tokens[r], prompt), r) for r in free)
+        if reused == 0:
+            return self.open_row(min(free, key=lambda r: self._released_at[r])), 0
+        self.positions[row], self.tokens[row], self.open[row] = reused, self.tokens[row][:reused], True
+        return row, reused
+
     def release(self, row: int) -> None:
-        """End the sequence on `row`; its state is garbage until the row is opened again."""
+        """End the sequence on `row`; its state and tokens are kept for `open_row_reusing`."""
         self._check_row(row)
         self.open[row] = False
+        self._releases += 1
+        self._released_at[row] = self._releases
+
+    def _ride_along_position(self, row: int, decode: bool) -> int:
+        """Where a free row rides along in a call: after its kept tokens when they survive it, else at 0.
+
+        A prefill call gives the row no token (n_valid 0), which leaves every kind of state as it is
+        when fed at the row's own position; a decode call gives it a pad token, which only attention
+        state survives (runtime/prompt_cache.py).
+        """
+        keeps = self.tokens[row] and self.positions[row] < self.model.max_context
+        if keeps and (not decode or self.reuse.ride_along_keeps):
+            return self.positions[row]
+        self.positions[row], self.tokens[row] = 0, []  # what it held is overwritten now
+        return 0
 
     # ---- steps ---------------------------------------------------------------
     def step(self, feeds: Mapping[int, Sequence[int]]) -> dict[int, np.ndarray]:
@@ -104,6 +144,9 @@ class Batch:
                 raise ContextFullError(f"row {r} holds a full context; release it before feeding other rows "
                                        "(a row that takes no tokens still needs one free slot)")
             start[r] = self.positions[r]
+        for r in range(self.rows):
+            if not self.open[r]:
+                start[r] = self._ride_along_position(r, is_decode)
         for r, ids in checked.items():
             tokens[r, : ids.size] = ids
             n_valid[r] = ids.size

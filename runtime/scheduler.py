@@ -79,6 +79,7 @@ class Request:
     # set by the scheduler
     row: int | None = None
     pending: list[int] = field(default_factory=list)  # prompt tokens not fed yet
+    cached_tokens: int = 0  # prompt tokens a kept row already held (the prompt cache): never fed
     generated: int = 0
     last_token: int | None = None
     finished: bool = False
@@ -93,9 +94,10 @@ class Request:
 class Scheduler:
     """Runs requests on the rows of `model.batch()` from one background thread."""
 
-    def __init__(self, model, max_queue: int = 64, stall_timeout: float = 60.0):
+    def __init__(self, model, max_queue: int = 64, stall_timeout: float = 60.0, prompt_cache: bool = True):
         self.model = model  # a runtime Model
         self.batch = model.batch()
+        self.prompt_cache = prompt_cache  # reuse what a released row holds (runtime/prompt_cache.py)
         self.max_queue = max_queue
         self.stall_timeout = stall_timeout
         self._waiting: collections.deque[Request] = collections.deque()
@@ -107,6 +109,8 @@ class Scheduler:
         self._progress_at = time.monotonic()
         self.died: str | None = None  # why the loop ended other than by stop()
         self.steps = 0  # module calls made (for stats and tests)
+        self.prefilled = 0  # prompt tokens fed to the module
+        self.cached = 0  # prompt tokens served by the prompt cache instead
         self.submitted = 0
         self.finished: collections.Counter[str] = collections.Counter()  # requests ended, by reason
 
@@ -234,9 +238,14 @@ class Scheduler:
     def _admit(self) -> None:
         """Waiting requests take free rows, oldest first (called under the lock)."""
         while self._waiting and self.batch.free_rows():
-            row = self.batch.open_row()  # before the pop: a failure here leaves the request queued, not lost
-            request = self._waiting.popleft()
-            request.row = row
+            request = self._waiting[0]  # popped after the row opens: a failure here leaves it queued, not lost
+            if self.prompt_cache:
+                row, cached = self.batch.open_row_reusing(request.pending)
+            else:
+                row, cached = self.batch.open_row(), 0
+            self._waiting.popleft()
+            request.row, request.cached_tokens, request.pending = row, cached, request.pending[cached:]
+            self.cached += cached
             self._running[row] = request
 
     def _drop_running(self) -> None:
@@ -266,6 +275,7 @@ class Scheduler:
         for row, request in running:
             if request.pending:
                 feeds[row], request.pending = request.pending[:chunk], request.pending[chunk:]
+                self.prefilled += len(feeds[row])
             else:
                 feeds[row] = [request.last_token]
         try:

@@ -28,7 +28,7 @@ from starlette.routing import Route
 from .logprobs import LogprobFormatter
 from .protocol import ApiError, generation_params
 from .schema import ChatBody, CompletionBody, parse_body
-from .served import Generation, Outcome, ServedModel, ServeOptions
+from .served import Generation, ServedModel, ServeOptions
 
 __all__ = ["ServedModel", "ServeOptions", "create_app"]
 
@@ -68,10 +68,14 @@ def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def _usage(ids: list[int], outcomes: list[Outcome]) -> dict[str, int]:
-    """The prompt once, every choice's completion tokens (as OpenAI counts n choices)."""
-    completion = sum(o.completion_tokens for o in outcomes)
-    return {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion}
+def _usage(gens: list[Generation]) -> dict[str, Any]:
+    """The prompt once, every choice's completion tokens (as OpenAI counts n choices), and the prompt
+    tokens a kept row already held (prompt_tokens_details.cached_tokens, as OpenAI reports its cache)."""
+    prompt = len(gens[0].ids)
+    completion = sum(g.outcome.completion_tokens for g in gens)
+    cached = max(g.request.cached_tokens for g in gens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _drain(gen: Generation) -> None:
@@ -176,7 +180,7 @@ def create_app(served: ServedModel) -> Starlette:
                 watcher.cancel()
             for gen in gens:
                 gen.cancel()  # a no-op once finished; frees the other rows when one choice failed
-        usage = _usage(gens[0].ids, [g.outcome for g in gens])
+        usage = _usage(gens)
         choices = [_choice(gen, chat) for gen in gens]
         kind = "chat.completion" if chat else "text_completion"
         return JSONResponse({**meta, "object": kind, "choices": choices, "usage": usage})
@@ -223,7 +227,7 @@ def create_app(served: ServedModel) -> Starlette:
             for gen in gens:
                 gen.cancel()  # a no-op once finished; frees the rows when the client left mid-stream
         if gens[0].params.include_usage:
-            yield _sse({**meta, "object": kind, "choices": [], "usage": _usage(gens[0].ids, [g.outcome for g in gens])})
+            yield _sse({**meta, "object": kind, "choices": [], "usage": _usage(gens)})
         yield "data: [DONE]\n\n"
 
     @contextlib.asynccontextmanager

@@ -34,6 +34,7 @@ class ServeOptions:
     stall_timeout: float = 60.0  # seconds without a step, with work waiting, before /health says 503
     shutdown_timeout: float = 10.0  # seconds running requests get to finish after SIGTERM
     cors_origins: list[str] = field(default_factory=list)
+    prompt_cache: bool = True  # a prompt that extends what a released row holds prefills only the rest
 
 
 class ServedModel:
@@ -47,7 +48,8 @@ class ServedModel:
         self.model_id = model_id
         self.created = int(time.time())
         self.scheduler = Scheduler(model, max_queue=self.options.max_queue,
-                                   stall_timeout=self.options.stall_timeout)
+                                   stall_timeout=self.options.stall_timeout,
+                                   prompt_cache=self.options.prompt_cache)
         self.draining = False  # set on the first SIGTERM: new requests get 503
         self._drain_timer: threading.Timer | None = None
 

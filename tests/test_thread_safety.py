@@ -88,6 +88,9 @@ class _Batch:
         self.positions[row] = 0
         return row
 
+    def open_row_reusing(self, _prompt: list[int]) -> tuple[int, int]:
+        return self.open_row(), 0
+
     def release(self, row: int) -> None:
         self.open.discard(row)
 
@@ -108,12 +111,13 @@ class _Model:
 
 
 class _HookedRequest(Request):
-    """Runs `hook` (once) when the scheduler first reads what it has left to feed: inside its step."""
+    """Runs `hook` (once) when the scheduler first reads what it has left to feed once it holds a row:
+    inside its step."""
 
     hook = None
 
     def __getattribute__(self, name):
-        if name == "pending":
+        if name == "pending" and object.__getattribute__(self, "row") is not None:
             hook = object.__getattribute__(self, "hook")
             if hook is not None:
                 object.__setattr__(self, "hook", None)

@@ -28,6 +28,8 @@ def add_parser(sub) -> None:
                    help="/health answers 503 when generation makes no step this long with work queued (default 60)")
     p.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
                    help="allow browser requests from ORIGIN (repeatable; '*' for any)")
+    p.add_argument("--no-prompt-cache", action="store_true",
+                   help="prefill every prompt in full, instead of reusing the tokens a released row holds")
     p.add_argument("--no-verify", action="store_true", help="skip the bundle hash check at load")
     p.set_defaults(func=run)
 
@@ -50,7 +52,8 @@ def run(args) -> int:
             raise CliError(f"--{name.replace('_', '-')} must be > 0, got {value}")
     options = ServeOptions(max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                            request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
-                           stall_timeout=args.stall_timeout, cors_origins=list(args.cors))
+                           stall_timeout=args.stall_timeout, cors_origins=list(args.cors),
+                           prompt_cache=not args.no_prompt_cache)
     model = Model.load(args.bundle, device=args.device, verify=not args.no_verify, threads=args.threads)
     model_id = args.model_id or str(model.config.get("name") or "foldline")
     served = ServedModel(model, model_id, options=options)

@@ -1,0 +1,148 @@
+"""The prompt cache: a released row's state serves a new prompt's prefix, and the logits stay a fresh run's."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from foldline.runtime import Model
+from foldline.runtime.prompt_cache import ReuseRule, common_prefix
+
+
+def spec(kind: str, slots: int = 64) -> SimpleNamespace:
+    return SimpleNamespace(kind=kind, shape=(2, 1, slots, 8))
+
+
+def test_rules_follow_the_kinds_of_state():
+    full = ReuseRule.for_state([spec("global_kv"), spec("local_kv", 64)], max_context=64)
+    ring = ReuseRule.for_state([spec("global_kv"), spec("local_kv", 16)], max_context=64)
+    recurrent = ReuseRule.for_state([spec("global_kv"), spec("gdn_recurrent", 4), spec("gdn_conv", 3)], max_context=64)
+    assert full == ReuseRule(whole_only=False, ride_along_keeps=True)
+    assert ring == ReuseRule(whole_only=True, ride_along_keeps=True)
+    assert recurrent == ReuseRule(whole_only=True, ride_along_keeps=False)
+
+    held = [5, 6, 7, 8]
+    assert full.usable(held, [5, 6, 9, 9]) == 2, "full caches serve any shared prefix"
+    assert ring.usable(held, [5, 6, 9, 9]) == 0 and recurrent.usable(held, [5, 6, 9, 9]) == 0
+    for rule in (full, ring, recurrent):
+        assert rule.usable(held, [*held, 1, 2]) == 4, "a continuation of every held token"
+        assert rule.usable(held, [9, 5, 6]) == 0
+        assert rule.usable([], [1, 2]) == 0
+    assert full.usable(held, held) == 3, "the last prompt token is always fed"
+    assert ring.usable(held, held) == 0
+    assert full.usable(held, [5]) == 0
+
+
+def test_common_prefix():
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix([1, 2], [1, 2, 3]) == 2
+    assert common_prefix([], [1]) == 0
+    assert common_prefix([7], [8]) == 0
+
+
+def _feed(batch, row: int, ids: list[int], chunk: int) -> np.ndarray:
+    """Feed `ids` to `row` in prefill chunks (or one decode step); the logits after the last."""
+    logits = None
+    for i in range(0, len(ids), chunk):
+        logits = batch.step({row: ids[i:i + chunk]})[row]
+    return logits
+
+
+def _fresh(model: Model, ids: list[int]) -> np.ndarray:
+    with model.session() as s:
+        return s.prefill(ids)
+
+
+def _assert_same(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * max(1.0, float(np.abs(want).max())), err_msg=what)
+    assert int(np.argmax(got)) == int(np.argmax(want)), what
+
+
+def test_full_caches_serve_any_shared_prefix(bundle_factory):
+    """llama-tiny (global attention only): a released row serves a prompt that shares part of it."""
+    model = Model.load(bundle_factory("llama-tiny"))
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(1, model.vocab_size, 40).tolist()
+    batch = model.batch()
+    row, reused = batch.open_row_reusing(prompt)
+    assert reused == 0
+    _feed(batch, row, prompt, model.chunk)
+    for token in (3, 4, 5):
+        batch.step({row: [token]})
+    held = list(batch.tokens[row])
+    assert held == [*prompt, 3, 4, 5]
+    batch.release(row)
+
+    # a prompt that shares 25 tokens, then differs: the row is rewound to 25 and fed the rest
+    other = [*prompt[:25], *rng.integers(1, model.vocab_size, 12).tolist()]
+    row, reused = batch.open_row_reusing(other)
+    assert reused == 25 and batch.positions[row] == 25
+    _assert_same(_feed(batch, row, other[25:], model.chunk), _fresh(model, other), "rewound to a shared prefix")
+    batch.release(row)
+
+    # the same prompt again: every token but the last is served
+    row, reused = batch.open_row_reusing(other)
+    assert reused == len(other) - 1
+    _assert_same(_feed(batch, row, other[-1:], model.chunk), _fresh(model, other), "the same prompt again")
+
+
+@pytest.mark.slow
+def test_rings_continue_after_riding_along(bundle_factory):
+    """gemma3-tiny (rings of 16 slots, wrapped): a released row keeps its tokens while another row decodes."""
+    model = Model.load(bundle_factory("gemma3-tiny", batch=2))
+    assert model.batch_size == 2
+    rng = np.random.default_rng(12)
+    first = rng.integers(1, model.vocab_size, 30).tolist()
+    batch = model.batch()
+    a, _ = batch.open_row_reusing(first)
+    _feed(batch, a, first, model.chunk)
+    for token in (7, 8, 9, 10):
+        batch.step({a: [token]})
+    held = list(batch.tokens[a])
+    batch.release(a)
+
+    second = rng.integers(1, model.vocab_size, 9).tolist()
+    b, reused = batch.open_row_reusing(second)
+    assert b != a and reused == 0, "a prompt that shares nothing takes the row never used, not the kept one"
+    _feed(batch, b, second, model.chunk)
+    for token in (11, 12, 13, 14, 15, 16):
+        batch.step({b: [token]})  # decode calls: the free row rides along at its next position
+    assert batch.tokens[a] == held
+
+    follow = [*held, *rng.integers(1, model.vocab_size, 6).tolist()]
+    row, reused = batch.open_row_reusing(follow)
+    assert (row, reused) == (a, len(held))
+    _assert_same(_feed(batch, row, follow[len(held):], model.chunk), _fresh(model, follow),
+                 "a continuation of a kept row after decode steps of another")
+    batch.release(row)
+    row, reused = batch.open_row_reusing([*held[:20], 1, 2, 3])
+    assert reused == 0, "a ring serves no shorter prefix"
+
+
+@pytest.mark.slow
+def test_recurrent_state_is_kept_until_a_row_rides_along(bundle_factory):
+    """qwen35-tiny (gated delta net): a continuation reuses the row, unless a decode call fed it a pad."""
+    model = Model.load(bundle_factory("qwen35-tiny", batch=2))
+    rng = np.random.default_rng(13)
+    first = rng.integers(1, model.vocab_size, 21).tolist()
+    batch = model.batch()
+    a, _ = batch.open_row_reusing(first)
+    _feed(batch, a, first, model.chunk)
+    batch.step({a: [4]})
+    held = list(batch.tokens[a])
+    batch.release(a)
+
+    follow = [*held, *rng.integers(1, model.vocab_size, 5).tolist()]
+    row, reused = batch.open_row_reusing(follow)
+    assert (row, reused) == (a, len(held))
+    _assert_same(_feed(batch, row, follow[len(held):], model.chunk), _fresh(model, follow), "recurrent continuation")
+    batch.release(row)
+
+    b = batch.open_row(1 - a)
+    batch.step({b: [1, 2, 3]})
+    batch.step({b: [5]})  # decode: row a rides along, which advances its recurrent state
+    assert batch.tokens[a] == [] and batch.positions[a] == 0
+    batch.release(b)
+    assert batch.open_row_reusing([*follow, 1])[1] == 0
