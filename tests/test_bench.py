@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from foldline.tools.bench_cmd import combine_rounds, format_table, prompt_ids, round_ratios
+from foldline.bench.engines import prompt_ids
+from foldline.bench.tables import combine_rounds, format_table, round_ratios
 from foldline.tools.cli import main
 
 
@@ -65,7 +66,8 @@ def test_bench_cli_on_a_compiled_bundle(bundle_factory, tmp_path, capsys):
 
 
 def test_a_peer_that_is_not_installed_is_reported_not_fatal(tmp_path):
-    from foldline.tools.bench_peers import PeerUnavailable, bench_llama_cpp
+    from foldline.bench.child import PeerUnavailable
+    from foldline.bench.peers import bench_llama_cpp
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
@@ -78,3 +80,45 @@ def test_bench_rejects_a_run_longer_than_the_context(bundle_factory, capsys):
     bundle = bundle_factory("llama-tiny")
     assert main(["bench", str(bundle), "--prompt-len", "100", "--new-tokens", "100"]) == 2
     assert "exceeds the bundle's max_context 128" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_chat_bench_prefills_only_the_new_tokens_with_the_cache(bundle_factory, tmp_path, capsys):
+    """--chat: with the prompt cache a turn prefills its user tokens and the last answer token (which the row
+    was not fed yet); without it, the whole conversation."""
+    bundle = bundle_factory("llama-tiny")
+    out = tmp_path / "chat.json"
+    assert main(["bench", str(bundle), "--chat", "4", "--prompt-len", "10", "--new-tokens", "5",
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "a 4-turn chat, 10 new user tokens and 5 answer tokens per turn" in printed
+    engines = json.loads(out.read_text())["chat"]
+    cached, plain = engines["foldline"]["turns"], engines["foldline, no cache"]["turns"]
+    assert [t["prompt"] for t in cached] == [t["prompt"] for t in plain] == [10, 25, 40, 55]
+    assert [t["prefilled"] for t in cached] == [10, 11, 11, 11]
+    assert [t["prefilled"] for t in plain] == [10, 25, 40, 55]
+    assert all(0 < t["first_token_ms"] <= t["turn_ms"] for t in cached + plain)
+    assert main(["bench", str(bundle), "--chat", "9", "--prompt-len", "10", "--new-tokens", "5"]) == 2
+    assert "the chat takes 135 tokens; this bundle's context is 128" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_streams_bench_shares_module_calls_between_streams(bundle_factory, tmp_path, capsys):
+    """--streams: streams submitted at once share every module call (a prompt within one chunk, then decode)."""
+    bundle = bundle_factory("gemma3-tiny", batch=2)
+    out = tmp_path / "streams.json"
+    assert main(["bench", str(bundle), "--streams", "1,2", "--prompt-len", "8", "--new-tokens", "6",
+                 "--json", str(out)]) == 0
+    assert "6 greedy tokens per stream after a 8-token prompt" in capsys.readouterr().out
+    results = json.loads(out.read_text())["streams"]
+    assert [r["streams"] for r in results] == [1, 2] and all(r["rows"] == 2 for r in results)
+    assert [r["module_calls"] for r in results] == [6, 6], "one call per token, for one stream or two"
+    assert all(r["aggregate_tok_s"] == pytest.approx(r["streams"] * r["per_stream_tok_s"]) for r in results)
+
+
+def test_a_failing_child_names_the_engine():
+    from foldline.bench.child import run_foldline
+
+    with pytest.raises(RuntimeError, match=r"foldline \(bench_compiled\) benchmark failed"):
+        run_foldline("engines", "bench_compiled", {"bundle": "/nonexistent", "device": "cpu", "prompt_len": 1,
+                                                   "new_tokens": 1, "seed": 0})

@@ -7,8 +7,11 @@ Stage order: tools -> backends -> kernels -> passes -> frontend (`kernels` holds
 hand-written kernels and the rewrites that put them into the imported MLIR). `runtime` stands apart
 (an edge app installs it without the compiler), so it imports no compiler
 stage; `server` (the HTTP front of `foldline serve`) builds on the runtime
-alone; `testing` (golden harness, parity runner, fixture generators) may use
-any stage, and no product stage imports it except the CLI.
+alone; `bench` (`foldline bench`: engines, peers, modes, tables) runs the
+runtime and, for the torch reference, the frontend and the parity runner, and
+only the CLI imports it; `testing` (golden harness, parity runner, fixture
+generators) may use any stage, and no product stage imports it except the
+CLI and the bench.
 """
 
 from __future__ import annotations
@@ -17,16 +20,17 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("frontend", "passes", "kernels", "backends", "runtime", "server", "tools", "testing")
+PACKAGES = ("frontend", "passes", "kernels", "backends", "runtime", "server", "bench", "tools", "testing")
 
 # stage -> stages it must never import
 FORBIDDEN = {
-    "runtime": {"frontend", "passes", "kernels", "backends", "server", "tools", "testing"},
-    "server": {"frontend", "passes", "kernels", "backends", "tools", "testing"},
-    "frontend": {"passes", "kernels", "backends", "tools", "testing"},
-    "passes": {"kernels", "backends", "tools", "testing"},
-    "kernels": {"backends", "tools", "testing"},
-    "backends": {"tools", "testing"},
+    "runtime": {"frontend", "passes", "kernels", "backends", "server", "bench", "tools", "testing"},
+    "server": {"frontend", "passes", "kernels", "backends", "bench", "tools", "testing"},
+    "bench": {"passes", "kernels", "backends", "server", "tools"},
+    "frontend": {"passes", "kernels", "backends", "bench", "tools", "testing"},
+    "passes": {"kernels", "backends", "bench", "tools", "testing"},
+    "kernels": {"backends", "bench", "tools", "testing"},
+    "backends": {"bench", "tools", "testing"},
 }
 
 

@@ -9,22 +9,16 @@
 
 Every engine gets the same prompt ids, prefills them at once, then decodes
 greedily one token at a time; wall-clock and process CPU time are taken around
-each phase, and peak RSS is the child's own.
+each phase, and peak RSS is the child's own (bench/child.py). The scripts
+import nothing from foldline.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from ..errors import FoldlineError
-from . import bench_timer
-
-# Every child runs the same timing code (tools/bench_timer.py, sent as text), then its engine.
-_TIMER = Path(bench_timer.__file__).read_text() + "\n\nimport json, sys\nargs = json.loads(sys.argv[1])\n"
+from .child import run_script
 
 _LLAMA_CPP = '''
 import ctypes
@@ -113,31 +107,15 @@ print("BENCH " + json.dumps(out))
 '''
 
 
-class PeerUnavailable(FoldlineError, RuntimeError):
-    """A peer engine that cannot run here (not installed): reported, not fatal."""
-
-
-def _run_child(python: str, script: str, args: dict[str, Any], what: str) -> dict[str, Any]:
-    proc = subprocess.run([python, "-c", _TIMER + script, json.dumps(args)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        err = proc.stderr.strip()
-        if "ModuleNotFoundError" in err:
-            raise PeerUnavailable(f"{what}: {err.splitlines()[-1]} (interpreter {python})")
-        raise RuntimeError(f"{what} benchmark failed:\n{err[-2000:]}")
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH "))
-    return json.loads(line[len("BENCH "):])
-
-
 def bench_llama_cpp(gguf: str | Path, ids: list[int], new_tokens: int, threads: int,
                     python: str | None = None, n_ctx: int | None = None) -> dict[str, Any]:
     """llama.cpp on `gguf`; n_ctx: its context (KV capacity), by default just what the run needs."""
     if not Path(gguf).is_file():
         raise FileNotFoundError(f"llama.cpp needs a GGUF file; {gguf} does not exist")
-    return _run_child(python or sys.executable, _LLAMA_CPP,
-                      {"gguf": str(gguf), "ids": ids, "new_tokens": new_tokens, "threads": threads, "n_ctx": n_ctx},
-                      "llama.cpp")
+    return run_script(_LLAMA_CPP, {"gguf": str(gguf), "ids": ids, "new_tokens": new_tokens, "threads": threads,
+                                   "n_ctx": n_ctx}, "llama.cpp", python, peer=True)
 
 
 def bench_hf_eager(model: str | Path, ids: list[int], new_tokens: int, threads: int) -> dict[str, Any]:
-    return _run_child(sys.executable, _HF_EAGER,
-                      {"model": str(model), "ids": ids, "new_tokens": new_tokens, "threads": threads}, "HF eager")
+    return run_script(_HF_EAGER, {"model": str(model), "ids": ids, "new_tokens": new_tokens, "threads": threads},
+                      "HF eager", peer=True)

@@ -1,6 +1,6 @@
 """The timing loop every benchmarked engine runs, foldline and its peers alike.
 
-Self-contained (standard library and numpy only): `bench_peers` sends this
+Self-contained (standard library and numpy only): bench/child.py sends this
 file's text to child interpreters that have no foldline installed, so every
 engine is timed by the same code.
 """

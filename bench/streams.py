@@ -14,16 +14,16 @@ from typing import Any
 
 import numpy as np
 
-from .cli import CliError
+from .child import BenchError
 
 
 def parse_streams(text: str, rows: int) -> list[int]:
     try:
         streams = [int(t) for t in text.split(",") if t.strip()]
     except ValueError as e:
-        raise CliError(f"--streams takes comma-separated counts, got {text!r}") from e
+        raise BenchError(f"--streams takes comma-separated counts, got {text!r}") from e
     if not streams or any(n < 1 for n in streams):
-        raise CliError("--streams values must be positive")
+        raise BenchError("--streams values must be positive")
     return streams
 
 
@@ -34,12 +34,12 @@ def bench_streams(bundle: str, device: str, streams: list[int], prompt_len: int,
 
     model = Model.load(bundle, device=device, verify=False)
     if prompt_len + new_tokens > model.max_context:
-        raise CliError(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} exceeds max_context {model.max_context}")
+        raise BenchError(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} exceeds max_context {model.max_context}")
     rng = np.random.default_rng(seed)
     low = min(1000, model.vocab_size // 2)
     scheduler = Scheduler(model, max_queue=max(streams)).start()
     warm = threading.Event()  # first calls page in the weights
-    scheduler.submit(Request(rng.integers(low, model.vocab_size, prompt_len).tolist(), 2, lambda _t: None,
+    scheduler.submit(Request(rng.integers(low, model.vocab_size, prompt_len).tolist(), 2, lambda _t, _lp: None,
                              lambda _r, _e: warm.set()))
     warm.wait()
     results = []
@@ -54,7 +54,7 @@ def bench_streams(bundle: str, device: str, streams: list[int], prompt_len: int,
                     done.set()
 
             requests = [Request(rng.integers(low, model.vocab_size, prompt_len).tolist(), new_tokens,
-                                lambda _t: None, on_finish) for _ in range(n)]
+                                lambda _t, _lp: None, on_finish) for _ in range(n)]
             steps0, t0 = scheduler.steps, time.perf_counter()
             for request in requests:
                 scheduler.submit(request)
@@ -68,15 +68,3 @@ def bench_streams(bundle: str, device: str, streams: list[int], prompt_len: int,
     finally:
         scheduler.stop()
     return results
-
-
-def print_streams(name: str, results: list[dict[str, Any]], prompt_len: int, new_tokens: int) -> None:
-    print(f"bench {name}: {new_tokens} greedy tokens per stream after a {prompt_len}-token prompt, "
-          f"all streams submitted at once, {results[0]['rows']} rows")
-    header = ["streams", "wall s", "aggregate tok/s", "per stream tok/s", "vs 1 stream", "module calls"]
-    print(" | ".join(header))
-    base = next((r["aggregate_tok_s"] for r in results if r["streams"] == 1), None)
-    for r in results:
-        ratio = f"{r['aggregate_tok_s'] / base:.2f}x" if base else "-"
-        print(" | ".join([str(r["streams"]), f"{r['wall_s']:.2f}", f"{r['aggregate_tok_s']:.1f}",
-                          f"{r['per_stream_tok_s']:.1f}", ratio, str(r["module_calls"])]))
