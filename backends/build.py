@@ -15,6 +15,7 @@ import iree.compiler as ireec
 import iree.runtime as rt
 
 from ..dtypes import FLOAT_DTYPES, DTypeError
+from ..errors import InputError
 from ..frontend.export import ENTRY_POINTS, export_entry_point, parameter_target
 from ..frontend.fingerprint import checkpoint_fingerprint
 from ..frontend.sources import load_model
@@ -29,6 +30,7 @@ from ..runtime.bundle import (
     FORMAT_VERSION,
     MANIFEST,
     kv_tile_size,
+    row_entry_name,
     seal_manifest,
     sha256_file,
     vmfb_info,
@@ -116,6 +118,26 @@ KV_DTYPES = FLOAT_DTYPES
 COMPUTE_DTYPES = FLOAT_DTYPES
 
 
+def row_counts(options: BuildOptions) -> list[int]:
+    """The row counts with entry points of their own, ascending, ending with the batch.
+
+    A batched module computes every row it is given; the runtime calls the smallest
+    variant that covers the rows in use (runtime/batch.py), so one stream on a batch-8
+    bundle costs one row. Default: 1 and the batch.
+    """
+    below = (1,) if options.rows is None and options.batch > 1 else (options.rows or ())
+    bad = [k for k in below if not 1 <= k < options.batch]
+    if bad:
+        raise InputError(f"row counts must be between 1 and --batch {options.batch} (exclusive), got {bad}")
+    return sorted(set(below)) + [options.batch]
+
+
+def entry_point_variants(options: BuildOptions) -> list[tuple[str, str, int]]:
+    """(function name, entry point, rows) of every function the module exports."""
+    return [(row_entry_name(kind, rows, options.batch), kind, rows)
+            for rows in reversed(row_counts(options)) for kind in ENTRY_POINTS]
+
+
 def holds_quantized_weights(loaded: LoadedModel, weights: str) -> bool:
     return weights in ("int8", "int4") or (weights == "auto" and bool(loaded.source_blocks))
 
@@ -177,15 +199,23 @@ def resolve_dtypes(loaded: LoadedModel, options: BuildOptions) -> tuple[str, str
 ACTIVATIONS = ("auto", "int8", "f32")
 
 
-def target_activations(target: Target, activations: str) -> str:
+def target_activations(target: Target, activations: str, batch: int = 1) -> str:
     """What a quantized decode product multiplies its codes by on this target: "int8" or "f32".
 
     int8 (kernels/int8_decode.py) needs a CPU one of the int8 dot-product forms runs
     on (kernels/select.py: x86 AVX2 or VNNI, aarch64 dotprod); auto takes it there
-    and f32 everywhere else (GPU targets, other CPUs, `--cpu generic`).
+    and f32 everywhere else (GPU targets, other CPUs, `--cpu generic`). A batched
+    bundle takes f32: its rows decode with the float multi-row kernel, and the entry
+    points over fewer rows must compute each row as it does, or a stream's text would
+    depend on how many other streams run (kernels/qlinear.uses_int8_gemm).
     """
     if activations not in ACTIVATIONS:
         raise TargetError(f"unknown activations {activations!r}; expected one of {', '.join(ACTIVATIONS)}")
+    if batch > 1:
+        if activations == "int8":
+            raise TargetError(f"--activations int8 is for --batch 1: a batched bundle's rows decode with float "
+                              f"activations, whatever rows a call computes (--batch {batch} asked for)")
+        return "f32"
     capable = target.device == "cpu" and cpu_has_int8_dot(target.cpu_flags, target.arch)
     if activations == "int8" and not capable:
         raise TargetError(f"--activations int8 needs a CPU target with an int8 dot product: x86 AVX2 (avx2, fma, "
@@ -252,7 +282,7 @@ def _compile_and_store(loaded: LoadedModel, out_dir: str | Path, options: BuildO
 
 
 def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, progress: Progress) -> Path:
-    activations = [target_activations(t, options.activations) for t in options.targets]  # refuse early
+    activations = [target_activations(t, options.activations, options.batch) for t in options.targets]  # refuse early
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = loaded.config
@@ -261,12 +291,14 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
 
     chunk = options.chunk or default_chunk(loaded, options.weights)
     clock.stage("export", f"[1/4] exporting {cfg.name}: {cfg.dtype} compute, context {cfg.max_context} (K/V {cfg.cache_dtype}), "
-             f"prefill chunk {chunk}, decode, batch {options.batch}; quantized-product activations "
+             f"prefill chunk {chunk}, decode, batch {options.batch}"
+             + (f" (entry points for {', '.join(map(str, row_counts(options)))} rows)" if options.batch > 1 else "")
+             + "; quantized-product activations "
              + ", ".join(f"{a} ({t.description})" for t, a in zip(options.targets, activations)),
-                total=len(ENTRY_POINTS))
+                total=len(entry_point_variants(options)))
     entries = {}
-    for name in ENTRY_POINTS:
-        entries[name] = export_entry_point(loaded.module, name, options.batch, chunk)
+    for name, kind, rows in entry_point_variants(options):
+        entries[name] = export_entry_point(loaded.module, kind, rows, chunk)
         clock.advance(name)
     unit = CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs,
                        options={"hadamard": options.hadamard, "weights": options.weights, "group": options.group},
@@ -313,11 +345,16 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
         "source": loaded.source,
         "model": cfg.to_dict(),
         "batch": options.batch,
+        # the row counts with entry points of their own: prefill/decode take `batch` rows,
+        # prefill_rows{k}/decode_rows{k} the first k rows of the same state buffers
+        "row_counts": row_counts(options),
         "prefill_chunk": chunk,
         "entry_points": {
             "prefill": "prefill(tokens[B,C] i64, start_pos[B] i64, n_valid[B] i64, kv_tiles[0,T] i8, state...) "
                        "-> logits[B,V] f32",
             "decode": "decode(tokens[B,1] i64, pos[B] i64, pos_shape[0,pos[0]] i8 (B = 1 only), state...) -> logits[B,V] f32",
+            **({"prefill_rows{k}, decode_rows{k}": "prefill and decode over the first k rows of the state buffers "
+                "(B = k), for k in row_counts below batch"} if options.batch > 1 else {}),
         },
         # prefill's attention over full caches reads its kv_tiles input's T tiles of kv_tile slots:
         # T = ceil(the chunk's end / kv_tile), so its work follows the tokens held.

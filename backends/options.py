@@ -25,6 +25,7 @@ class BuildOptions:
     passes: list[str] | None = None  # None: the default pipeline
     chunk: int | None = None  # prefill chunk; None: build.default_chunk()
     batch: int = 1
+    rows: tuple[int, ...] | None = None  # row counts below batch with entry points of their own; None: (1,) if batch > 1
     max_context: int | None = None
     dump_after: dict[str, Path] = field(default_factory=dict)
     keep_mlir: bool = False

@@ -19,18 +19,23 @@ the N rows of state and advances any subset of them in one call:
 Opening a row zeroes its slice of every state buffer in place: the other rows'
 state is never touched. A released row keeps its state and tokens:
 `open_row_reusing(prompt)` reopens the free row that serves the longest
-prefix of a new prompt (the prompt cache), else the one released longest ago.
+prefix of a new prompt (the prompt cache), else the lowest free row.
+
+A bundle compiled with row counts below its batch (`row_counts` in the
+manifest; by default 1) has entry points over the first k rows of the same
+state buffers: each call takes the fewest rows that cover the rows it feeds,
+so one stream on a batch-8 bundle costs one row, not eight.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..errors import InputError
-from .bundle import decode_inputs, kv_tiles_input
+from .bundle import decode_inputs, kv_tiles_input, row_entry_name
 from .checks import ContextFullError, SessionStateError, check_ids
 from .prompt_cache import ReuseRule
 
@@ -55,10 +60,11 @@ class Batch:
         self._row_bytes = [int(np.prod(s.shape[1:], dtype=np.int64)) * s.dtype.itemsize for s in layout]
         self.positions = [0] * self.rows
         self.tokens: list[list[int]] = [[] for _ in range(self.rows)]
+        # per row, how many leading tokens the prefill entry point computed (prompt_cache.py: a rewind
+        # to them gives the state a prefill from scratch gives, to the bit)
+        self.prefilled = [0] * self.rows
         self.open = [False] * self.rows
         self.reuse = ReuseRule.for_state(model.manifest.state, model.max_context)
-        self._released_at = [-1] * self.rows  # when each row was released (-1: never used), for LRU
-        self._releases = 0
         self.broken: str | None = None
         self.closed = False
 
@@ -77,31 +83,31 @@ class Batch:
         self._check_row(row)
         self.buffers = [self.model.ctx.fill_zero_range(buf, row * nbytes, nbytes)
                         for buf, nbytes in zip(self.buffers, self._row_bytes)]
-        self.positions[row], self.tokens[row], self.open[row] = 0, [], True
+        self.positions[row], self.tokens[row], self.prefilled[row], self.open[row] = 0, [], 0, True
         return row
 
     def open_row_reusing(self, prompt: Sequence[int]) -> tuple[int, int]:
         """Open a free row for `prompt`: the one whose kept state serves its longest prefix; (row, tokens reused).
 
-        With nothing to reuse, the row released longest ago (or never used) is zeroed and
-        opened, so the rows most likely to be asked for again keep their tokens longest.
+        With nothing to reuse, the lowest free row is zeroed and opened: a call computes the
+        rows up to the highest one it feeds (`Model.rows_for`), so at low load the work stays
+        on the first rows.
         """
         self._check_usable()
         free = self.free_rows()
         if not free:
             raise RowError(f"all {self.rows} rows are in use")
-        reused, row = max((self.reuse.usable(self.tokens[r], prompt), r) for r in free)
+        reused, row = max((self.reuse.usable(self.tokens[r], prompt, self.prefilled[r]), r) for r in free)
         if reused == 0:
-            return self.open_row(min(free, key=lambda r: self._released_at[r])), 0
+            return self.open_row(free[0]), 0
         self.positions[row], self.tokens[row], self.open[row] = reused, self.tokens[row][:reused], True
+        self.prefilled[row] = min(self.prefilled[row], reused)
         return row, reused
 
     def release(self, row: int) -> None:
         """End the sequence on `row`; its state and tokens are kept for `open_row_reusing`."""
         self._check_row(row)
         self.open[row] = False
-        self._releases += 1
-        self._released_at[row] = self._releases
 
     def _ride_along_position(self, row: int, decode: bool) -> int:
         """Where a free row rides along in a call: after its kept tokens when they survive it, else at 0.
@@ -113,12 +119,16 @@ class Batch:
         keeps = self.tokens[row] and self.positions[row] < self.model.max_context
         if keeps and (not decode or self.reuse.ride_along_keeps):
             return self.positions[row]
-        self.positions[row], self.tokens[row] = 0, []  # what it held is overwritten now
+        self.positions[row], self.tokens[row], self.prefilled[row] = 0, [], 0  # what it held is overwritten now
         return 0
 
     # ---- steps ---------------------------------------------------------------
-    def step(self, feeds: Mapping[int, Sequence[int]]) -> dict[int, np.ndarray]:
-        """Feed each listed open row its tokens in one module call; returns each fed row's next-token logits."""
+    def step(self, feeds: Mapping[int, Sequence[int]], prompt_rows: Collection[int] = ()) -> dict[int, np.ndarray]:
+        """Feed each listed open row its tokens in one module call; returns each fed row's next-token logits.
+
+        Rows in `prompt_rows` are fed prompt tokens: the call is a prefill even when each takes one
+        token, so a prompt's state is the same however much of it a kept row already held.
+        """
         self._check_usable()
         if not feeds:
             raise RowError("a step needs at least one row with tokens")
@@ -133,18 +143,21 @@ class Batch:
             if checked[row].size > self.model.chunk:
                 raise RowError(f"row {row} was given {checked[row].size} tokens; a call takes at most "
                                f"{self.model.chunk} (the prefill chunk): feed the rest in later steps")
-        open_rows = [r for r in range(self.rows) if self.open[r]]
-        is_decode = all(r in checked and checked[r].size == 1 for r in open_rows)
+        # The call computes the first `rows` rows: the fewest an entry point covers every fed row with.
+        # Rows past them are not in the call at all, so their state is untouched.
+        rows = self.model.rows_for(max(checked) + 1)
+        open_rows = [r for r in range(rows) if self.open[r]]
+        is_decode = all(r in checked and checked[r].size == 1 for r in open_rows) and not set(prompt_rows) & set(checked)
         width = 1 if is_decode else self.model.chunk
-        tokens = np.zeros((self.rows, width), np.int64)
-        start = np.zeros(self.rows, np.int64)
-        n_valid = np.zeros(self.rows, np.int64)
+        tokens = np.zeros((rows, width), np.int64)
+        start = np.zeros(rows, np.int64)
+        n_valid = np.zeros(rows, np.int64)
         for r in open_rows:
             if r not in checked and self.positions[r] >= self.model.max_context:
                 raise ContextFullError(f"row {r} holds a full context; release it before feeding other rows "
                                        "(a row that takes no tokens still needs one free slot)")
             start[r] = self.positions[r]
-        for r in range(self.rows):
+        for r in range(rows):
             if not self.open[r]:
                 start[r] = self._ride_along_position(r, is_decode)
         for r, ids in checked.items():
@@ -155,14 +168,18 @@ class Batch:
             entry, inputs = "decode", decode_inputs(tokens, start)
         else:
             entry, inputs = "prefill", [tokens, start, n_valid, kv_tiles_input(end, self.model.max_context)]
+        name = row_entry_name(entry, rows, self.rows)
         try:
             with self.model.lock:
-                logits = self.model.ctx.call(entry, inputs, self.buffers)
+                state = [self.model.ctx.first_rows(b, rows) for b in self.buffers]
+                logits = self.model.ctx.call(name, inputs, state)
         except BaseException as e:
-            self.broken = f"{entry} failed: {type(e).__name__}: {e}"
+            self.broken = f"{name} failed: {type(e).__name__}: {e}"
             raise
         out = {}
         for r, ids in checked.items():
+            if not is_decode and self.prefilled[r] == self.positions[r]:
+                self.prefilled[r] += ids.size
             self.positions[r] += ids.size
             self.tokens[r].extend(int(t) for t in ids)
             out[r] = logits[r].reshape(-1)

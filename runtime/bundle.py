@@ -188,6 +188,11 @@ class Manifest:
         return int(self.data["batch"])
 
     @property
+    def row_counts(self) -> list[int]:
+        """The row counts with entry points of their own, ascending; the last is the batch."""
+        return [int(k) for k in self.data.get("row_counts", [self.batch])]
+
+    @property
     def prefill_chunk(self) -> int:
         return int(self.data["prefill_chunk"])
 
@@ -424,6 +429,10 @@ def check_schema(path: Path, data: dict[str, Any]) -> None:
         r.integer(eos, f"model.eos_token_ids[{i}]", lo=0, hi=vocab - 1)
 
     batch = r.integer(data["batch"], "batch")
+    counts = [r.integer(k, f"row_counts[{i}]", hi=batch)
+              for i, k in enumerate(r.array(data.get("row_counts", [batch]), "row_counts"))]
+    if not counts or counts != sorted(set(counts)) or counts[-1] != batch:
+        raise r.fail("row_counts", f"{counts} must ascend without repeats and end with the batch {batch}")
     r.integer(data["prefill_chunk"], "prefill_chunk", hi=context)
     tile = r.integer(r.key(data, "kv_tile", ""), "kv_tile")
     if tile != kv_tile_size(context):
@@ -604,16 +613,25 @@ def decode_inputs(tokens: np.ndarray, pos: np.ndarray) -> list[np.ndarray]:
     return [tokens, pos, *extra]
 
 
+def row_entry_name(entry: str, rows: int, batch: int) -> str:
+    """The function that runs `entry` ("prefill" or "decode") over the first `rows` rows of a batch-`batch` bundle."""
+    return entry if rows == batch else f"{entry}_rows{rows}"
+
+
 def entry_point_inputs(manifest: Manifest) -> dict[str, list[tuple[list[int], str, str]]]:
-    """entry point -> (shape, dtype, what) of each input the runtime passes it, from the manifest."""
-    b, c = manifest.batch, manifest.prefill_chunk
-    state = [(list(s.shape), s.dtype, f"state buffer {s.name!r}") for s in manifest.state]
+    """function -> (shape, dtype, what) of each input the runtime passes it, from the manifest."""
+    c = manifest.prefill_chunk
     tiles = DYNAMIC if manifest.max_context // manifest.kv_tile > 1 else 1  # one tile: a static dimension
-    prefill = [([b, c], "int64", "tokens"), ([b], "int64", "start_pos"), ([b], "int64", "n_valid"),
-               ([0, tiles], "int8", "kv_tiles"), *state]
-    pos_shape = [([0, DYNAMIC], "int8", "pos_shape")] if takes_position_shape(b) else []
-    decode = [([b, 1], "int64", "tokens"), ([b], "int64", "pos"), *pos_shape, *state]
-    return {"prefill": prefill, "decode": decode}
+    out = {}
+    for b in manifest.row_counts:
+        state = [([b, *s.shape[1:]], s.dtype, f"state buffer {s.name!r}") for s in manifest.state]
+        prefill = [([b, c], "int64", "tokens"), ([b], "int64", "start_pos"), ([b], "int64", "n_valid"),
+                   ([0, tiles], "int8", "kv_tiles"), *state]
+        pos_shape = [([0, DYNAMIC], "int8", "pos_shape")] if takes_position_shape(b) else []
+        decode = [([b, 1], "int64", "tokens"), ([b], "int64", "pos"), *pos_shape, *state]
+        out[row_entry_name("prefill", b, manifest.batch)] = prefill
+        out[row_entry_name("decode", b, manifest.batch)] = decode
+    return out
 
 
 def check_entry_points(manifest: Manifest, key: str, reflection: Any) -> None:

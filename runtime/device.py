@@ -260,6 +260,16 @@ class DeviceContext:
             host.reshape(-1).view(np.uint8)[offset : offset + length] = 0
             return self.upload(host)
 
+    def first_rows(self, array: rt.DeviceArray, rows: int) -> rt.DeviceArray:
+        """A view of the first `rows` rows of a state buffer (the same device memory), for an entry
+        point compiled for fewer rows than the buffer holds: rows are its outermost dimension."""
+        if rows == array.shape[0]:
+            return array
+        view = array._buffer_view
+        shape = (rows, *array.shape[1:])
+        return rt.DeviceArray(self.device, rt.HalBufferView(view.get_buffer(), shape, view.element_type),
+                              override_dtype=array.dtype)
+
     def to_host(self, array: rt.DeviceArray) -> np.ndarray:
         """An owned host copy; safe on drivers that cannot import or map host memory."""
         # DeviceArray.to_host would import a numpy allocation into the device

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..dtypes import DTYPES
 from .batch import Batch
-from .bundle import BundleError, Manifest, decode_inputs, prefill_inputs
+from .bundle import BundleError, Manifest, decode_inputs, prefill_inputs, row_entry_name
 from .checks import SessionStateError, TokenIdError, check_ids
 from .device import DeviceContext, open_device
 from .sampling import Sampler
@@ -112,8 +112,12 @@ class Model:
             self._tokenizer = Tokenizer.from_file(str(path))
         return self._tokenizer
 
+    def rows_for(self, rows: int) -> int:
+        """The fewest rows an entry point of this bundle computes that cover the first `rows` rows."""
+        return next(k for k in self.manifest.row_counts if k >= rows)
+
     def session(self) -> Session:
-        """One sequence (on a batched bundle: row 0, the other rows idle)."""
+        """One sequence (on a batched bundle: row 0, through the fewest-rows entry points)."""
         return Session(self)
 
     def batch(self) -> Batch:
@@ -196,18 +200,25 @@ class Session:
         self._check_usable()
         return check_ids(ids, self.model.vocab_size, self.position, self.model.max_context)
 
+    @property
+    def _rows(self) -> int:
+        """The rows each call computes: row 0 through the fewest-rows entry points of a batched bundle."""
+        return self.model.rows_for(1)
+
     def _call(self, entry: str, inputs: list[np.ndarray]) -> np.ndarray:
         """One module call; a failure leaves the session marked broken (its state may be half written)."""
+        rows = self._rows
         try:
             with self.model.lock:
-                return self.ctx.call(entry, inputs, self.buffers)
+                state = [self.ctx.first_rows(b, rows) for b in self.buffers]
+                return self.ctx.call(row_entry_name(entry, rows, self.model.batch_size), inputs, state)
         except BaseException as e:
             self.broken = f"{entry} failed at position {self.position}: {type(e).__name__}: {e}"
             raise
 
     def _row_positions(self) -> np.ndarray:
-        """Row 0 at the session's position; the idle rows of a batched bundle at 0 (their state is unused)."""
-        positions = np.zeros(self.model.batch_size, np.int64)
+        """Row 0 at the session's position; idle rows a call computes at 0 (their state is unused)."""
+        positions = np.zeros(self._rows, np.int64)
         positions[0] = self.position
         return positions
 
@@ -221,7 +232,7 @@ class Session:
         logits = None
         for off in range(0, arr.size, chunk):
             piece = arr[off : off + chunk]
-            rows = self.model.batch_size
+            rows = self._rows
             tokens = np.zeros((rows, chunk), dtype=np.int64)
             tokens[0, : piece.size] = piece
             n_valid = np.zeros(rows, np.int64)  # other rows of a batched bundle take nothing
@@ -237,7 +248,7 @@ class Session:
         if isinstance(token, (list, tuple, np.ndarray)) and np.ndim(token) != 0:
             raise TokenIdError(f"decode takes one token id, got a sequence of {len(token)}; use prefill for several")
         arr = self._check_ids([token])
-        tokens = np.zeros((self.model.batch_size, 1), np.int64)
+        tokens = np.zeros((self._rows, 1), np.int64)
         tokens[0, 0] = arr[0]
         inputs = decode_inputs(tokens, self._row_positions())
         out = self._call("decode", inputs)[0]

@@ -272,6 +272,7 @@ class Scheduler:
         with self._wake:  # stop() may finish requests from another thread while a call runs
             running = list(self._running.items())
         feeds: dict[int, list[int]] = {}
+        prompt_rows = {row for row, request in running if request.pending}
         for row, request in running:
             if request.pending:
                 feeds[row], request.pending = request.pending[:chunk], request.pending[chunk:]
@@ -279,7 +280,7 @@ class Scheduler:
             else:
                 feeds[row] = [request.last_token]
         try:
-            logits = self.batch.step(feeds)
+            logits = self.batch.step(feeds, prompt_rows)
         except Exception as e:  # the batch is broken: every running request fails, new rows start clean
             self._fail_running(e)
             return

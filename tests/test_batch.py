@@ -50,8 +50,9 @@ def replay_eager(preset: str, calls: list, rows: int) -> list[np.ndarray]:
                     t[inputs].zero_()
                 continue
             tokens, start = torch.from_numpy(inputs[0]), torch.from_numpy(inputs[1])
-            n_valid = torch.from_numpy(inputs[2]) if entry.startswith("prefill") else torch.ones(rows, dtype=torch.int64)
-            out.append(module(tokens, start, n_valid, *state).numpy())
+            k = tokens.shape[0]  # an entry point over the first k rows: the same rows of the state
+            n_valid = torch.from_numpy(inputs[2]) if entry.startswith("prefill") else torch.ones(k, dtype=torch.int64)
+            out.append(module(tokens, start, n_valid, *(t[:k] for t in state)).numpy())
     return out
 
 
@@ -106,9 +107,11 @@ def test_rows_match_eager_and_single_runs(bundle_factory, preset):
     seqs, per_step = drive(batch, prompts, decode_steps=40, chunk=model.chunk)
     calls = [c for c in batch.calls if c[0] != "open"]
     assert len(calls) == len(per_step), "one module call per step"
-    entries = [entry for entry, _ in calls]
-    assert "decode" in entries and "prefill" in entries, "both entry points were exercised"
-    assert any(inputs[1][0] != inputs[1][1] for _, inputs in calls), "rows sat at different positions"
+    entries = {entry for entry, _ in calls}
+    assert entries == {"prefill", "decode", "prefill_rows1", "decode_rows1"}, \
+        "both entry points, over both rows and over row 0 alone, were exercised"
+    assert any(len(inputs[1]) == 2 and inputs[1][0] != inputs[1][1] for _, inputs in calls), \
+        "rows sat at different positions"
 
     # the reference module at batch ROWS, replaying the same calls (and row resets)
     eager = replay_eager(preset, batch.calls, ROWS)
@@ -150,15 +153,18 @@ def test_rows_are_checked_and_kept_apart(bundle_factory):
     assert batch.positions == [3, 0] and batch.tokens[0] == [5, 6, 7], "a refused step changes nothing"
     with pytest.raises(RowError):
         batch.open_row()  # no free row
-    # fill row 1 to the context limit: feeding it more is refused; it must be released to let row 0 prefill
-    for _ in range(model.max_context // model.chunk):
-        batch.step({1: [1] * model.chunk})
+    # fill row 0 to the context limit: feeding it more is refused; it must be released before a call over
+    # both rows (row 1's) can run without feeding it
+    batch.step({0: [1] * (model.chunk - 3)})
+    for _ in range(model.max_context // model.chunk - 1):
+        batch.step({0: [1] * model.chunk})
+    assert batch.positions[0] == model.max_context
     with pytest.raises(ContextFullError):
-        batch.step({1: [1]})
+        batch.step({0: [1]})
     with pytest.raises(ContextFullError, match="release it"):
-        batch.step({0: [1, 2]})
-    batch.release(1)
-    assert batch.step({0: [1, 2]})[0].shape == (model.vocab_size,)
+        batch.step({1: [1, 2]})
+    batch.release(0)
+    assert batch.step({1: [1, 2]})[1].shape == (model.vocab_size,)
 
 
 def test_a_session_on_a_batched_bundle_is_a_single_sequence(bundle_factory):
@@ -248,3 +254,18 @@ def test_scheduler_runs_more_requests_than_rows(bundle_factory):
             scheduler.submit(Request(list(range(1, model.max_context + 1)), 2, lambda _t, _lp: None, lambda _r, _e: None))
     finally:
         scheduler.stop()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--rows", "1"], "--rows needs --batch N with N > 1"),
+    (["--batch", "4", "--rows", "4"], "between 1 and --batch 4"),
+    (["--batch", "4", "--rows", "0,2"], "between 1 and --batch 4"),
+    (["--batch", "4", "--rows", "two"], "comma-separated row counts"),
+    (["--batch", "4", "--activations", "int8"], "--activations int8 is for --batch 1"),
+])
+def test_row_counts_and_activations_of_a_batched_bundle_are_checked(tmp_path, capsys, args, message):
+    from foldline.tools.cli import main
+
+    assert main(["compile", "llama-tiny", "-o", str(tmp_path / "b"), "--cpu", "host", *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "b" / "manifest.json").exists()

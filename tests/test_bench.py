@@ -84,8 +84,8 @@ def test_bench_rejects_a_run_longer_than_the_context(bundle_factory, capsys):
 
 @pytest.mark.slow
 def test_chat_bench_prefills_only_the_new_tokens_with_the_cache(bundle_factory, tmp_path, capsys):
-    """--chat: with the prompt cache a turn prefills its user tokens and the last answer token (which the row
-    was not fed yet); without it, the whole conversation."""
+    """--chat: with the prompt cache a turn prefills its user tokens and the last answer (whose state the decode
+    steps wrote, which a full cache does not serve); without it, the whole conversation."""
     bundle = bundle_factory("llama-tiny")
     out = tmp_path / "chat.json"
     assert main(["bench", str(bundle), "--chat", "4", "--prompt-len", "10", "--new-tokens", "5",
@@ -95,7 +95,7 @@ def test_chat_bench_prefills_only_the_new_tokens_with_the_cache(bundle_factory, 
     engines = json.loads(out.read_text())["chat"]
     cached, plain = engines["foldline"]["turns"], engines["foldline, no cache"]["turns"]
     assert [t["prompt"] for t in cached] == [t["prompt"] for t in plain] == [10, 25, 40, 55]
-    assert [t["prefilled"] for t in cached] == [10, 11, 11, 11]
+    assert [t["prefilled"] for t in cached] == [10, 15, 15, 15]
     assert [t["prefilled"] for t in plain] == [10, 25, 40, 55]
     assert all(0 < t["first_token_ms"] <= t["turn_ms"] for t in cached + plain)
     assert main(["bench", str(bundle), "--chat", "9", "--prompt-len", "10", "--new-tokens", "5"]) == 2

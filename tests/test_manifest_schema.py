@@ -122,6 +122,9 @@ def _set_shape(data: dict, shape: list[int]) -> None:
     (lambda d: d["modules"]["cpu"].update(sha256="abc"), r"modules.cpu.sha256: must be a sha256 hex digest"),
     (lambda d: d["modules"]["cpu"].update(size=-1), r"modules.cpu.size: must be positive"),
     (lambda d: d.update(tokenizer="tokenizer.json"), r"tokenizer_sha256: must be a sha256 hex digest, got None"),
+    (lambda d: d.update(row_counts=[1, 2]), r"row_counts\[1\]: must be between 1 and 1, got 2"),
+    (lambda d: d.update(row_counts=[]), r"row_counts: \[\] must ascend without repeats and end with the batch 1"),
+    (lambda d: d.update(row_counts="1"), r"row_counts: must be a list"),
 ])
 def test_schema_violations_name_the_field(edit, message):
     data = manifest_for("llama-tiny")
@@ -203,7 +206,7 @@ def _declarations(data: dict) -> dict[str, dict[str, str]]:
         return {"iree.abi.declaration": f"sync func @{name}({args}) -> (%output0: tensor<{b}x512xf32>)"}
 
     prefill = [f"{b}x{c}xi64", f"{b}xi64", f"{b}xi64", "0x?xi8"]
-    decode = [f"{b}x1xi64", f"{b}xi64", "0x?xi8"]
+    decode = [f"{b}x1xi64", f"{b}xi64", *(["0x?xi8"] if b == 1 else [])]  # pos_shape: one row only
     return {"prefill": decl("prefill", prefill), "decode": decl("decode", decode)}
 
 
@@ -247,6 +250,27 @@ def test_entry_points_matching_the_manifest_pass_and_mismatches_are_named():
     assert "0x?xi8" not in old["decode"]["iree.abi.declaration"]
     with pytest.raises(BundleError, match=r"decode takes 8 inputs, the manifest implies 9 \(6 state buffers\)"):
         check_entry_points(_FakeManifest(data), "cpu", old.get)
+
+
+def test_a_batched_manifest_implies_an_entry_point_per_row_count():
+    """Row counts below the batch: prefill_rows{k} and decode_rows{k} over the first k rows of each state buffer."""
+    data = manifest_for("llama-tiny", batch=4)
+    data["row_counts"] = [1, 4]
+    check_schema(PATH, data)
+    full = _declarations(data)
+    one = copy.deepcopy(data)
+    one["batch"] = 1
+    for spec in one["state"]:
+        spec["shape"][0] = 1
+    rows1 = {f"{name}_rows1": {k: v.replace(f"@{name}(", f"@{name}_rows1(") for k, v in d.items()}
+             for name, d in _declarations(one).items()}
+    check_entry_points(_FakeManifest(data), "cpu", {**full, **rows1}.get)
+    with pytest.raises(BundleError, match="has no entry point 'prefill_rows1'"):
+        check_entry_points(_FakeManifest(data), "cpu", full.get)
+    bad = {**full, **rows1, "prefill_rows1": full["prefill"]}  # the 4-row function under the 1-row name
+    with pytest.raises(BundleError, match=r"prefill_rows1 takes tokens as int64\[4, 16\]; the manifest says "
+                                          r"int64\[1, 16\]"):
+        check_entry_points(_FakeManifest(data), "cpu", bad.get)
 
 
 # ---- CPU features -----------------------------------------------------------------------------

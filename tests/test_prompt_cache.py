@@ -31,6 +31,8 @@ def test_rules_follow_the_kinds_of_state():
         assert rule.usable(held, [9, 5, 6]) == 0
         assert rule.usable([], [1, 2]) == 0
     assert full.usable(held, held) == 3, "the last prompt token is always fed"
+    assert full.usable(held, [*held, 1], prefilled=2) == 2, "full caches serve only what prefill computed"
+    assert ring.usable(held, [*held, 1], prefilled=2) == 4, "rings cannot be rewound: the whole row or nothing"
     assert ring.usable(held, held) == 0
     assert full.usable(held, [5]) == 0
 
@@ -43,10 +45,10 @@ def test_common_prefix():
 
 
 def _feed(batch, row: int, ids: list[int], chunk: int) -> np.ndarray:
-    """Feed `ids` to `row` in prefill chunks (or one decode step); the logits after the last."""
+    """Feed prompt tokens `ids` to `row` in prefill chunks, as the scheduler does; the logits after the last."""
     logits = None
     for i in range(0, len(ids), chunk):
-        logits = batch.step({row: ids[i:i + chunk]})[row]
+        logits = batch.step({row: ids[i:i + chunk]}, prompt_rows={row})[row]
     return logits
 
 
@@ -61,7 +63,8 @@ def _assert_same(got: np.ndarray, want: np.ndarray, what: str) -> None:
 
 
 def test_full_caches_serve_any_shared_prefix(bundle_factory):
-    """llama-tiny (global attention only): a released row serves a prompt that shares part of it."""
+    """llama-tiny (global attention only): a released row serves a prompt that shares part of what was
+    prefilled, and the logits are those of a fresh prefill to the bit."""
     model = Model.load(bundle_factory("llama-tiny"))
     rng = np.random.default_rng(11)
     prompt = rng.integers(1, model.vocab_size, 40).tolist()
@@ -75,17 +78,25 @@ def test_full_caches_serve_any_shared_prefix(bundle_factory):
     assert held == [*prompt, 3, 4, 5]
     batch.release(row)
 
+    # a continuation: the prompt is served, not the tokens the decode steps computed
+    follow = [*held, 6, 7]
+    row, reused = batch.open_row_reusing(follow)
+    assert reused == len(prompt) and batch.prefilled[row] == len(prompt)
+    assert np.array_equal(_feed(batch, row, follow[reused:], model.chunk), _fresh(model, follow)), \
+        "a prompt's state is a prefill from scratch, to the bit"
+    batch.release(row)
+
     # a prompt that shares 25 tokens, then differs: the row is rewound to 25 and fed the rest
     other = [*prompt[:25], *rng.integers(1, model.vocab_size, 12).tolist()]
     row, reused = batch.open_row_reusing(other)
     assert reused == 25 and batch.positions[row] == 25
-    _assert_same(_feed(batch, row, other[25:], model.chunk), _fresh(model, other), "rewound to a shared prefix")
+    assert np.array_equal(_feed(batch, row, other[25:], model.chunk), _fresh(model, other)), "rewound"
     batch.release(row)
 
-    # the same prompt again: every token but the last is served
+    # the same prompt again: every token but the last is served, and the last is prefilled, not decoded
     row, reused = batch.open_row_reusing(other)
     assert reused == len(other) - 1
-    _assert_same(_feed(batch, row, other[-1:], model.chunk), _fresh(model, other), "the same prompt again")
+    assert np.array_equal(_feed(batch, row, other[-1:], model.chunk), _fresh(model, other)), "the same prompt"
 
 
 @pytest.mark.slow
@@ -104,11 +115,18 @@ def test_rings_continue_after_riding_along(bundle_factory):
     batch.release(a)
 
     second = rng.integers(1, model.vocab_size, 9).tolist()
-    b, reused = batch.open_row_reusing(second)
-    assert b != a and reused == 0, "a prompt that shares nothing takes the row never used, not the kept one"
+    assert batch.open_row_reusing(second) == (0, 0), "a prompt that shares nothing takes the lowest free row"
+    batch.release(0)
+    a, _ = batch.open_row_reusing(first)  # row 0 again, fed the same as before
+    _feed(batch, a, first, model.chunk)
+    for token in (7, 8, 9, 10):
+        batch.step({a: [token]})
+    assert batch.tokens[a] == held
+    batch.release(a)
+    b = batch.open_row(1)
     _feed(batch, b, second, model.chunk)
     for token in (11, 12, 13, 14, 15, 16):
-        batch.step({b: [token]})  # decode calls: the free row rides along at its next position
+        batch.step({b: [token]})  # decode calls over rows 0 and 1: the free row 0 rides along at its next position
     assert batch.tokens[a] == held
 
     follow = [*held, *rng.integers(1, model.vocab_size, 6).tolist()]

@@ -94,7 +94,7 @@ class _Batch:
     def release(self, row: int) -> None:
         self.open.discard(row)
 
-    def step(self, feeds: dict[int, list[int]]) -> dict[int, np.ndarray]:
+    def step(self, feeds: dict[int, list[int]], _prompt_rows=()) -> dict[int, np.ndarray]:
         for row, ids in feeds.items():
             self.positions[row] += len(ids)
         return {row: np.zeros(8, np.float32) for row in feeds}

@@ -162,6 +162,9 @@ def test_activations_follow_the_target():
     assert target_activations(znver4, "auto") == "int8"
     assert target_activations(v3, "auto") == "int8"  # AVX2 (Zen 3, Haswell and later)
     assert target_activations(znver4, "f32") == "f32"
+    assert target_activations(znver4, "auto", batch=4) == "f32", "batched bundles decode rows with float activations"
+    with pytest.raises(TargetError, match="--batch 1"):
+        target_activations(znver4, "int8", batch=4)
     assert target_activations(make_target("cuda"), "auto") == "f32"
     for target in (generic, v2):
         with pytest.raises(TargetError, match="AVX2 .* or AVX-512 VNNI"):

@@ -30,6 +30,9 @@ def add_parser(sub) -> None:
                    help="static prefill chunk length (default: 64 with quantized weights, else 16)")
     p.add_argument("--batch", type=int, default=1,
                    help="rows per call: sequences the runtime advances together (default 1)")
+    p.add_argument("--rows", default=None, metavar="K,K,...",
+                   help="with --batch N: row counts below N that get entry points of their own, so that a call "
+                        "computes only the rows in use (default 1; 'none' for none)")
     p.add_argument("--max-context", type=int, default=None,
                    help="context length the bundle supports (default: the model's trained context, at most 8192)")
     p.add_argument("--dtype", choices=["auto", "f32", "f16", "bf16"], default="auto",
@@ -88,11 +91,13 @@ def run(args) -> int:
     ]
     if args.batch < 1:
         raise CliError(f"--batch must be at least 1, got {args.batch}")
+    rows = _row_counts(args.rows, args.batch)
     options = BuildOptions(
         targets=targets,
         passes=_pipeline(args),
         chunk=args.chunk,
         batch=args.batch,
+        rows=rows,
         max_context=args.max_context,
         dump_after={name: Path(d) for name, d in args.dump_after},
         keep_mlir=args.keep_mlir,
@@ -112,3 +117,21 @@ def run(args) -> int:
 
         compile_spec(args.model, args.output, options, progress=progress, cache=cache)
     return 0
+
+
+def _row_counts(text: str | None, batch: int) -> tuple[int, ...] | None:
+    """--rows: the row counts below --batch with entry points of their own (None: the default)."""
+    if text is None:
+        return None
+    if batch == 1:
+        raise CliError("--rows needs --batch N with N > 1")
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        rows = tuple(sorted({int(t) for t in text.split(",") if t.strip()}))
+    except ValueError as e:
+        raise CliError(f"--rows takes comma-separated row counts, got {text!r}") from e
+    if not rows or any(not 1 <= k < batch for k in rows):
+        raise CliError(f"--rows values must be between 1 and --batch {batch} (exclusive), got {text!r}")
+    return rows
+
