@@ -64,6 +64,7 @@ class Batch:
         # to them gives the state a prefill from scratch gives, to the bit)
         self.prefilled = [0] * self.rows
         self.open = [False] * self.rows
+        self._written = [False] * self.rows  # rows a call computed since they were last zeroed
         self.reuse = ReuseRule.for_state(model.manifest.state, model.max_context)
         self.broken: str | None = None
         self.closed = False
@@ -81,8 +82,10 @@ class Batch:
                 raise RowError(f"all {self.rows} rows are in use")
             row = free[0]
         self._check_row(row)
-        self.buffers = [self.model.ctx.fill_zero_range(buf, row * nbytes, nbytes)
-                        for buf, nbytes in zip(self.buffers, self._row_bytes)]
+        if self._written[row]:  # a row no call has computed is still the zeros it was allocated as
+            self.buffers = [self.model.ctx.fill_zero_range(buf, row * nbytes, nbytes)
+                            for buf, nbytes in zip(self.buffers, self._row_bytes)]
+            self._written[row] = False
         self.positions[row], self.tokens[row], self.prefilled[row], self.open[row] = 0, [], 0, True
         return row
 
@@ -169,6 +172,7 @@ class Batch:
         else:
             entry, inputs = "prefill", [tokens, start, n_valid, kv_tiles_input(end, self.model.max_context)]
         name = row_entry_name(entry, rows, self.rows)
+        self._written[:rows] = [True] * rows
         try:
             with self.model.lock:
                 state = [self.model.ctx.first_rows(b, rows) for b in self.buffers]
@@ -184,6 +188,19 @@ class Batch:
             self.tokens[r].extend(int(t) for t in ids)
             out[r] = logits[r].reshape(-1)
         return out
+
+    # ---- state ---------------------------------------------------------------
+    def replace_state(self, buffers: list[Any]) -> None:
+        """Put whole state buffers in place of this batch's (a restored snapshot); every row counts as written."""
+        self.buffers = list(buffers)
+        self._written = [True] * self.rows
+        self.broken = None
+
+    def set_row(self, row: int, tokens: Sequence[int]) -> None:
+        """Declare what `row` holds after replace_state: its tokens (and position), open."""
+        self._check_row(row)
+        self.tokens[row], self.positions[row], self.open[row] = list(tokens), len(tokens), True
+        self.prefilled[row] = 0
 
     # ---- lifetime ------------------------------------------------------------
     def close(self) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..dtypes import DTYPES
 from .batch import Batch
-from .bundle import BundleError, Manifest, decode_inputs, prefill_inputs, row_entry_name
+from .bundle import BundleError, Manifest
 from .checks import SessionStateError, TokenIdError, check_ids
 from .device import DeviceContext, open_device
 from .sampling import Sampler
@@ -117,7 +117,7 @@ class Model:
         return next(k for k in self.manifest.row_counts if k >= rows)
 
     def session(self) -> Session:
-        """One sequence (on a batched bundle: row 0, through the fewest-rows entry points)."""
+        """One sequence: row 0 of a batch of its own (on a batched bundle, through the one-row functions)."""
         return Session(self)
 
     def batch(self) -> Batch:
@@ -154,24 +154,45 @@ class Model:
 
 
 class Session:
-    """One sequence: owns its state buffers on the device and its position.
+    """One sequence: row 0 of a `Batch` (runtime/batch.py), which owns the state buffers and calls the module.
 
     Thread model: several sessions of one Model may run on several threads (the
     model's lock runs their calls one at a time); one session is not for use from
     two threads at once.
     """
 
+    ROW = 0
+
     def __init__(self, model: Model):
         self.model = model
-        self.buffers = [model.ctx.zeros(s.shape, s.dtype) for s in model.state_layout()]
-        self.position = 0
-        self.tokens: list[int] = []
-        self.broken: str | None = None  # why the state no longer matches position/tokens
-        self.closed = False
+        self._batch = Batch(model)
+        self._batch.open_row(self.ROW)
 
     @property
     def ctx(self) -> DeviceContext:
         return self.model.ctx
+
+    @property
+    def buffers(self) -> list:
+        """The state buffers on the device (every row of a batched bundle's; the session is row 0)."""
+        return self._batch.buffers
+
+    @property
+    def position(self) -> int:
+        return self._batch.positions[self.ROW]
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._batch.tokens[self.ROW]
+
+    @property
+    def broken(self) -> str | None:
+        """Why the state no longer matches position and tokens (a failed call), else None."""
+        return self._batch.broken
+
+    @property
+    def closed(self) -> bool:
+        return self._batch.closed
 
     @property
     def allocated_bytes(self) -> int:
@@ -179,7 +200,7 @@ class Session:
 
     def close(self) -> None:
         """Free the state buffers. Idempotent."""
-        self.buffers, self.closed = [], True
+        self._batch.close()
 
     def __enter__(self) -> Session:
         return self
@@ -200,28 +221,6 @@ class Session:
         self._check_usable()
         return check_ids(ids, self.model.vocab_size, self.position, self.model.max_context)
 
-    @property
-    def _rows(self) -> int:
-        """The rows each call computes: row 0 through the fewest-rows entry points of a batched bundle."""
-        return self.model.rows_for(1)
-
-    def _call(self, entry: str, inputs: list[np.ndarray]) -> np.ndarray:
-        """One module call; a failure leaves the session marked broken (its state may be half written)."""
-        rows = self._rows
-        try:
-            with self.model.lock:
-                state = [self.ctx.first_rows(b, rows) for b in self.buffers]
-                return self.ctx.call(row_entry_name(entry, rows, self.model.batch_size), inputs, state)
-        except BaseException as e:
-            self.broken = f"{entry} failed at position {self.position}: {type(e).__name__}: {e}"
-            raise
-
-    def _row_positions(self) -> np.ndarray:
-        """Row 0 at the session's position; idle rows a call computes at 0 (their state is unused)."""
-        positions = np.zeros(self._rows, np.int64)
-        positions[0] = self.position
-        return positions
-
     # ---- steps -------------------------------------------------------------
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Feed tokens in chunks (the last one padded); returns logits after the last token."""
@@ -231,30 +230,15 @@ class Session:
         chunk = self.model.chunk
         logits = None
         for off in range(0, arr.size, chunk):
-            piece = arr[off : off + chunk]
-            rows = self._rows
-            tokens = np.zeros((rows, chunk), dtype=np.int64)
-            tokens[0, : piece.size] = piece
-            n_valid = np.zeros(rows, np.int64)  # other rows of a batched bundle take nothing
-            n_valid[0] = piece.size
-            logits = self._call("prefill", prefill_inputs(tokens, self._row_positions(), n_valid,
-                                                          self.model.max_context))[0]
-            self.position += piece.size
-            self.tokens.extend(int(t) for t in piece)
-        return logits.reshape(-1)
+            logits = self._batch.step({self.ROW: arr[off : off + chunk]}, prompt_rows=(self.ROW,))[self.ROW]
+        return logits
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one token; returns the next-token logits."""
         if isinstance(token, (list, tuple, np.ndarray)) and np.ndim(token) != 0:
             raise TokenIdError(f"decode takes one token id, got a sequence of {len(token)}; use prefill for several")
         arr = self._check_ids([token])
-        tokens = np.zeros((self._rows, 1), np.int64)
-        tokens[0, 0] = arr[0]
-        inputs = decode_inputs(tokens, self._row_positions())
-        out = self._call("decode", inputs)[0]
-        self.position += 1
-        self.tokens.append(int(arr[0]))
-        return out.reshape(-1)
+        return self._batch.step({self.ROW: arr})[self.ROW]
 
     def generate_ids(
         self,
@@ -340,16 +324,13 @@ class Session:
         if not 0 <= snap.position <= self.model.max_context or len(snap.tokens) != snap.position:
             raise SessionStateError(f"the snapshot's position {snap.position} does not match its "
                                     f"{len(snap.tokens)} tokens or this model's max_context {self.model.max_context}")
-        self.buffers = [self.ctx.upload(a) for a in snap.buffers]
-        self.position = snap.position
-        self.tokens = list(snap.tokens)
-        self.broken = None
+        self._batch.replace_state([self.ctx.upload(a) for a in snap.buffers])
+        self._batch.set_row(self.ROW, snap.tokens)
 
     def reset(self) -> None:
         """Back to an empty sequence (a broken session included)."""
         if self.closed:
             raise SessionStateError("this session is closed")
-        self.buffers = [self.ctx.fill_zero(b) for b in self.buffers]
-        self.position = 0
-        self.tokens = []
-        self.broken = None
+        self._batch.broken = None
+        self._batch.release(self.ROW)
+        self._batch.open_row(self.ROW)

@@ -181,13 +181,13 @@ def test_user_error_is_one_line_exit_2(bundle, capsys, monkeypatch):
 
 
 def test_internal_error_shows_its_traceback_exit_1(bundle, capsys, monkeypatch):
-    from foldline.runtime import model as model_module
+    from foldline.runtime import batch as batch_module
     from foldline.tools.cli import main
 
-    def broken_call(self, entry, inputs):
+    def broken_step(self, feeds, prompt_rows=()):
         raise KeyError("an internal bug")
 
-    monkeypatch.setattr(model_module.Session, "_call", broken_call)
+    monkeypatch.setattr(batch_module.Batch, "step", broken_step)
     rc = main(["generate", str(bundle), "--prompt-ids", "1,2", "--max-new-tokens", "2"])
     err = capsys.readouterr().err
     assert rc == 1
