@@ -36,7 +36,7 @@ import numpy as np
 
 from ..errors import InputError
 from .bundle import decode_inputs, kv_tiles_input, row_entry_name
-from .checks import ContextFullError, SessionStateError, check_ids
+from .checks import ContextFullError, check_ids, check_usable
 from .prompt_cache import ReuseRule
 
 
@@ -213,12 +213,7 @@ class Batch:
         self.close()
 
     def _check_usable(self) -> None:
-        if self.closed:
-            raise SessionStateError("this batch is closed")
-        if self.broken is not None:
-            raise SessionStateError(f"this batch is broken ({self.broken}); its rows' state is undefined")
-        if self.model.closed:
-            raise SessionStateError(f"the model {self.model.manifest.root} is closed")
+        check_usable("batch", self.closed, self.broken, self.model, "its rows' state is undefined")
 
     def _check_row(self, row: int) -> None:
         if type(row) is not int or not 0 <= row < self.rows:

@@ -40,3 +40,13 @@ def check_ids(ids: Sequence[int], vocab_size: int, position: int, max_context: i
             f"context full: {position} tokens held + {arr.size} new > max_context {max_context}"
         )
     return arr
+
+
+def check_usable(what: str, closed: bool, broken: str | None, model, remedy: str) -> None:
+    """Refuse a step on a closed or broken session or batch, or on a closed model (`what` names which)."""
+    if closed:
+        raise SessionStateError(f"this {what} is closed")
+    if broken is not None:
+        raise SessionStateError(f"this {what} is broken ({broken}); {remedy}")
+    if model.closed:
+        raise SessionStateError(f"the model {model.manifest.root} is closed")

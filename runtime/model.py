@@ -18,7 +18,7 @@ import numpy as np
 from ..dtypes import DTYPES
 from .batch import Batch
 from .bundle import BundleError, Manifest
-from .checks import SessionStateError, TokenIdError, check_ids
+from .checks import SessionStateError, TokenIdError, check_ids, check_usable
 from .device import DeviceContext, open_device
 from .sampling import Sampler
 from .session_file import BufferLayout, bundle_identity, load_session_file, save_session_file
@@ -210,12 +210,7 @@ class Session:
 
     # ---- checks ------------------------------------------------------------
     def _check_usable(self) -> None:
-        if self.closed:
-            raise SessionStateError("this session is closed")
-        if self.broken is not None:
-            raise SessionStateError(f"this session is broken ({self.broken}); reset() or restore() it")
-        if self.model.closed:
-            raise SessionStateError(f"the model {self.model.manifest.root} is closed")
+        check_usable("session", self.closed, self.broken, self.model, "reset() or restore() it")
 
     def _check_ids(self, ids: Sequence[int]) -> np.ndarray:
         self._check_usable()
