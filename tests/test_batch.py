@@ -269,3 +269,12 @@ def test_row_counts_and_activations_of_a_batched_bundle_are_checked(tmp_path, ca
     assert main(["compile", "llama-tiny", "-o", str(tmp_path / "b"), "--cpu", "host", *args]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "b" / "manifest.json").exists()
+
+
+def test_inspect_names_the_row_counts(bundle_factory, capsys):
+    from foldline.tools.cli import main
+
+    assert main(["inspect", str(bundle_factory("gemma3-tiny", batch=ROWS))]) == 0
+    out = capsys.readouterr().out
+    assert "batch 2 (entry points for 1, 2 rows)" in out
+    assert "f32 activations" in out, "a batched bundle decodes with float activations"

@@ -44,7 +44,8 @@ def run(args) -> int:
     print(f"bundle   {m.root}")
     print(f"model    {cfg['name']} ({cfg['family']}), {len(cfg['layer_types'])} layers {kinds}, "
           f"vocab {cfg['vocab_size']}, hidden {cfg['hidden_size']}, dtype {cfg['dtype']}")
-    print(f"shapes   batch {m.batch}, prefill chunk {m.prefill_chunk}, max context {m.max_context}")
+    rows = f" (entry points for {', '.join(map(str, m.row_counts))} rows)" if m.batch > 1 else ""
+    print(f"shapes   batch {m.batch}{rows}, prefill chunk {m.prefill_chunk}, max context {m.max_context}")
     print(f"attention reads the tokens held, in tiles of {m.kv_tile} slots (prefill's kv_tiles input)")
     params = m.data.get("params")
     if params:
