@@ -15,7 +15,6 @@ import iree.compiler as ireec
 import iree.runtime as rt
 
 from ..dtypes import FLOAT_DTYPES, DTypeError
-from ..errors import InputError
 from ..frontend.export import ENTRY_POINTS, export_entry_point, parameter_target
 from ..frontend.fingerprint import checkpoint_fingerprint
 from ..frontend.sources import load_model
@@ -41,7 +40,7 @@ from .compile_pool import pool_size, run_concurrently
 from .importer import import_programs, params_to_numpy
 from .inplace_state import ElideReport, elide_inplace_aliases
 from .lowering import Lowering
-from .options import BuildOptions, Progress, build_cache_key, from_cache
+from .options import BuildOptions, Progress, build_cache_key, from_cache, row_counts
 from .targets import Target, TargetError
 
 
@@ -116,20 +115,6 @@ QUANTIZED_CHUNK = 64
 
 KV_DTYPES = FLOAT_DTYPES
 COMPUTE_DTYPES = FLOAT_DTYPES
-
-
-def row_counts(options: BuildOptions) -> list[int]:
-    """The row counts with entry points of their own, ascending, ending with the batch.
-
-    A batched module computes every row it is given; the runtime calls the smallest
-    variant that covers the rows in use (runtime/batch.py), so one stream on a batch-8
-    bundle costs one row. Default: 1 and the batch.
-    """
-    below = (1,) if options.rows is None and options.batch > 1 else (options.rows or ())
-    bad = [k for k in below if not 1 <= k < options.batch]
-    if bad:
-        raise InputError(f"row counts must be between 1 and --batch {options.batch} (exclusive), got {bad}")
-    return sorted(set(below)) + [options.batch]
 
 
 def entry_point_variants(options: BuildOptions) -> list[tuple[str, str, int]]:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import InputError
 from .compile_cache import CompileCache, cache_key
 from .targets import Target, make_target
 
@@ -35,6 +36,20 @@ class BuildOptions:
     kv_dtype: str = "auto"  # attention cache element type: auto (build.default_kv_dtype), float32, float16, bfloat16
     dtype: str = "auto"  # compute dtype: auto (build.default_compute_dtype), float32, float16, bfloat16
     activations: str = "auto"  # quantized products: auto (int8 where the CPU has AVX2 or VNNI), int8, f32
+
+
+def row_counts(options: BuildOptions) -> list[int]:
+    """The row counts with entry points of their own, ascending, ending with the batch.
+
+    A batched module computes every row it is given; the runtime calls the smallest
+    variant that covers the rows in use (runtime/batch.py), so one stream on a batch-8
+    bundle costs one row. Default: 1 and the batch.
+    """
+    below = (1,) if options.rows is None and options.batch > 1 else (options.rows or ())
+    bad = [k for k in below if not 1 <= k < options.batch]
+    if bad:
+        raise InputError(f"row counts must be between 1 and --batch {options.batch} (exclusive), got {bad}")
+    return sorted(set(below)) + [options.batch]
 
 
 def build_cache_key(fingerprint: dict | None, options: BuildOptions) -> str | None:

@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 
 from .child import BenchError, run_script
+from .engines import random_ids
 
 
 def chat_script(vocab: int, turns: int, user_tokens: int, reply_tokens: int, seed: int) -> list[dict[str, list[int]]]:
     """Per turn, the user's new ids and the reply's ids (random, above the ids kept for control tokens)."""
     rng = np.random.default_rng(seed)
-    low = min(1000, vocab // 2)
-    return [{"user": rng.integers(low, vocab, user_tokens).tolist(), "reply": rng.integers(low, vocab, reply_tokens).tolist()}
+    return [{"user": random_ids(rng, vocab, user_tokens), "reply": random_ids(rng, vocab, reply_tokens)}
             for _ in range(turns)]
 
 

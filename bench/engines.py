@@ -12,9 +12,13 @@ import numpy as np
 from .timer import peak_rss_mib, time_engine
 
 
+def random_ids(rng: np.random.Generator, vocab: int, n: int) -> list[int]:
+    """`n` random token ids above the low ids, where vocabularies keep their control tokens."""
+    return rng.integers(min(1000, vocab // 2), vocab, size=n).tolist()
+
+
 def prompt_ids(vocab: int, n: int, seed: int) -> list[int]:
-    # Skip the low ids where vocabularies keep their control tokens.
-    return np.random.default_rng(seed).integers(min(1000, vocab // 2), vocab, size=n).tolist()
+    return random_ids(np.random.default_rng(seed), vocab, n)
 
 
 def bench_compiled(bundle: str, device: str, prompt_len: int, new_tokens: int, seed: int,

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .child import BenchError
+from .engines import random_ids
 
 
 def parse_streams(text: str, rows: int) -> list[int]:
@@ -36,10 +37,9 @@ def bench_streams(bundle: str, device: str, streams: list[int], prompt_len: int,
     if prompt_len + new_tokens > model.max_context:
         raise BenchError(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} exceeds max_context {model.max_context}")
     rng = np.random.default_rng(seed)
-    low = min(1000, model.vocab_size // 2)
     scheduler = Scheduler(model, max_queue=max(streams)).start()
     warm = threading.Event()  # first calls page in the weights
-    scheduler.submit(Request(rng.integers(low, model.vocab_size, prompt_len).tolist(), 2, lambda _t, _lp: None,
+    scheduler.submit(Request(random_ids(rng, model.vocab_size, prompt_len), 2, lambda _t, _lp: None,
                              lambda _r, _e: warm.set()))
     warm.wait()
     results = []
@@ -53,7 +53,7 @@ def bench_streams(bundle: str, device: str, streams: list[int], prompt_len: int,
                 if len(finished) == n:
                     done.set()
 
-            requests = [Request(rng.integers(low, model.vocab_size, prompt_len).tolist(), new_tokens,
+            requests = [Request(random_ids(rng, model.vocab_size, prompt_len), new_tokens,
                                 lambda _t, _lp: None, on_finish) for _ in range(n)]
             steps0, t0 = scheduler.steps, time.perf_counter()
             for request in requests:

@@ -69,6 +69,22 @@ class Batch:
         self.broken: str | None = None
         self.closed = False
 
+    @property
+    def buffers(self) -> list[Any]:
+        """The state buffers on the device, every row."""
+        return self._buffers
+
+    @buffers.setter
+    def buffers(self, buffers: list[Any]) -> None:
+        self._buffers = list(buffers)
+        self._views: dict[int, list[Any]] = {}  # rows -> views of the first rows of each buffer
+
+    def _state_for(self, rows: int) -> list[Any]:
+        """The state a call over the first `rows` rows takes: views made once per set of buffers."""
+        if rows not in self._views:
+            self._views[rows] = [self.model.ctx.first_rows(b, rows) for b in self._buffers]
+        return self._views[rows]
+
     # ---- rows ----------------------------------------------------------------
     def free_rows(self) -> list[int]:
         return [r for r in range(self.rows) if not self.open[r]]
@@ -175,8 +191,7 @@ class Batch:
         self._written[:rows] = [True] * rows
         try:
             with self.model.lock:
-                state = [self.model.ctx.first_rows(b, rows) for b in self.buffers]
-                logits = self.model.ctx.call(name, inputs, state)
+                logits = self.model.ctx.call(name, inputs, self._state_for(rows))
         except BaseException as e:
             self.broken = f"{name} failed: {type(e).__name__}: {e}"
             raise
@@ -192,7 +207,7 @@ class Batch:
     # ---- state ---------------------------------------------------------------
     def replace_state(self, buffers: list[Any]) -> None:
         """Put whole state buffers in place of this batch's (a restored snapshot); every row counts as written."""
-        self.buffers = list(buffers)
+        self.buffers = buffers
         self._written = [True] * self.rows
         self.broken = None
 

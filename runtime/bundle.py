@@ -601,12 +601,6 @@ def kv_tiles_input(end: int, slots: int) -> np.ndarray:
     return np.empty((0, kv_tile_count(end, slots)), np.int8)
 
 
-def prefill_inputs(tokens: np.ndarray, start_pos: np.ndarray, n_valid: np.ndarray, slots: int) -> list[np.ndarray]:
-    """prefill's inputs before the state: tokens, start_pos, n_valid and kv_tiles (up to the furthest row)."""
-    end = int(np.max(start_pos + n_valid)) if start_pos.size else 1
-    return [tokens, start_pos, n_valid, kv_tiles_input(end, slots)]
-
-
 def decode_inputs(tokens: np.ndarray, pos: np.ndarray) -> list[np.ndarray]:
     """decode's inputs before the state: tokens, pos and, for one row, pos_shape."""
     extra = [position_shape(int(pos[0]))] if takes_position_shape(tokens.shape[0]) else []

@@ -35,7 +35,9 @@ from typing import Any
 
 import numpy as np
 
-RECURRENT_KINDS = ("gdn_recurrent", "gdn_conv")
+from .bundle import LAYER_TYPES
+
+RECURRENT_KINDS = LAYER_TYPES["gdn"]  # the state kinds of a gated-delta-net layer
 SEQ_DIM = 2  # KV caches are [rows, kv heads, slots, head dim]
 
 
