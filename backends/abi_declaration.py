@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from ..runtime.bundle import DECLARATION_KEY
+from ..contract.entry_points import DECLARATION_KEY
 
 _FUNC_RE = re.compile(r"^  util\.func public @([\w$.]+)\(", re.M)
 _TORCH_FUNC_RE = re.compile(r"^\s*func\.func @([\w$.]+)\((.*?)\) ->", re.M)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import json
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -14,6 +13,9 @@ from pathlib import Path
 import iree.compiler as ireec
 import iree.runtime as rt
 
+from ..contract.entry_points import row_entry_name
+from ..contract.manifest import FileEntry, Manifest, ModuleEntry, ParamsEntry, sha256_file
+from ..contract.vmfb import vmfb_info
 from ..dtypes import FLOAT_DTYPES, DTypeError
 from ..frontend.export import ENTRY_POINTS, export_entry_point, parameter_target
 from ..frontend.fingerprint import checkpoint_fingerprint
@@ -24,16 +26,6 @@ from ..kernels.isa import FLOAT_KERNELS, Int8Kernels
 from ..kernels.qlinear import expand_qlinear_ops
 from ..kernels.select import choose_kernels, cpu_has_int8_dot
 from ..passes.manager import CompileUnit, run_pipeline
-from ..runtime.bundle import (
-    FORMAT,
-    FORMAT_VERSION,
-    MANIFEST,
-    kv_tile_size,
-    row_entry_name,
-    seal_manifest,
-    sha256_file,
-    vmfb_info,
-)
 from .abi_declaration import declare_entry_points
 from .compile_cache import CompileCache
 from .compile_pool import pool_size, run_concurrently
@@ -85,7 +77,7 @@ class StageClock:
             self._current = None
 
     def summary(self) -> str:
-        """`stage times: export 6.8 s [prefill 3.5, decode 3.3], passes 3.9 s, ... (total 34.7 s)`."""
+        """One line, `stage times: export N s [prefill N, decode N], passes N s, ... (total N s)`."""
         self._close()
         total = sum(self.times.values())
 
@@ -107,8 +99,8 @@ def compile_torch_module(mlir: str, flags: list[str]) -> tuple[bytes, ElideRepor
 
 
 # Prefill chunk lengths. A quantized linear dequantizes each weight once per prefill call
-# (kernels/qlinear.py), so longer chunks amortize it: SmolLM2 Q4_1 prefilled 220 tok/s
-# in chunks of 16 and 369 in chunks of 64, Gemma 3 270M 226 and 346 (docs/benchmarks.md).
+# (kernels/qlinear.py), so longer chunks amortize it (docs/history.md, "Prefill chunk, and how
+# the kernels changed the figures").
 FLOAT_CHUNK = 16
 QUANTIZED_CHUNK = 64
 
@@ -136,8 +128,8 @@ def default_kv_dtype(loaded: LoadedModel, weights: str, dtype: str | None = None
     """The K/V cache type for --kv-dtype auto: float16 beside quantized weights, else the compute
     dtype (`dtype`; None: the model's).
 
-    Half the cache bytes at no cost in decode speed (SmolLM2-135M at 8192 slots: 57.2 vs
-    57.6 tok/s, docs/benchmarks.md), as llama.cpp does by default; the rounding (2^-11
+    Half the cache bytes at no measurable cost in decode speed (docs/models.md, "bf16 and f16
+    checkpoints"), as llama.cpp does by default; the rounding (2^-11
     relative) is far below the weights' own. Float bundles keep their dtype, so they stay
     within fp32 tolerance of the eager reference.
     """
@@ -239,10 +231,10 @@ def _fewer_collections() -> Iterator[None]:
 
     Tracing and lowering allocate millions of objects, and each full collection
     walks every live object, the loaded model's and, in a test session or a
-    server, everything else the process holds: a compile in a long-lived process
-    took up to 2.5x its time in a fresh one. What exists when the compile starts
-    is frozen (excluded from collections) until it ends; cycles made during the
-    compile are still collected, in larger batches.
+    server, everything else the process holds, so a compile in a long-lived process
+    took far longer than in a fresh one (docs/benchmarks.md, "Compile time"). What
+    exists when the compile starts is frozen (excluded from collections) until it
+    ends; cycles made during the compile are still collected, in larger batches.
     """
     saved = gc.get_threshold()
     gc.freeze()
@@ -320,53 +312,24 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
     unit.programs.clear()  # what iree-compile needs is in the MLIR text now
     modules = _compile_targets(options.targets, activations, imported, params_sha, out, clock, progress)
 
-    tokenizer_name = None
+    tokenizer = None
     if loaded.tokenizer_json is not None:
-        tokenizer_name = "tokenizer.json"
-        (out / tokenizer_name).write_text(loaded.tokenizer_json)
-    manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "source": loaded.source,
-        "model": cfg.to_dict(),
-        "batch": options.batch,
-        # the row counts with entry points of their own: prefill/decode take `batch` rows,
-        # prefill_rows{k}/decode_rows{k} the first k rows of the same state buffers
-        "row_counts": row_counts(options),
-        "prefill_chunk": chunk,
-        "entry_points": {
-            "prefill": "prefill(tokens[B,C] i64, start_pos[B] i64, n_valid[B] i64, kv_tiles[0,T] i8, state...) "
-                       "-> logits[B,V] f32",
-            "decode": "decode(tokens[B,1] i64, pos[B] i64, pos_shape[0,pos[0]] i8 (B = 1 only), state...) -> logits[B,V] f32",
-            **({"prefill_rows{k}, decode_rows{k}": "prefill and decode over the first k rows of the state buffers "
-                "(B = k), for k in row_counts below batch"} if options.batch > 1 else {}),
-        },
-        # prefill's attention over full caches reads its kv_tiles input's T tiles of kv_tile slots:
-        # T = ceil(the chunk's end / kv_tile), so its work follows the tokens held.
-        "kv_tile": kv_tile_size(cfg.max_context),
-        "state": [
-            {
-                "name": s.name,
-                "shape": list(s.shape),
-                "dtype": s.dtype,
-                "nbytes": s.nbytes,
-                "layers": [s.layer],
-                "kind": s.kind,
-            }
-            for s in unit.state_specs
-        ],
-        "state_bytes": sum(s.nbytes for s in unit.state_specs),
-        "params": {"file": params_file.name, "sha256": params_sha, "size": params_file.stat().st_size,
-                   "scope": "model", "count": params_count},
-        "modules": modules,
-        "tokenizer": tokenizer_name,
-        "tokenizer_sha256": sha256_file(out / tokenizer_name) if tokenizer_name else None,
-        "tokenizer_size": (out / tokenizer_name).stat().st_size if tokenizer_name else None,
-        "chat_template": loaded.chat_template,
-        "passes": report,
-        "versions": _versions(),
-    }
-    (out / MANIFEST).write_text(json.dumps(seal_manifest(manifest), indent=2))
+        (out / "tokenizer.json").write_text(loaded.tokenizer_json)
+        tokenizer = FileEntry.of(out / "tokenizer.json")
+    Manifest(
+        model=cfg.to_dict(),
+        batch=options.batch,
+        prefill_chunk=chunk,
+        state=list(unit.state_specs),
+        modules=modules,
+        row_counts=row_counts(options),
+        params=ParamsEntry(params_file.name, params_sha, params_file.stat().st_size, count=params_count),
+        tokenizer=tokenizer,
+        chat_template=loaded.chat_template,
+        source=loaded.source,
+        passes=report,
+        versions=_versions(),
+    ).write(out)
     progress(clock.summary())
     progress(f"bundle written to {out} in {time.time() - t0:.0f} s")
     return out
@@ -381,7 +344,7 @@ def module_names(targets: list[Target]) -> list[tuple[str, str]]:
 
 
 def _compile_targets(targets: list[Target], activations: list[str], imported: dict, params_sha: str, out: Path,
-                     clock: StageClock, progress: Progress) -> dict[str, dict]:
+                     clock: StageClock, progress: Progress) -> dict[str, ModuleEntry]:
     """Stage 4: each target's kernels expanded and its iree-compile run, several at once; the manifest's modules."""
     jobs = list(zip(targets, activations, module_names(targets)))
     size = pool_size(len(jobs))
@@ -400,26 +363,18 @@ def _compile_targets(targets: list[Target], activations: list[str], imported: di
         vmfb, inplace = compile_torch_module(target_mlir, target.flags)
         return int8, sites, vmfb, inplace, time.time() - t1
 
-    modules = {}
+    modules: dict[str, ModuleEntry] = {}
     for (target, acts, (key, name)), (int8, sites, vmfb, inplace, seconds) in run_concurrently(
             build, jobs, size.workers):
         (out / name).write_bytes(vmfb)
-        modules[key] = {
-            "file": name,
-            "sha256": sha256_file(out / name),
-            "size": len(vmfb),
-            "params_sha256": params_sha,
-            "device": target.device,
-            "cpu": target.cpu,
-            "flags": target.flags,
-            "description": target.description,
-            "arch": target.arch,
-            "cpu_flags": target.cpu_flags,
-            "activations": acts,
-            "kernel_isa": int8.record(),  # which int8 kernels (or f32) decode and prefill products took
-            "kernels": dict(sorted(sites.items())),  # how many sites took each kernel (kernels/sites.py)
-            "executable_formats": vmfb_info(out / name).formats,
-        }
+        modules[key] = ModuleEntry(
+            file=name, sha256=sha256_file(out / name), size=len(vmfb), params_sha256=params_sha,
+            device=target.device, cpu=target.cpu, flags=target.flags, description=target.description,
+            arch=target.arch, cpu_flags=target.cpu_flags, activations=acts,
+            kernel_isa=int8.record(),  # which int8 kernels (or f32) decode and prefill products took
+            kernels=dict(sorted(sites.items())),  # how many sites took each kernel (kernels/sites.py)
+            executable_formats=vmfb_info(out / name).formats,
+        )
         progress(f"      {name} ({target.description}): {len(vmfb) / 1e6:.1f} MB in {seconds:.0f} s; "
                  f"{inplace.elided} cache update(s) kept in place, {inplace.kept} state result(s) placed by IREE")
         clock.advance(target.cpu if target.device == "cpu" and target.cpu else target.device, seconds)

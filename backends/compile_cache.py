@@ -40,8 +40,8 @@ from typing import Any
 from ..frontend.shipped import cache_dir
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
-SOURCE_FOLDERS = ("frontend", "passes", "kernels", "backends")
-SOURCE_FILES = ("dtypes.py", "runtime/bundle.py")
+SOURCE_FOLDERS = ("contract", "frontend", "passes", "kernels", "backends")
+SOURCE_FILES = ("dtypes.py",)
 DEFAULT_MAX_GB = 20.0
 ENTRY_FILE = "entry.json"
 BUNDLE_DIR = "bundle"

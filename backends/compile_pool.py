@@ -2,9 +2,9 @@
 
 `iree.compiler.compile_str` runs the iree-compile binary in a subprocess, so a
 thread per module is enough to overlap them. The bound is the machine: one run
-per core, and one per PEAK_BYTES of available memory (an iree-compile of
-SmolLM2-135M peaks near 1 GB), so several modules never push the build into swap
-or the OOM killer.
+per core, and one per PEAK_BYTES of available memory (one iree-compile's peak:
+docs/backends.md, "One bundle for every x86 host"), so several modules never
+push the build into swap or the OOM killer.
 """
 
 from __future__ import annotations

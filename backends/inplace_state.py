@@ -13,8 +13,8 @@ The scatter already writes into the caller's buffer (its result is tied to the
 imported %t), but the alias re-imports %arg as a separate resource, which IREE
 3.13 cannot prove is the same buffer: it copies the whole cache on every call.
 For a global layer that copy is max_context slots per step, the largest cost
-of a decode step in a long-context bundle (SmolLM2 at 8192 slots: 250 ms of a
-260 ms step).
+of a decode step in a long-context bundle (docs/architecture.md, "Attention that
+reads the tokens held").
 
 Run between `--compile-to=input` and `--compile-from=input`, this rewrite drops
 exactly those aliases whose value is a scatter or slice update into the

@@ -1,10 +1,10 @@
 """Entry points -> core-aten programs for import, decomposed node by node.
 
 `ExportedProgram.run_decompositions` retraces the whole program through
-functionalisation: on SmolLM2 it took about 9 s per entry point. The exported
-graph is already functional, so decomposing it needs no retrace: every node
-whose op the decomposition table rewrites is expanded in place from one trace
-of that op's decomposition per distinct argument signature (`expand_ops`).
+functionalisation, which made lowering slow (docs/benchmarks.md, "Compile
+time"). The exported graph is already functional, so decomposing it needs no
+retrace: every node whose op the decomposition table rewrites is expanded in
+place from one trace of that op's decomposition per distinct argument signature (`expand_ops`).
 A model's layers repeat, so a few dozen traces serve thousands of nodes.
 `tests/test_lowering.py` checks the result against `run_decompositions`:
 the same ops and bit-identical eager logits and state.

@@ -21,8 +21,8 @@ import functools
 import re
 from dataclasses import dataclass, field
 
+from ..contract.isa import ARCH_ISA_FLAGS, isa_flags
 from ..errors import FoldlineError
-from ..runtime.bundle import ARCH_ISA_FLAGS, isa_flags
 
 # x86 ISA extensions (cpuinfo spelling) that LLVM may use when compiling for a named/host CPU;
 # the runtime refuses a module whose recorded flags this CPU lacks.
@@ -88,8 +88,9 @@ def _host_isa_flags() -> list[str]:
 def llvm_cpu_features(cpu: str, triple: str | None = None) -> str:
     """LLVM's feature string for a named CPU (`+avx,+avx2,...`), as iree-compile resolves it.
 
-    Asks LLVM itself (about 0.1 s): no table of CPU names to keep up to date. An
-    unknown x86 CPU name is a TargetError listing the names LLVM accepts.
+    Asks LLVM itself, with one tiny compile (docs/backends.md, "CPU"): no table of CPU
+    names to keep up to date. An unknown x86 CPU name is a TargetError listing the
+    names LLVM accepts.
     """
     import iree.compiler as ireec
 
@@ -119,7 +120,7 @@ def cpu_target(cpu: str = "host", triple: str | None = None) -> Target:
     dying with SIGILL, and the int8 kernels follow them (kernels/select.py).
     """
     # Vectorized reductions: without it each reduction (the fused quantized matmuls above all)
-    # lowers to a chain of scalar adds, 3.5-9x slower (kernels/qlinear.py).
+    # lowers to a chain of scalar adds, several times slower (docs/quantization.md, "The kernels").
     # No constant-expression hoisting: it would move the prefill's per-call dequantization of
     # quantized weights into a load-time initializer, a float copy of every weight in memory.
     flags = ["--iree-hal-target-backends=llvm-cpu", "--iree-llvmcpu-reassociate-fp-reductions=true",

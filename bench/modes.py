@@ -1,9 +1,9 @@
 """The kinds of `foldline bench` run, one function each; the CLI (tools/bench_cmd.py) parses and calls them.
 
 - throughput: prefill and decode of one prompt, foldline beside its peers, in
-  alternating rounds (on a shared 2-core host one 128-token decode moves by
-  10-20% between runs of the same engine, so a single pair of runs can rank
-  two engines either way; alternating rounds meet the same host load);
+  alternating rounds (on a shared host one 128-token decode moves between runs
+  of the same engine by enough that a single pair of runs can rank two engines
+  either way, docs/history.md; alternating rounds meet the same host load);
 - held: decode speed with N tokens already held;
 - streams: aggregate decode of N concurrent streams through the scheduler;
 - chat: a multi-turn chat, with the prompt cache on and off.
@@ -17,7 +17,7 @@ import sys
 from argparse import Namespace
 from typing import Any
 
-from ..runtime.bundle import Manifest
+from ..contract.manifest import Manifest
 from .chat import bench_chat_llama_cpp, chat_script, check_fits
 from .child import BenchError, PeerUnavailable, run_foldline
 from .engines import prompt_ids
@@ -61,7 +61,7 @@ def _write_json(args: Namespace, payload: dict[str, Any]) -> None:
 
 
 def _model_name(manifest: Manifest, args: Namespace) -> str:
-    return str(manifest.config.get("name", args.bundle))
+    return str(manifest.model_name or args.bundle)
 
 
 def run_throughput(args: Namespace, manifest: Manifest) -> int:

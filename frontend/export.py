@@ -8,9 +8,9 @@ writes into the caller's buffers.
 
 Each entry point is traced once, straight to the functional ATen graph the
 passes read (`_export` with dispatch-level tracing). The public two-step route,
-`torch.export.export` then `run_decompositions({})`, traces the model twice and
-took twice as long for the same graph; `aten.linear` is kept as one op, as
-`run_decompositions` keeps it, because the passes anchor on it.
+`torch.export.export` then `run_decompositions({})`, traces the model twice for
+the same graph (docs/benchmarks.md, "Compile time"); `aten.linear` is kept as one
+op, as `run_decompositions` keeps it, because the passes anchor on it.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from torch.export.exported_program import (
     _special_op_to_preserve_cia,
 )
 
-from ..runtime.bundle import kv_tile_size, takes_position_shape
-from .model import CausalLM, StateSpec, new_state
+from ..contract.entry_points import kv_tile_size, takes_position_shape
+from ..contract.state import StateBuffer
+from .model import CausalLM, new_state
 
 ENTRY_POINTS = ("prefill", "decode")
 # The attribute under which each entry point holds the CausalLM: its parameters are
@@ -51,7 +52,7 @@ class EntryPoint:
     program: ExportedProgram
     batch: int
     chunk: int
-    state_specs: list[StateSpec]
+    state_specs: list[StateBuffer]
 
 
 class _ChunkEntry(nn.Module):
@@ -70,7 +71,7 @@ class _PrefillEntry(_ChunkEntry):
     """prefill(tokens[B,C], start_pos[B], n_valid[B], kv_tiles[0, T], state...).
 
     `kv_tiles` holds no data: its second dimension T says how many tiles of the
-    full caches the chunk's attention reads (runtime.bundle.kv_tile_count), so
+    full caches the chunk's attention reads (contract.entry_points.kv_tile_count), so
     the work follows the tokens held, not the cache size, from one function.
     """
 

@@ -22,23 +22,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..contract.state import StateBuffer, layer_state
 from . import ops  # noqa: F401  (registers torch.ops.foldline.gdn_*)
 from .config import ModelConfig
-from .types import ChunkContext, StateSpec
+from .types import ChunkContext
 
 # ModelConfig.gdn_l2norm: "hf" -> x * rsqrt(sum x^2 + 1e-6) (HF / FLA),
 # "ggml" -> x / max(|x|, rms_eps) (llama.cpp ggml_l2_norm).
 HF_L2NORM_EPS = 1e-6
 
 
-def gdn_state_specs(cfg: ModelConfig, layer_idx: int, batch: int) -> list[StateSpec]:
-    """The two state buffers of GDN layer `layer_idx`; neither grows with context."""
-    ssm = (batch, cfg.gdn_num_v_heads, cfg.gdn_head_v_dim, cfg.gdn_head_k_dim)
-    conv = (batch, cfg.gdn_conv_channels, cfg.gdn_conv_kernel - 1)
-    return [
-        StateSpec(f"layer{layer_idx}.ssm", ssm, "float32", layer_idx, "gdn_recurrent"),
-        StateSpec(f"layer{layer_idx}.conv", conv, cfg.dtype, layer_idx, "gdn_conv"),
-    ]
+def gdn_state_specs(cfg: ModelConfig, layer_idx: int, batch: int) -> list[StateBuffer]:
+    """The two state buffers of GDN layer `layer_idx` (recurrent, conv); neither grows with context."""
+    return layer_state(cfg.to_dict(), layer_idx, batch, layer_type="gdn")
 
 
 def gdn_norm_epsilon(cfg: ModelConfig) -> float:

@@ -1,8 +1,8 @@
 """GGUF files (llama.cpp's format): a memory-mapped reader of metadata, tensor directory and bytes.
 
 Metadata and tensor directory are parsed here with numpy (gguf's own
-GGUFReader builds a Python object per array element, which takes tens of
-seconds on a 262k-token vocabulary); the format's enums and the
+GGUFReader builds a Python object per array element, far too slow for a
+262k-token vocabulary: docs/models.md, "Loading"); the format's enums and the
 dequantization kernels are gguf's (`gguf.quants.dequantize`). Nothing here
 knows an architecture: `frontend/arch/` says what the tensors mean.
 """

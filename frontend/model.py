@@ -19,12 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..runtime.bundle import kv_tile_size
+from ..contract.entry_points import kv_tile_size
+from ..contract.state import StateBuffer, state_buffers
 from . import ops  # noqa: F401  (registers torch.ops.foldline.*)
 from .config import ModelConfig
-from .gdn import GatedDeltaNet, gdn_state_specs
+from .gdn import GatedDeltaNet
 from .layers import RMSNorm, rotary
-from .types import TORCH_DTYPES, ChunkContext, StateSpec
+from .types import TORCH_DTYPES, ChunkContext
 
 
 class Attention(nn.Module):
@@ -154,7 +155,7 @@ class CausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def state_specs(self, batch: int) -> list[StateSpec]:
+    def state_specs(self, batch: int) -> list[StateBuffer]:
         return state_specs(self.cfg, batch)
 
     def embed(self, tokens: Tensor) -> Tensor:
@@ -206,18 +207,9 @@ class CausalLM(nn.Module):
         return self.head(self.norm(x)).float()
 
 
-def state_specs(cfg: ModelConfig, batch: int) -> list[StateSpec]:
-    """Two buffers per layer, in layer order; the reference form keeps full-length caches."""
-    specs: list[StateSpec] = []
-    for i, kind in enumerate(cfg.layer_types):
-        if kind == "gdn":
-            specs.extend(gdn_state_specs(cfg, i, batch))
-            continue
-        shape = (batch, cfg.num_kv_heads, cfg.max_context, cfg.head_dim)
-        skind = "local_kv" if kind == "local" else "global_kv"
-        specs.append(StateSpec(f"layer{i}.k", shape, cfg.cache_dtype, i, skind))
-        specs.append(StateSpec(f"layer{i}.v", shape, cfg.cache_dtype, i, skind))
-    return specs
+def state_specs(cfg: ModelConfig, batch: int) -> list[StateBuffer]:
+    """Two buffers per layer, in layer order; the reference form keeps full-length caches (contract/state.py)."""
+    return state_buffers(cfg.to_dict(), batch)
 
 
 def init_random(model: CausalLM, seed: int = 0, std: float = 0.08) -> CausalLM:
@@ -256,7 +248,7 @@ def build_model(cfg: ModelConfig, seed: int | None = 0) -> CausalLM:
     return model.to(TORCH_DTYPES[cfg.dtype]).eval()
 
 
-def new_state(cfg: ModelConfig, batch: int, specs: list[StateSpec] | None = None) -> list[Tensor]:
+def new_state(cfg: ModelConfig, batch: int, specs: list[StateBuffer] | None = None) -> list[Tensor]:
     specs = specs if specs is not None else state_specs(cfg, batch)
     return [torch.zeros(s.shape, dtype=TORCH_DTYPES[s.dtype]) for s in specs]
 
@@ -281,8 +273,8 @@ def _no_initialisers() -> Iterator[None]:
 def skeleton(cfg: ModelConfig) -> CausalLM:
     """The config's module on the meta device, its initialisers skipped: names and shapes, no data.
 
-    A loader then assigns every weight. Running nn.Linear's initialiser on meta tensors
-    cost Gemma 3 270M 3.8 s of nothing; without it the build takes 0.1 s.
+    A loader then assigns every weight. nn.Linear's initialiser on meta tensors computes
+    nothing and took most of the build's time (docs/benchmarks.md, "Compile time").
     """
     with torch.device("meta"), _no_initialisers():
         return CausalLM(cfg)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..runtime.bundle import kv_tile_size
+from ..contract.entry_points import kv_tile_size
 
 MASK_VALUE = -1e30  # finite: a fully masked padded row stays finite, never NaN
 
@@ -52,7 +52,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, kv_m
     One query token (decode) is written as broadcast products summed over one axis,
     which IREE fuses into reductions that read each cache slot once in its stored
     layout; matmuls would first materialise K transposed and repeated per query head
-    (4x slower per step on CPU). Chunks keep the matmul form, which tiles better.
+    (several times slower per step on CPU: docs/history.md, "Where the time goes, and
+    what is next"). Chunks keep the matmul form, which tiles better.
     """
     n_kv = k.shape[1]
     qg = _group_query(q, n_kv, kv_mapping).to(torch.float32)  # [B, Hkv, rep, C, D]
@@ -124,7 +125,8 @@ def _first_slots(cache: Tensor, length) -> Tensor:
 
     Sliced as [tiles of `tile` slots][:T] rather than [:T * tile], the slots keep a
     static inner dimension: IREE's CPU codegen then tiles the products over the
-    slots as it does for a static length (a plain dynamic slice cost 1.5x per slot).
+    slots as it does for a static length (a plain dynamic slice costs more per slot:
+    docs/architecture.md, "Attention that reads the tokens held").
     """
     slots = cache.shape[2]
     if isinstance(length, int):
@@ -153,7 +155,7 @@ def cache_attention_impl(
     `length` below the cache size is a promise by the caller that every position of
     the chunk is below it: the work then follows the tokens held, not the cache size.
     In an exported entry point it is symbolic, a whole number of tiles
-    (runtime.bundle.kv_tile_size) known only at the call.
+    (contract.entry_points.kv_tile_size) known only at the call.
     """
     slots = torch.arange(k_cache.shape[2], dtype=start_pos.dtype, device=start_pos.device)
     # the key positions are cut as the caches are, so every read has one (symbolic) length

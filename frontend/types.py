@@ -1,4 +1,4 @@
-"""Shared frontend types: dtypes, state buffer specs, the chunk context, a loaded model.
+"""Shared frontend types: dtypes, the chunk context, a loaded model.
 
 A leaf module: it imports nothing from the rest of foldline, so every other
 frontend module (the reference modules, the GDN mixer, the loaders, the passes)
@@ -7,7 +7,6 @@ can use these types without an import cycle.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..dtypes import DTYPES, FLOAT_DTYPES, itemsize
+from ..dtypes import DTYPES, FLOAT_DTYPES
 from .config import ModelConfig
 from .deferred_weights import blocks_of, mark_deferred
 
@@ -24,21 +23,6 @@ from .deferred_weights import blocks_of, mark_deferred
 TORCH_DTYPES = {name: getattr(torch, name) for name in FLOAT_DTYPES}
 # torch dtype -> its MLIR element spelling (f32, f16, bf16, i64, ...), for every dtype foldline knows.
 MLIR_ELEMENTS = {getattr(torch, d.name): d.mlir for d in DTYPES.values()}
-
-
-@dataclass(frozen=True)
-class StateSpec:
-    """One runtime-owned state buffer."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    layer: int
-    kind: str  # "global_kv", "local_kv", "gdn_recurrent", "gdn_conv"
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * itemsize(self.dtype)
 
 
 @dataclass

@@ -3,9 +3,9 @@
 A decode step attends one query token per head over the cache it has just
 written. Decomposed into aten ops, IREE runs that as three dispatches per
 layer (scores, softmax, weighted sum of values), and its matmul-like
-reductions over 3-4 query heads read the f16 cache at ~7 GB/s: on SmolLM2
-at 256 slots the three took 0.68 ms of a 7.5 ms step, on Gemma 3 270M 0.52
-of 10.4 ms, plus ~5 us of task-system cost per dispatch.
+reductions over 3-4 query heads read the f16 cache far below the memory's
+bandwidth, each dispatch adding the task system's own cost
+(docs/architecture.md, "Decode attention on CPU targets").
 
 The decode programs keep `foldline::cache_attention` and
 `foldline::ring_decode_attention` as ops (backends/importer.py), which reach

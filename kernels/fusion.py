@@ -1,10 +1,10 @@
 """What a one-row qlinear can take into its int8-dot kernel: the norm or gated activation before it, the add after it.
 
-A decode step of a small model is mostly dispatches, not bytes: on SmolLM2
-575 per step, ~4 us apiece in IREE's task system against 1-40 us of work
-for the projections. Three patterns around the projections are small
-dispatches of their own that the int8-dot kernel (int8_decode.py) can do on
-the way in or out:
+A decode step of a small model is mostly dispatches, not bytes: each costs
+IREE's task system as much as the smaller projections' own work
+(docs/quantization.md, "What the decode kernel takes in around it"). Three
+patterns around the projections are small dispatches of their own that the
+int8-dot kernel (int8_decode.py) can do on the way in or out:
 
 - the RMSNorm in front (a sum-of-squares dispatch and a scaling dispatch):
   `x = (h * rsqrt(mean(h^2, -1) + eps)) * (w + offset)`, as RMSNorm in

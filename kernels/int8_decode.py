@@ -1,12 +1,13 @@
 """Decode kernels for x86 CPUs with AVX-512 VNNI or AVX2: 8-bit activations against the narrow codes.
 
 The float decode kernel (qlinear.half_group_mlir) converts every code to
-float32 before its multiply: on SmolLM2 its Q4 matvecs ran at 10-12 GB/s of
-codes, bounded by instructions, not by memory. These kernels do what
-llama.cpp does on the same CPUs: the activation row is quantized to int8 per
-weight group (scale max|x| / 127, round half to even), and the group's dot
-product is one `vpdpbusd` per 64 codes (unsigned bytes times signed bytes,
-four products summed into each 32-bit lane), then scaled in float:
+float32 before its multiply, so its Q4 matvecs are bounded by instructions,
+not by memory (docs/history.md, "Where the time goes, and what is next").
+These kernels do what llama.cpp does on the same CPUs: the activation row is
+quantized to int8 per weight group (scale max|x| / 127, round half to even),
+and the group's dot product is one `vpdpbusd` per 64 codes (unsigned bytes
+times signed bytes, four products summed into each 32-bit lane), then scaled
+in float:
 
     y[n] = sum_g s[n, g] * dx[g] * sum_k q[n, g, k] * xq[g, k]   (+ m[n, g] * dx[g] * sum_k xq[g, k])
 
@@ -41,9 +42,9 @@ from .mlir import as_tensor, codes_dims, f32_bits, f32_const, memref_type, strea
 from .x86 import AVX512_VNNI
 
 # Workgroups per call below LARGE_N rows: every workgroup quantizes (and normalizes) the whole
-# activation row again, a fifth of its instructions at 32 rows of K = 576, and each costs the task
-# system a tile; 8 (N / 8 rows each) took SmolLM2's decode step ~10% below 32-64-row tiles
-# (docs/quantization.md). Larger matrices take 1024 rows per workgroup.
+# activation row again, a sizeable share of its instructions at a few dozen rows, and each costs the
+# task system a tile; 8 (N / 8 rows each) made SmolLM2's decode step faster than 32-64-row tiles
+# (docs/quantization.md, "The kernels"). Larger matrices take 1024 rows per workgroup.
 WORKGROUPS = 8
 ROWS_PER_WORKGROUP_LARGE = 1024
 LARGE_N = 8192
@@ -378,7 +379,8 @@ def _row(s: Int8DotShape) -> list[str]:
         total = f"%sum_a{c}"
     lines.append(f"%sum = vector.reduction <add>, {total} : vector<16xf32> into f32")
     if s.has_min:
-        # sum_g m[n, g] * dx[g] * sum_k xq[g, k]: one short dot per row (in the steps it cost a third of the work)
+        # sum_g m[n, g] * dx[g] * sum_k xq[g, k]: one short dot per row, not a term of every step
+        # (docs/quantization.md, "The kernels")
         G, st = s.groups, s.scale_type
         lines.append(f"%mrow = vector.load %mins[%row, %c0] : {_scales_memref(s)}, vector<{G}x{st}>")
         mrow = "%mrow"
@@ -402,10 +404,9 @@ def int8_dot_executable(s: Int8DotShape) -> str:
 
     Each workgroup walks its rows one at a time, each row's codes in order:
     interleaving four rows' reads (as the float kernel's row tiles do) halves
-    the bandwidth this machine's DRAM gives two threads (a C loop reading the
-    same bytes: ~16 GB/s interleaved, ~28 GB/s row by row). The steps of a row
-    are unrolled into CHAINS independent accumulators, so consecutive rows
-    overlap in the out-of-order core.
+    the bandwidth DRAM gives two threads (docs/quantization.md, "Rows one at a
+    time"). The steps of a row are unrolled into CHAINS independent
+    accumulators, so consecutive rows overlap in the out-of-order core.
     """
     if not supports(s):
         raise ValueError(f"no int8-dot kernel for {s}")

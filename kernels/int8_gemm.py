@@ -1,17 +1,18 @@
 """Prefill kernels for x86 CPUs with VNNI or AVX2: a chunk of int8 activations against the narrow codes.
 
 A prefill chunk (M rows, M a multiple of 16) otherwise dequantizes each weight
-to a float tile and runs IREE's float32 matmul, which on two Zen 4 cores
-peaks near 110 GFLOP/s. `vpdpbusd` does 64 byte products per instruction
-against the 16 of a float32 FMA. The decode kernel's layout (the 64 codes of
-one output row against 64 activations, reduced across lanes per group) needs
-a float scale, a multiply and a conversion per 64 products, as many vector
-instructions per product as float32. This kernel turns the product around:
-the 16 lanes of a vector are 16 activation rows, each lane holding the four
-int8 activations k..k+3 of its row, and one output channel's four codes are
-broadcast across the lanes. Each `vpdpbusd` then adds 4 products to 16
-independent int32 sums, and an int32 sum lives for a whole group of codes
-(8 instructions for a group of 32) before it is scaled once:
+to a float tile and runs IREE's float32 matmul, which is compute-bound there
+(docs/history.md, "Where the time goes, and what is next"). `vpdpbusd` does 64
+byte products per instruction against the 16 of a float32 FMA. The decode
+kernel's layout (the 64 codes of one output row against 64 activations,
+reduced across lanes per group) needs a float scale, a multiply and a
+conversion per 64 products, as many vector instructions per product as
+float32. This kernel turns the product around: the 16 lanes of a vector are 16
+activation rows, each lane holding the four int8 activations k..k+3 of its
+row, and one output channel's four codes are broadcast across the lanes. Each
+`vpdpbusd` then adds 4 products to 16 independent int32 sums, and an int32 sum
+lives for a whole group of codes (8 instructions for a group of 32) before it
+is scaled once:
 
     y[m, n] = sum_g s[n, g] dx[m, g] sum_k q[n, g, k] xq[m, g, k]   (+ m[n, g] dx[m, g] sum_k xq[m, g, k])
 
@@ -28,7 +29,7 @@ Two dispatches per call:
   runs 2 x 4 blocks (32 rows, 4 channels: 8 int32 and 8 float accumulators in
   registers) over every group, and writes its [NT, M] sums into y [M, N]
   transposed in registers (a transpose as a separate op, fused into the
-  next elementwise dispatch, cost IREE 300 us per call for Gemma's gate/up).
+  next elementwise dispatch, was slow in IREE: docs/quantization.md).
 
 The dot product is the shape's ISA form (kernels/isa.py): with VNNI (512- or
 256-bit) the unpacked codes are unsigned bytes against the activations, q8

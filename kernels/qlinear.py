@@ -28,17 +28,17 @@ replaces each one with a `util.call` to a generated `util.func`:
   int8 products with 16 rows per vector);
 - other prefill chunks on CPU, and every call on GPU targets:
   `dequantize_matmul_mlir`, the weight dequantized into a float tile once per
-  call and multiplied by all M rows. On SmolLM2 this took 7.8 CPU ms per
-  prefill token against 30.9 for the fused form at M = 16 (llama.cpp: 7.4); the
-  fused form's CPU-sized vectors do not lower to SPIR-V. CPU modules compile
-  without constant-expression hoisting, so the tile is never moved into a
-  load-time float copy of every weight.
+  call and multiplied by all M rows: far less CPU per prefill token than the
+  fused form (docs/quantization.md, "Prefill chunks (M > 1) ...: dequantize,
+  then matmul"), and the fused form's CPU-sized vectors do not lower to
+  SPIR-V. CPU modules compile without constant-expression hoisting, so the
+  tile is never moved into a load-time float copy of every weight.
 
-Alternatives measured with IREE 3.13 on this machine:
+Alternatives that lose with IREE 3.13 (docs/quantization.md gives the figures):
 
 - a dequant generic followed by a matmul for decode is not fused by default
   (`--iree-dispatch-creation-block-matmul-producer-fusion`, on in 3.13); with
-  the fusion forced it runs 5-17x slower than the fused matvec;
+  the fusion forced it runs several times slower than the fused matvec;
 - nibble unpacking with shifts and masks in the torch graph is never fused;
   torch.uint4 does not import;
 - dequantizing to [N, K] with a block-scale map `k floordiv g` stops the
@@ -46,7 +46,7 @@ Alternatives measured with IREE 3.13 on this machine:
 
 CPU modules are compiled with `--iree-llvmcpu-reassociate-fp-reductions=true`
 (backends/targets.py): without it each reduction is a chain of scalar adds and
-the fused kernel runs 3.5-9x slower.
+the fused kernel runs several times slower.
 """
 
 from __future__ import annotations
@@ -312,7 +312,8 @@ def half_group_mlir(spec: QLinearSpec) -> str:
     (xa + xb)), so a vector step is elementwise over the lanes and the partial
     sums stay in registers for the whole row; a small generic adds the lanes.
     Against the form that scaled each code (w = s * q + m, then x * w) this
-    takes ~15-25% less time per call on this machine's kernels.
+    takes less time per call on every shape measured (docs/quantization.md,
+    "The kernels").
 
     IREE 3.13 constraints the form keeps: the accumulator is combined by an
     `addf` (a `math.fma` on %out is not a reduction the vectorizer recognises:
@@ -467,15 +468,15 @@ def dequantize_matmul_mlir(spec: QLinearSpec, q4_bytes: bool = True) -> str:
     """A dequantization generic to a float [N, K] tile, then a matmul: once per call.
 
     Used where the fused generic is the wrong tool: prefill chunks on CPU (M > 1,
-    where IREE 3.13 runs the fused form at a third of float32 matmul speed, while
-    dequantizing once per chunk costs ~4x less CPU per token) and GPU targets (the
+    where IREE 3.13 runs the fused form far below float32 matmul speed, so
+    dequantizing once per chunk costs less CPU per token) and GPU targets (the
     fused form's CPU-sized vectors do not lower to SPIR-V). With constant-expression
     hoisting off (backends/targets.py) the float tile lives only during the call.
 
     q4_bytes: q4 codes read as bytes, the nibble picked by the half index (a
     shift of 0 or 4): CPU. The i4 bitcast read transposed (byte b, nibble h
     written to [h, b]) is the portable form (GPU targets), and on CPU made
-    SmolLM2's prefill 20% slower.
+    prefill slower (docs/quantization.md, "The kernels").
     """
     m, n, k, g, half = spec.m, spec.n, spec.k, spec.groups, spec.group // 2
     scale_ins = ["%scales"] + (["%mins"] if spec.has_min else [])

@@ -12,8 +12,8 @@ from typing import Any
 
 from torch.export import ExportedProgram
 
+from ..contract.state import StateBuffer
 from ..frontend.config import ModelConfig
-from ..frontend.types import StateSpec
 
 
 @dataclass
@@ -22,7 +22,7 @@ class CompileUnit:
 
     config: ModelConfig
     programs: dict[str, ExportedProgram]
-    state_specs: list[StateSpec]
+    state_specs: list[StateBuffer]
     # Per-compile pass options, e.g. {"hadamard": "fold" | "online", "weights": "auto" | "int4"}.
     options: dict[str, Any] = field(default_factory=dict)
     # The checkpoint's own block-quantized weights (quant.QuantizedTensor) by lifted-parameter

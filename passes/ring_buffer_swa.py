@@ -38,6 +38,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Graph, Node
 
+from ..contract.state import SEQ_DIM, ring_buffer, ring_slots
 from ..frontend import ops  # noqa: F401  (registers torch.ops.foldline.*)
 from .graph_edit import (
     copy_graph_module,
@@ -47,7 +48,6 @@ from .graph_edit import (
     state_placeholder_names,
 )
 from .registry import CompileUnit, PassResult, register_pass
-from .state_layout import SEQ_DIM, ring_slots, ring_spec
 
 NAME = "ring-buffer-swa"
 
@@ -207,9 +207,9 @@ def ring_buffer_swa(unit: CompileUnit) -> PassResult:
         unit.programs[name], count = _rewrite(program, agreed, n_state)
         sites += count
     before = sum(s.nbytes for s in unit.state_specs)
-    unit.state_specs = [ring_spec(s, agreed[i]) if i in agreed else s for i, s in enumerate(unit.state_specs)]
+    unit.state_specs = [ring_buffer(s, agreed[i]) if i in agreed else s for i, s in enumerate(unit.state_specs)]
     saved = before - sum(s.nbytes for s in unit.state_specs)
-    layers = sorted({unit.state_specs[i].layer for i in agreed})
+    layers = sorted({layer for i in agreed for layer in unit.state_specs[i].layers})
     return PassResult(
         changed=True,
         sites=sites,

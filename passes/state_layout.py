@@ -1,60 +1,35 @@
 """State-buffer layout after the default pipeline, computed from a config alone.
 
-`ring-buffer-swa` retypes sliding-window caches with `ring_spec`, and
-`foldline plan` predicts the runtime's allocation with `planned_state_specs`,
+`ring-buffer-swa` retypes sliding-window caches with `contract.state.ring_buffer`,
+and `foldline plan` predicts the runtime's allocation with `planned_state_specs`,
 which applies the same function to the reference layout: the two cannot
 disagree about how many slots a ring has.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from ..contract.state import StateBuffer, planned_state_buffers, state_buffers
 from ..frontend.config import ModelConfig
-from ..frontend.model import state_specs
-from ..frontend.types import StateSpec
-
-SEQ_DIM = 2  # KV caches are [B, Hkv, slots, D]
 
 
-def ring_slots(window: int, length: int) -> int | None:
-    """Slots of a ring replacing a `length`-slot cache; None when a ring would not be smaller."""
-    if window <= 0 or window >= length:
-        return None
-    return window
-
-
-def ring_spec(spec: StateSpec, window: int) -> StateSpec:
-    """The ring form of a full-length sliding-window cache spec."""
-    slots = ring_slots(window, spec.shape[SEQ_DIM])
-    if slots is None:
-        return spec
-    shape = list(spec.shape)
-    shape[SEQ_DIM] = slots
-    return replace(spec, shape=tuple(shape), kind="local_kv")
-
-
-def reference_state_specs(cfg: ModelConfig, batch: int, context: int | None = None) -> list[StateSpec]:
+def reference_state_specs(cfg: ModelConfig, batch: int, context: int | None = None) -> list[StateBuffer]:
     """Every state buffer the reference modules use (all attention layers keep full caches)."""
-    if context is not None and context != cfg.max_context:
-        cfg = cfg.replace(max_context=context)
-    return state_specs(cfg, batch)
+    return state_buffers(cfg.to_dict(), batch, context)
 
 
-def planned_state_specs(cfg: ModelConfig, batch: int, context: int | None = None) -> list[StateSpec]:
+def planned_state_specs(cfg: ModelConfig, batch: int, context: int | None = None) -> list[StateBuffer]:
     """The buffers the runtime allocates after the default pipeline (local layers as rings)."""
-    return [
-        ring_spec(s, cfg.sliding_window) if s.kind == "local_kv" else s
-        for s in reference_state_specs(cfg, batch, context)
-    ]
+    return planned_state_buffers(cfg.to_dict(), batch, context)
 
 
 @dataclass(frozen=True)
 class StatePlan:
     """Compact (after passes) and naive (every layer full) state for one config."""
 
-    specs: list[StateSpec]
-    naive_specs: list[StateSpec]
+    specs: list[StateBuffer]
+    naive_specs: list[StateBuffer]
 
     @property
     def total_bytes(self) -> int:

@@ -1,7 +1,8 @@
 """The embedded runtime: numpy + iree.runtime (+ tokenizers for text). Never imports torch."""
 
+from ..contract.errors import BundleError
+from ..contract.manifest import Manifest
 from .batch import Batch, RowError
-from .bundle import BundleError, Manifest
 from .checks import ContextFullError, SessionStateError, TokenIdError
 from .model import Model, Session, Snapshot
 from .sampling import Sampler

@@ -21,6 +21,15 @@ state is never touched. A released row keeps its state and tokens:
 `open_row_reusing(prompt)` reopens the free row that serves the longest
 prefix of a new prompt (the prompt cache), else the lowest free row.
 
+One row's state travels on its own: `snapshot_row` copies that row's slice of
+every buffer to the host, `restore_row` writes one back into any row (in place
+on the device where it allows) without touching the others, and
+`save_row` / `load_row` go through a session file (runtime/session_file.py),
+so a row saved from one bundle continues in any row of any bundle of the same
+model, weights and per-row state layout (a `Session` is such a row). A row's
+kept tokens are about to be lost when it is zeroed, rewound or overwritten;
+`before_evict` (the server's slot store, runtime/slots.py) is told first.
+
 A bundle compiled with row counts below its batch (`row_counts` in the
 manifest; by default 1) has entry points over the first k rows of the same
 state buffers: each call takes the fewest rows that cover the rows it feeds,
@@ -29,22 +38,39 @@ so one stream on a batch-8 bundle costs one row, not eight.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..contract.entry_points import decode_inputs, kv_tiles_input, row_entry_name
 from ..errors import InputError
-from .bundle import decode_inputs, kv_tiles_input, row_entry_name
-from .checks import ContextFullError, check_ids, check_usable
+from .checks import ClosedOnExit, ContextFullError, SessionStateError, check_ids, check_usable
 from .prompt_cache import ReuseRule
+from .session_file import save_session_file
 
 
 class RowError(InputError):
     """A row that does not exist, is not open, or is given more tokens than a call takes."""
 
 
-class Batch:
+@dataclass
+class Snapshot:
+    """An exact host copy of one row: its slice of every state buffer ([1, ...] each), position and tokens.
+
+    prefilled: how many leading tokens the prefill entry point computed (what the prompt cache may
+    serve of full caches, runtime/prompt_cache.py); 0 claims none, which is always exact.
+    """
+
+    position: int
+    buffers: list[np.ndarray]
+    tokens: list[int]
+    prefilled: int = 0
+
+
+class Batch(ClosedOnExit):
     """The rows of a batched bundle; one call advances any subset of them.
 
     Not for use from two threads at once (the scheduler drives it from one);
@@ -56,8 +82,8 @@ class Batch:
         self.model = model  # a runtime Model (not imported: model.py builds batches)
         self.rows = model.batch_size
         layout = model.state_layout()
-        self.buffers = [model.ctx.zeros(s.shape, s.dtype) for s in layout]
-        self._row_bytes = [int(np.prod(s.shape[1:], dtype=np.int64)) * s.dtype.itemsize for s in layout]
+        self.buffers = [model.ctx.zeros(s.shape, s.host_dtype) for s in layout]
+        self._row_bytes = [s.row_nbytes for s in layout]
         self.positions = [0] * self.rows
         self.tokens: list[list[int]] = [[] for _ in range(self.rows)]
         # per row, how many leading tokens the prefill entry point computed (prompt_cache.py: a rewind
@@ -66,6 +92,8 @@ class Batch:
         self.open = [False] * self.rows
         self._written = [False] * self.rows  # rows a call computed since they were last zeroed
         self.reuse = ReuseRule.for_state(model.manifest.state, model.max_context)
+        # called with a row whose kept tokens are about to be lost, while its state still holds them
+        self.before_evict: Callable[[int], None] | None = None
         self.broken: str | None = None
         self.closed = False
 
@@ -98,6 +126,7 @@ class Batch:
                 raise RowError(f"all {self.rows} rows are in use")
             row = free[0]
         self._check_row(row)
+        self._losing(row, keep=0)
         if self._written[row]:  # a row no call has computed is still the zeros it was allocated as
             self.buffers = [self.model.ctx.fill_zero_range(buf, row * nbytes, nbytes)
                             for buf, nbytes in zip(self.buffers, self._row_bytes)]
@@ -116,12 +145,28 @@ class Batch:
         free = self.free_rows()
         if not free:
             raise RowError(f"all {self.rows} rows are in use")
-        reused, row = max((self.reuse.usable(self.tokens[r], prompt, self.prefilled[r]), r) for r in free)
+        row, reused = self.best_kept_row(prompt)
         if reused == 0:
             return self.open_row(free[0]), 0
-        self.positions[row], self.tokens[row], self.open[row] = reused, self.tokens[row][:reused], True
-        self.prefilled[row] = min(self.prefilled[row], reused)
+        self._losing(row, reused)
+        self._rewind_open(row, reused)
         return row, reused
+
+    def best_kept_row(self, prompt: Sequence[int]) -> tuple[int, int]:
+        """The free row whose kept state serves the longest prefix of `prompt`, and how many tokens (0: none)."""
+        reused, row = max(((self.reuse.usable(self.tokens[r], prompt, self.prefilled[r]), r)
+                           for r in self.free_rows()), default=(0, -1))
+        return row, reused
+
+    def _rewind_open(self, row: int, keep: int) -> None:
+        """Open `row` holding only its first `keep` tokens (the rest is written over as the row is fed)."""
+        self.positions[row], self.tokens[row], self.open[row] = keep, self.tokens[row][:keep], True
+        self.prefilled[row] = min(self.prefilled[row], keep)
+
+    def _losing(self, row: int, keep: int) -> None:
+        """Tell `before_evict` when `row` is about to keep only `keep` of its tokens and held more worth serving."""
+        if self.before_evict is not None and self.reuse.served(self.tokens[row], self.prefilled[row]) > keep:
+            self.before_evict(row)
 
     def release(self, row: int) -> None:
         """End the sequence on `row`; its state and tokens are kept for `open_row_reusing`."""
@@ -138,6 +183,7 @@ class Batch:
         keeps = self.tokens[row] and self.positions[row] < self.model.max_context
         if keeps and (not decode or self.reuse.ride_along_keeps):
             return self.positions[row]
+        self._losing(row, keep=0)
         self.positions[row], self.tokens[row], self.prefilled[row] = 0, [], 0  # what it held is overwritten now
         return 0
 
@@ -205,27 +251,84 @@ class Batch:
         return out
 
     # ---- state ---------------------------------------------------------------
-    def replace_state(self, buffers: list[Any]) -> None:
-        """Put whole state buffers in place of this batch's (a restored snapshot); every row counts as written."""
-        self.buffers = buffers
-        self._written = [True] * self.rows
-        self.broken = None
-
-    def set_row(self, row: int, tokens: Sequence[int]) -> None:
-        """Declare what `row` holds after replace_state: its tokens (and position), open."""
+    def snapshot_row(self, row: int) -> Snapshot:
+        """An exact host copy of `row` (open or kept): only its slice of each buffer crosses to the host."""
+        self._check_usable()
         self._check_row(row)
-        self.tokens[row], self.positions[row], self.open[row] = list(tokens), len(tokens), True
-        self.prefilled[row] = 0
+        ctx, buffers = self.model.ctx, []
+        for buf, spec in zip(self.buffers, self.model.row_layout()):
+            raw = ctx.read_range(buf, row * spec.row_nbytes, spec.row_nbytes)
+            buffers.append(raw.view(spec.host_dtype).reshape(spec.shape))
+        return Snapshot(self.positions[row], buffers, list(self.tokens[row]), self.prefilled[row])
+
+    def restore_row(self, row: int, snap: Snapshot) -> None:
+        """Put `snap` into `row` and open it there, continuing from the snapshot's position.
+
+        Whatever the row held is replaced (`before_evict` is told first); only its slice of each
+        buffer is written, in place on the device where it allows, so every other row, open or
+        kept, is untouched. The snapshot is checked before anything is written.
+        """
+        self._check_usable()
+        self._check_row(row)
+        self.check_snapshot(snap)
+        self._losing(row, keep=0)
+        ctx = self.model.ctx
+        written = [ctx.write_range(buf, row * spec.row_nbytes, data)
+                   for buf, spec, data in zip(self.buffers, self.model.row_layout(), snap.buffers)]
+        if any(new is not old for new, old in zip(written, self.buffers)):
+            self.buffers = written  # a device that could not write in place gave fresh buffers
+        self._written[row] = True
+        self.positions[row], self.tokens[row], self.open[row] = snap.position, list(snap.tokens), True
+        self.prefilled[row] = snap.prefilled
+
+    def open_row_from(self, row: int, snap: Snapshot, prompt: Sequence[int]) -> int:
+        """Open the free `row` from `snap` (a saved conversation) for `prompt`; returns the prompt tokens it serves.
+
+        The row is rewound to them, as `open_row_reusing` rewinds a kept row; a snapshot that
+        serves nothing of `prompt` is not written, and the row opens zeroed.
+        """
+        self._check_row(row)
+        if self.open[row]:
+            raise RowError(f"row {row} is open; release it before opening it from a snapshot")
+        reused = self.reuse.usable(snap.tokens, prompt, snap.prefilled)
+        if reused == 0:
+            self.open_row(row)
+            return 0
+        self.restore_row(row, snap)
+        self._rewind_open(row, reused)
+        return reused
+
+    def save_row(self, row: int, path: str | Path) -> Path:
+        """Write `row` to a session file (atomically); `load_row` or `Model.session_from` continue it."""
+        snap = self.snapshot_row(row)
+        return save_session_file(path, self.model.identity(), self.model.row_layout(), snap.buffers,
+                                 snap.position, snap.tokens, snap.prefilled)
+
+    def load_row(self, row: int, path: str | Path) -> None:
+        """Restore `row` from a session file saved by any row of a bundle of the same model and layout."""
+        self.restore_row(row, self.model.read_snapshot(path))
+
+    def check_snapshot(self, snap: Snapshot) -> None:
+        """Refuse a snapshot that does not fit one row of this bundle, naming what differs."""
+        layout = self.model.row_layout()
+        if len(snap.buffers) != len(layout):
+            raise SessionStateError(f"the snapshot has {len(snap.buffers)} state buffers; this model has {len(layout)}")
+        for spec, buf in zip(layout, snap.buffers):
+            if (tuple(buf.shape), buf.dtype) != (spec.shape, spec.host_dtype):
+                many_rows = buf.ndim == len(spec.shape) and buf.shape[0] > 1 and tuple(buf.shape[1:]) == spec.shape[1:]
+                every = " (a copy of every row: snapshot_row copies one)" if many_rows else ""
+                raise SessionStateError(f"snapshot buffer {spec.name!r} is {buf.dtype}{list(buf.shape)}{every}; "
+                                        f"one row of this model's is {spec.host_dtype}{list(spec.shape)}")
+        if not 0 <= snap.position <= self.model.max_context or len(snap.tokens) != snap.position:
+            raise SessionStateError(f"the snapshot's position {snap.position} does not match its "
+                                    f"{len(snap.tokens)} tokens or this model's max_context {self.model.max_context}")
+        if type(snap.prefilled) is not int or not 0 <= snap.prefilled <= snap.position:
+            raise SessionStateError(f"the snapshot's prefilled count {snap.prefilled!r} is not between 0 and "
+                                    f"its position {snap.position}")
 
     # ---- lifetime ------------------------------------------------------------
     def close(self) -> None:
         self.buffers, self.closed = [], True
-
-    def __enter__(self) -> Batch:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def _check_usable(self) -> None:
         check_usable("batch", self.closed, self.broken, self.model, "its rows' state is undefined")

@@ -10,8 +10,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from ..contract.errors import BundleError
 from ..errors import FoldlineError
-from .bundle import BundleError
 
 
 class ChatTemplateError(FoldlineError, RuntimeError):
@@ -59,7 +59,7 @@ def apply_chat_template(model: Any, user_text: str, system: str | None = None,
 
 def chat_prompt(model: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
     """The prompt text for a whole conversation (role/content messages) of a loaded Model."""
-    template = model.manifest.data.get("chat_template")
+    template = model.manifest.chat_template
     if not template:
         raise BundleError(f"bundle {model.manifest.root} has no chat template; prompt it without --chat")
     return render_chat_template(

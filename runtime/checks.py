@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Self
 
 import numpy as np
 
 from ..errors import FoldlineError, InputError
+
+
+class ClosedOnExit:
+    """`with obj:` closes obj: the context-manager half of every runtime object holding device memory."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class ContextFullError(FoldlineError, RuntimeError):

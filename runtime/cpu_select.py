@@ -12,9 +12,8 @@ runtime/device.py supplies the features (detected or overridden).
 
 from __future__ import annotations
 
-from typing import Any
-
-from .bundle import BundleError, Manifest
+from ..contract.errors import BundleError
+from ..contract.manifest import Manifest, ModuleEntry
 
 # The manifest's kernel_isa names (kernels/isa.py), worst first (modules of one arch compete).
 KERNEL_RANK = ("f32", "int8-neon-dotprod", "int8-avx2", "int8-avxvnni", "int8-avx512vnni")
@@ -22,28 +21,28 @@ KERNEL_RANK = ("f32", "int8-neon-dotprod", "int8-avx2", "int8-avxvnni", "int8-av
 ISA_LEVELS = ("avx512_vnni", "avx512f", "avx_vnni", "avx2", "avx", "sse4_2", "i8mm", "asimddp", "asimd")
 
 
-def missing_flags(entry: dict[str, Any], have: set[str] | None) -> list[str]:
+def missing_flags(entry: ModuleEntry, have: set[str] | None) -> list[str]:
     """The module's cpu_flags a CPU with `have` lacks ([] where the features are unknown)."""
     if have is None:
         return []
-    return [f for f in entry.get("cpu_flags") or [] if f not in have]
+    return [f for f in entry.cpu_flags if f not in have]
 
 
-def kernel_rank(entry: dict[str, Any]) -> tuple[int, int]:
+def kernel_rank(entry: ModuleEntry) -> tuple[int, int]:
     """How good a CPU module's kernels are: the rank of its decode and prefill kernels, then its ISA width."""
-    isa = entry.get("kernel_isa") or {}
+    isa = entry.kernel_isa or {}
     ranks = [KERNEL_RANK.index(isa[f]) if isa.get(f) in KERNEL_RANK else 0 for f in ("decode", "prefill")]
-    return sum(ranks), len(entry.get("cpu_flags") or [])
+    return sum(ranks), len(entry.cpu_flags)
 
 
-def isa_level(entry: dict[str, Any]) -> str:
+def isa_level(entry: ModuleEntry) -> str:
     """The widest notable extension a module uses (`avx512_vnni`, `avx2`, ...), or `baseline`."""
-    flags = set(entry.get("cpu_flags") or [])
+    flags = set(entry.cpu_flags)
     return next((level for level in ISA_LEVELS if level in flags), "baseline")
 
 
-def _name(key: str, entry: dict[str, Any]) -> str:
-    return entry.get("cpu") or key
+def _name(key: str, entry: ModuleEntry) -> str:
+    return entry.cpu or key
 
 
 def select_cpu_module(manifest: Manifest, have: set[str] | None, here: str, cpu: str | None = None) -> str:
@@ -58,7 +57,7 @@ def select_cpu_module(manifest: Manifest, have: set[str] | None, here: str, cpu:
         raise BundleError(f"bundle {manifest.root} has no module for device 'cpu' "
                           f"(it has: {', '.join(manifest.devices()) or 'none'}); recompile with --target cpu")
     if cpu is not None:
-        pinned = [k for k in keys if cpu in (k, manifest.modules[k].get("cpu"))]
+        pinned = [k for k in keys if cpu in (k, manifest.modules[k].cpu)]
         if not pinned:
             names = ", ".join(_name(k, manifest.modules[k]) for k in keys)
             raise BundleError(f"bundle {manifest.root} has no CPU module for --cpu {cpu} (it has: {names})")
@@ -66,15 +65,15 @@ def select_cpu_module(manifest: Manifest, have: set[str] | None, here: str, cpu:
     if len(keys) == 1:
         return keys[0]
     if have is None:
-        return min(keys, key=lambda k: len(manifest.modules[k].get("cpu_flags") or []))
+        return min(keys, key=lambda k: len(manifest.modules[k].cpu_flags))
     fits, reasons = [], []
     for key in keys:
         entry = manifest.modules[key]
-        arch, missing = entry.get("arch"), missing_flags(entry, have)
+        arch, missing = entry.arch, missing_flags(entry, have)
         if arch and arch != here:
-            reasons.append(f"{entry['file']} is for {arch}")
+            reasons.append(f"{entry.file} is for {arch}")
         elif missing:
-            reasons.append(f"{entry['file']} needs {', '.join(missing)}")
+            reasons.append(f"{entry.file} needs {', '.join(missing)}")
         else:
             fits.append(key)
     if not fits:

@@ -21,8 +21,10 @@ from typing import Any
 import iree.runtime as rt
 import numpy as np
 
+from ..contract.errors import BundleError
+from ..contract.manifest import Manifest, ModuleEntry
+from ..contract.vmfb import vmfb_info
 from ..errors import InputError
-from .bundle import BundleError, Manifest, check_entry_points, vmfb_info
 from .cpu_select import missing_flags, select_cpu_module
 
 # foldline device name -> IREE HAL driver
@@ -85,7 +87,7 @@ def cpu_features(override: str | Iterable[str] | None = None) -> set[str] | None
     return names
 
 
-def check_host_compatible(module: dict[str, Any], device: str, have: set[str] | None = None,
+def check_host_compatible(module: ModuleEntry, device: str, have: set[str] | None = None,
                           vmfb: Path | None = None) -> None:
     """Refuse a CPU module built for another architecture or for features this CPU lacks
     (`have`: the CPU's flags; None: detect them).
@@ -98,11 +100,11 @@ def check_host_compatible(module: dict[str, Any], device: str, have: set[str] | 
     """
     if device != "cpu":
         return
-    arch = module.get("arch")
+    arch = module.arch
     here = host_arch()
     if arch and normalize_arch(arch) != here:
         raise BundleError(
-            f"the cpu module {module.get('file', '')} was compiled for {arch}; this machine is {here}: "
+            f"the cpu module {module.file} was compiled for {arch}; this machine is {here}: "
             f"run it on an {arch} machine or recompile with --target cpu (no --triple)"
         )
     info = vmfb_info(vmfb) if vmfb is not None else None
@@ -260,6 +262,54 @@ class DeviceContext:
             host.reshape(-1).view(np.uint8)[offset : offset + length] = 0
             return self.upload(host)
 
+    def read_range(self, array: rt.DeviceArray, offset: int, length: int) -> np.ndarray:
+        """An owned host copy of `length` bytes of `array` from byte `offset` (one batch row of a state
+        buffer), as uint8: only that range crosses, through a host-visible staging buffer."""
+        if length == 0:
+            return np.zeros(0, np.uint8)
+        buffer = array._buffer_view.get_buffer()
+        try:
+            staging = self.device.allocator.allocate_buffer(
+                memory_type=int(rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE),
+                allowed_usage=int(rt.BufferUsage.TRANSFER_TARGET | rt.BufferUsage.MAPPING_SCOPED),
+                allocation_size=length,
+            )
+            self._copy_range(buffer, staging, offset, 0, length)
+            return np.array(staging.map().asarray((length,), np.dtype(np.uint8)), copy=True)
+        except RuntimeError:  # no queue copies of a range here: the whole buffer crosses instead
+            return self.to_host(array).reshape(-1).view(np.uint8)[offset : offset + length].copy()
+
+    def write_range(self, array: rt.DeviceArray, offset: int, data: np.ndarray) -> rt.DeviceArray:
+        """Write the bytes of `data` into `array` from byte `offset` (one batch row of a state buffer).
+
+        In place where the device allows (a queue copy from a device copy of `data`), so the other
+        rows are never read or written; otherwise a fresh buffer with that range replaced.
+        """
+        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        if raw.size == 0:
+            return array
+        buffer = array._buffer_view.get_buffer()
+        try:
+            source = self.device.allocator.allocate_buffer_copy(
+                memory_type=int(rt.MemoryType.DEVICE_LOCAL), allowed_usage=int(rt.BufferUsage.DEFAULT),
+                device=self.device, buffer=raw)
+            self._copy_range(source, buffer, 0, offset, raw.size)
+            return array
+        except RuntimeError:  # round trip through the host
+            host = self.to_host(array)
+            host.reshape(-1).view(np.uint8)[offset : offset + raw.size] = raw
+            return self.upload(host)
+
+    def _copy_range(self, source: rt.HalBuffer, target: rt.HalBuffer, source_offset: int, target_offset: int,
+                    length: int) -> None:
+        """Copy `length` bytes between device buffers on the queue and wait for it."""
+        commands = rt.HalCommandBuffer(self.device)
+        commands.copy(source, target, source_offset, target_offset, length, end=True)
+        sem = self.device.create_semaphore(0)
+        self.device.queue_execute(commands, wait_semaphores=rt.HalFence.create_at(sem, 0),
+                                  signal_semaphores=rt.HalFence.create_at(sem, 1))
+        rt.HalFence.create_at(sem, 1).wait()
+
     def first_rows(self, array: rt.DeviceArray, rows: int) -> rt.DeviceArray:
         """A view of the first `rows` rows of a state buffer (the same device memory), for an entry
         point compiled for fewer rows than the buffer holds: rows are its outermost dimension."""
@@ -364,7 +414,7 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
     try:
         key = select_cpu_module(manifest, have, host_arch(), cpu) if device == "cpu" else manifest.module_keys(device)[0]
         entry = manifest.modules[key]
-        check_host_compatible(entry, device, have, manifest.root / entry["file"] if device == "cpu" else None)
+        check_host_compatible(entry, device, have, manifest.root / entry.file if device == "cpu" else None)
     except BundleError as e:
         if features is None and os.environ.get(CPU_FEATURES_ENV, "").strip():
             raise BundleError(f"{e} (CPU features from ${CPU_FEATURES_ENV}={os.environ[CPU_FEATURES_ENV]})") from None
@@ -388,12 +438,12 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
             raise BundleError(f"could not read parameters {params_path}: {e}") from e
         modules.append(rt.create_io_parameters_module(instance, index.create_provider(scope=PARAM_SCOPE)))
     modules.append(rt.create_hal_module(instance, config.device))
-    vmfb = manifest.root / entry["file"]
+    vmfb = manifest.root / entry.file
     try:
         vm_module = rt.VmModule.mmap(instance, str(vmfb))
     except Exception as e:
         raise BundleError(f"could not load {vmfb} on {device}: {e}") from e
-    check_entry_points(manifest, key, lambda name: _reflection(vm_module, name))
+    manifest.check_entry_points(key, lambda name: _reflection(vm_module, name))
     modules.append(vm_module)
     try:
         loaded = rt.load_vm_modules(*modules, config=config)

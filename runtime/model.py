@@ -10,34 +10,22 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..dtypes import DTYPES
-from .batch import Batch
-from .bundle import BundleError, Manifest
-from .checks import SessionStateError, TokenIdError, check_ids, check_usable
+from ..contract.errors import BundleError
+from ..contract.manifest import Manifest
+from ..contract.state import StateBuffer
+from .batch import Batch, Snapshot
+from .checks import ClosedOnExit, SessionStateError, TokenIdError, check_ids, check_usable
 from .device import DeviceContext, open_device
 from .sampling import Sampler
-from .session_file import BufferLayout, bundle_identity, load_session_file, save_session_file
+from .session_file import bundle_identity, load_session_file
 from .streaming import stream_pieces
 
-# Host dtypes of the state buffers (bfloat16 -> ml_dtypes.bfloat16), from the shared table.
-NP_DTYPES = {name: d.numpy for name, d in DTYPES.items()}
 
-
-@dataclass
-class Snapshot:
-    """An exact host copy of a session: every state buffer and the position."""
-
-    position: int
-    buffers: list[np.ndarray]
-    tokens: list[int]
-
-
-class Model:
+class Model(ClosedOnExit):
     """A loaded bundle: the compiled module and its parameters, shared by sessions."""
 
     def __init__(self, manifest: Manifest, ctx: DeviceContext):
@@ -95,12 +83,6 @@ class Model:
         with self.lock:
             self._ctx = None
 
-    def __enter__(self) -> Model:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     @property
     def tokenizer(self):
         if self._tokenizer is None:
@@ -124,20 +106,30 @@ class Model:
         """All rows of the bundle (`foldline compile --batch N`), advanced together (runtime/batch.py)."""
         return Batch(self)
 
-    def state_layout(self) -> list[BufferLayout]:
-        """Name, shape and host dtype of each state buffer, in the module's argument order."""
-        return [BufferLayout(s.name, tuple(s.shape), np.dtype(NP_DTYPES[s.dtype])) for s in self.manifest.state]
+    def state_layout(self) -> list[StateBuffer]:
+        """The state buffers over every row, in the module's argument order (from the manifest)."""
+        return self.manifest.state
 
     def identity(self) -> dict:
         """What a saved session must share with this bundle: model config and parameter hashes."""
-        params = self.manifest.data.get("params")
-        return bundle_identity(self.config, params["sha256"] if params else None)
+        params = self.manifest.params
+        return bundle_identity(self.config, params.sha256 if params else None)
+
+    def row_layout(self) -> list[StateBuffer]:
+        """The state buffers of one row: what a snapshot or a session file holds."""
+        return [s.rows(1) for s in self.state_layout()]
+
+    def read_snapshot(self, path: str | Path) -> Snapshot:
+        """The row a session file holds (`Session.save`, `Batch.save_row`), checked against this bundle."""
+        saved = load_session_file(path, self.identity(), self.row_layout(), self.max_context)
+        return Snapshot(saved.position, saved.buffers, saved.tokens, saved.prefilled)
 
     def session_from(self, path: str | Path) -> Session:
-        """A new session resumed from a file written by `Session.save` with this bundle."""
-        saved = load_session_file(path, self.identity(), self.state_layout(), self.max_context)
+        """A new session resumed from a file written by `Session.save` or `Batch.save_row` with a bundle
+        of this model, weights and per-row state layout (any batch size)."""
+        snap = self.read_snapshot(path)
         session = Session(self)
-        session.restore(Snapshot(saved.position, saved.buffers, saved.tokens))
+        session.restore(snap)
         return session
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
@@ -153,7 +145,7 @@ class Model:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
-class Session:
+class Session(ClosedOnExit):
     """One sequence: row 0 of a `Batch` (runtime/batch.py), which owns the state buffers and calls the module.
 
     Thread model: several sessions of one Model may run on several threads (the
@@ -201,12 +193,6 @@ class Session:
     def close(self) -> None:
         """Free the state buffers. Idempotent."""
         self._batch.close()
-
-    def __enter__(self) -> Session:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # ---- checks ------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -291,8 +277,9 @@ class Session:
 
     # ---- snapshots -----------------------------------------------------------
     def snapshot(self) -> Snapshot:
+        """An exact host copy of the session: its row of every state buffer, the position and the tokens."""
         self._check_usable()
-        return Snapshot(self.position, [self.ctx.to_host(b) for b in self.buffers], list(self.tokens))
+        return self._batch.snapshot_row(self.ROW)
 
     def save(self, path: str | Path) -> Path:
         """Store the session (state buffers, position, tokens) in `path`; `Model.session_from` resumes it.
@@ -300,27 +287,16 @@ class Session:
         The file is written beside `path` and renamed over it, so an interrupted
         save leaves any earlier file intact.
         """
-        snap = self.snapshot()
-        return save_session_file(path, self.model.identity(), self.model.state_layout(), snap.buffers,
-                                 snap.position, snap.tokens)
+        self._check_usable()
+        return self._batch.save_row(self.ROW, path)
 
     def restore(self, snap: Snapshot) -> None:
         """Put the session back to `snap` (a broken session included); refuses a snapshot of another model."""
         if self.closed:
             raise SessionStateError("this session is closed")
-        state = self.model.manifest.state
-        if len(snap.buffers) != len(state):
-            raise SessionStateError(f"the snapshot has {len(snap.buffers)} state buffers; this model has {len(state)}")
-        for spec, buf in zip(self.model.state_layout(), snap.buffers):
-            want = (spec.shape, spec.dtype)
-            if (tuple(buf.shape), buf.dtype) != want:
-                raise SessionStateError(f"snapshot buffer {spec.name!r} is {buf.dtype}{list(buf.shape)}; "
-                                        f"this model's is {want[1]}{list(want[0])}")
-        if not 0 <= snap.position <= self.model.max_context or len(snap.tokens) != snap.position:
-            raise SessionStateError(f"the snapshot's position {snap.position} does not match its "
-                                    f"{len(snap.tokens)} tokens or this model's max_context {self.model.max_context}")
-        self._batch.replace_state([self.ctx.upload(a) for a in snap.buffers])
-        self._batch.set_row(self.ROW, snap.tokens)
+        self._batch.check_snapshot(snap)
+        self._batch.broken = None  # a failed call left the state undefined: the session's one row is rewritten whole
+        self._batch.restore_row(self.ROW, snap)
 
     def reset(self) -> None:
         """Back to an empty sequence (a broken session included)."""

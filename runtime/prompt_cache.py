@@ -35,10 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .bundle import LAYER_TYPES
-
-RECURRENT_KINDS = LAYER_TYPES["gdn"]  # the state kinds of a gated-delta-net layer
-SEQ_DIM = 2  # KV caches are [rows, kv heads, slots, head dim]
+from ..contract.state import RECURRENT_KINDS, SEQ_DIM
 
 
 @dataclass(frozen=True)
@@ -68,6 +65,19 @@ class ReuseRule:
         if self.whole_only:
             return len(held) if shared == len(held) <= limit else 0
         return min(shared, limit, len(held) if prefilled is None else prefilled)
+
+    def served(self, held: Sequence[int], prefilled: int | None = None) -> int:
+        """The most leading tokens of `held` any prompt can reuse: what a row (or a saved one) is worth keeping for."""
+        if self.whole_only:
+            return len(held)
+        return min(len(held), len(held) if prefilled is None else prefilled)
+
+    def covers(self, held: Sequence[int], prefilled: int, other: Sequence[int], other_prefilled: int) -> bool:
+        """Whether state holding `held` serves every prompt at least as well as state holding `other`."""
+        if self.whole_only:
+            return list(held) == list(other)
+        mine, theirs = self.served(held, prefilled), self.served(other, other_prefilled)
+        return theirs <= mine and common_prefix(held[:mine], other[:theirs]) == theirs
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -21,6 +21,12 @@ that died or stopped making progress while it has work (a watchdog for
 
 Requests beyond the free rows wait in a bounded queue; a full queue is refused
 at submit (`QueueFullError`), which the server turns into HTTP 503.
+
+With the prompt cache, a new request takes the free row whose kept state
+serves most of its prompt (runtime/prompt_cache.py); with a slot store
+(`foldline serve --slots-dir`, runtime/slots.py), rows about to lose what they
+kept are saved to disk first, and a saved row that serves more of a prompt
+than any kept one is restored into the lowest free row.
 """
 
 from __future__ import annotations
@@ -34,9 +40,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import FoldlineError
+from ..errors import FoldlineError, InputError
 from .checks import ContextFullError, check_ids
 from .sampling import Sampler, TokenLogprobs, token_logprobs
+from .session_file import SessionFileError
+from .slots import SlotStore
 
 log = logging.getLogger("foldline.scheduler")
 
@@ -94,10 +102,14 @@ class Request:
 class Scheduler:
     """Runs requests on the rows of `model.batch()` from one background thread."""
 
-    def __init__(self, model, max_queue: int = 64, stall_timeout: float = 60.0, prompt_cache: bool = True):
+    def __init__(self, model, max_queue: int = 64, stall_timeout: float = 60.0, prompt_cache: bool = True,
+                 slots: SlotStore | None = None):
         self.model = model  # a runtime Model
-        self.batch = model.batch()
         self.prompt_cache = prompt_cache  # reuse what a released row holds (runtime/prompt_cache.py)
+        if slots is not None and not prompt_cache:
+            raise InputError("saving rows to a slots directory needs the prompt cache, which is off")
+        self.slots = slots  # rows' kept state saved to disk (runtime/slots.py)
+        self.batch = self._new_batch()
         self.max_queue = max_queue
         self.stall_timeout = stall_timeout
         self._waiting: collections.deque[Request] = collections.deque()
@@ -110,7 +122,8 @@ class Scheduler:
         self.died: str | None = None  # why the loop ended other than by stop()
         self.steps = 0  # module calls made (for stats and tests)
         self.prefilled = 0  # prompt tokens fed to the module
-        self.cached = 0  # prompt tokens served by the prompt cache instead
+        self.cached = 0  # prompt tokens served by the prompt cache instead (restored ones included)
+        self.restored = 0  # of those, prompt tokens served by rows restored from the slot store
         self.submitted = 0
         self.finished: collections.Counter[str] = collections.Counter()  # requests ended, by reason
 
@@ -218,7 +231,7 @@ class Scheduler:
                 if self._stopping:
                     return
                 self._drop_waiting()
-                self._admit()
+            self._admit()
             self._drop_running()
             if self._running:
                 try:
@@ -236,17 +249,58 @@ class Scheduler:
             self._finish(request, request.cancel_reason if request.cancelled.is_set() else "timeout")
 
     def _admit(self) -> None:
-        """Waiting requests take free rows, oldest first (called under the lock)."""
-        while self._waiting and self.batch.free_rows():
-            request = self._waiting[0]  # popped after the row opens: a failure here leaves it queued, not lost
-            if self.prompt_cache:
-                row, cached = self.batch.open_row_reusing(request.pending)
-            else:
-                row, cached = self.batch.open_row(), 0
-            self._waiting.popleft()
-            request.row, request.cached_tokens, request.pending = row, cached, request.pending[cached:]
-            self.cached += cached
-            self._running[row] = request
+        """Waiting requests take free rows, oldest first.
+
+        Only this thread touches the batch, so a row is opened outside the lock: saving or restoring
+        a slot file reads and writes the disk, and submit() must not wait for that.
+        """
+        while True:
+            with self._wake:
+                if not self._waiting or not self.batch.free_rows():
+                    return
+                request = self._waiting[0]  # popped after the row opens: a failure here leaves it queued, not lost
+            row, cached = self._open_row_for(request.pending)
+            with self._wake:
+                if not self._waiting or self._waiting[0] is not request:  # stop() ended it meanwhile
+                    self.batch.release(row)
+                    return
+                self._waiting.popleft()
+                request.row, request.cached_tokens, request.pending = row, cached, request.pending[cached:]
+                self.cached += cached
+                self._running[row] = request
+
+    def _open_row_for(self, prompt: list[int]) -> tuple[int, int]:
+        """Open a row for `prompt` from what serves most of it (a kept row, a saved one), else zeroed;
+        (row, prompt tokens served)."""
+        if not self.prompt_cache:
+            return self.batch.open_row(), 0
+        if self.slots is not None:
+            _, kept = self.batch.best_kept_row(prompt)
+            slot, saved = self.slots.best(prompt)
+            if slot is not None and saved > kept:
+                row = self.batch.free_rows()[0]  # as for a prompt with nothing kept: the work stays on the first rows
+                try:
+                    served = self.slots.restore(self.batch, row, slot, prompt)
+                except SessionFileError as e:
+                    log.warning("a saved row could not be restored: %s", e)
+                else:
+                    self.restored += served
+                    return row, served
+        return self.batch.open_row_reusing(prompt)
+
+    def _new_batch(self):
+        """The model's rows; with a slot store, a row about to lose what it kept is saved first."""
+        batch = self.model.batch()
+        if self.slots is not None:
+            batch.before_evict = lambda row: self._save_row(batch, row)
+        return batch
+
+    def _save_row(self, batch, row: int) -> None:
+        """Save a kept row to the slot store; a failure (a full disk) only loses it, as without a store."""
+        try:
+            self.slots.save(batch, row)
+        except Exception as e:
+            log.warning("row %d could not be saved to the slots directory: %s", row, e)
 
     def _drop_running(self) -> None:
         now = time.monotonic()
@@ -265,7 +319,7 @@ class Scheduler:
         for request in running:
             self._finish(request, "error", f"{type(e).__name__}: {e}")
         self.batch.close()
-        self.batch = self.model.batch()  # if this fails too, the loop ends and health says so
+        self.batch = self._new_batch()  # if this fails too, the loop ends and health says so
 
     def _step(self) -> None:
         chunk = self.model.chunk

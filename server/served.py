@@ -18,6 +18,7 @@ from ..runtime.chat import chat_prompt
 from ..runtime.checks import ContextFullError, TokenIdError
 from ..runtime.sampling import Sampler, TokenLogprobs
 from ..runtime.scheduler import QueueFullError, Request, Scheduler, SchedulerDownError
+from ..runtime.slots import DEFAULT_MAX_FILES, SlotStore
 from ..runtime.streaming import IncrementalDetokenizer, StopStringFilter
 from .protocol import ApiError, GenerationParams
 
@@ -35,6 +36,8 @@ class ServeOptions:
     shutdown_timeout: float = 10.0  # seconds running requests get to finish after SIGTERM
     cors_origins: list[str] = field(default_factory=list)
     prompt_cache: bool = True  # a prompt that extends what a released row holds prefills only the rest
+    slots_dir: str | None = None  # where rows the prompt cache must give up are saved (runtime/slots.py)
+    slots_max: int = DEFAULT_MAX_FILES  # the most files kept there; the least recently used go first
 
 
 class ServedModel:
@@ -47,9 +50,12 @@ class ServedModel:
         self.model = model
         self.model_id = model_id
         self.created = int(time.time())
+        slots = None
+        if self.options.slots_dir is not None:
+            slots = SlotStore(self.options.slots_dir, model, self.options.slots_max)
         self.scheduler = Scheduler(model, max_queue=self.options.max_queue,
                                    stall_timeout=self.options.stall_timeout,
-                                   prompt_cache=self.options.prompt_cache)
+                                   prompt_cache=self.options.prompt_cache, slots=slots)
         self.draining = False  # set on the first SIGTERM: new requests get 503
         self._drain_timer: threading.Timer | None = None
 

@@ -24,11 +24,11 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 from torch.fx.graph import CodeGen
 
+from ..contract.entry_points import kv_tile_count, takes_position_shape
+from ..contract.state import SEQ_DIM, StateBuffer
 from ..frontend.export import kv_tiles_shape, position_shape
-from ..frontend.types import TORCH_DTYPES, StateSpec
+from ..frontend.types import TORCH_DTYPES
 from ..passes.manager import CompileUnit, run_pipeline
-from ..passes.state_layout import SEQ_DIM
-from ..runtime.bundle import kv_tile_count, takes_position_shape
 
 # Scaled-error tolerances per dtype: fp32 rounding differences of reordered sums
 # through a few layers stay far below these; a wrong mask or a doubled scale
@@ -124,7 +124,7 @@ def held_slots(full: Tensor, held: Tensor) -> Tensor:
     return torch.where(keep, full, torch.zeros_like(full))
 
 
-def state_mapper(before: Sequence[StateSpec], after: Sequence[StateSpec]) -> Callable[[list[Tensor], Tensor], list[Tensor]]:
+def state_mapper(before: Sequence[StateBuffer], after: Sequence[StateBuffer]) -> Callable[[list[Tensor], Tensor], list[Tensor]]:
     """Maps state in the layout before a pass into the layout after it."""
     if len(before) != len(after):
         raise ValueError(f"the pass changed the number of state buffers ({len(before)} -> {len(after)})")

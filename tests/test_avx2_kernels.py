@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from test_decode_fusion import _blocked, _eager_logits, _int8_dot_kernels, _logits
 
+from foldline.contract.vmfb import vmfb_info
 from foldline.kernels.x86 import AVX2
-from foldline.runtime.bundle import vmfb_info
 from foldline.runtime.device import host_cpu_features
 
 pytestmark = [pytest.mark.slow,

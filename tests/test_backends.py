@@ -16,7 +16,9 @@ from foldline.backends.targets import (
     vulkan_target,
     vulkan_target_for_device,
 )
-from foldline.runtime.bundle import BundleError, isa_flags
+from foldline.contract.errors import BundleError
+from foldline.contract.isa import isa_flags
+from foldline.contract.manifest import ModuleEntry
 from foldline.runtime.device import (
     check_host_compatible,
     host_arch,
@@ -154,12 +156,15 @@ def test_arch_spellings():
     assert normalize_arch("arm64") == "aarch64"
 
 
+HEX = "ab" * 32
+
+
 def test_host_compatibility_checks():
     other = "aarch64" if host_arch() != "aarch64" else "x86_64"
     with pytest.raises(BundleError, match=f"compiled for {other}"):
-        check_host_compatible({"file": "m.vmfb", "arch": other}, "cpu")
-    check_host_compatible({"arch": host_arch(), "cpu_flags": []}, "cpu")
-    check_host_compatible({"arch": "sm_80"}, "cuda")  # only CPU modules are checked against the host
+        check_host_compatible(ModuleEntry("m.vmfb", HEX, arch=other), "cpu")
+    check_host_compatible(ModuleEntry("m.vmfb", HEX, arch=host_arch()), "cpu")
+    check_host_compatible(ModuleEntry("m.vmfb", HEX, arch="sm_80"), "cuda")  # only CPU modules are checked against the host
 
 
 @pytest.mark.parametrize("device", ["cpu", "vulkan"])

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from foldline.contract.manifest import seal_manifest
+from foldline.contract.vmfb import vmfb_info
 from foldline.runtime import BundleError, Model
-from foldline.runtime.bundle import seal_manifest, vmfb_info
 from foldline.runtime.device import available_devices, host_arch
 
 pytestmark = pytest.mark.slow

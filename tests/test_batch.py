@@ -177,6 +177,87 @@ def test_a_session_on_a_batched_bundle_is_a_single_sequence(bundle_factory):
         assert a.position == b.position == len(prompt) + 1
 
 
+def _feed_prompts(batch, prompts: dict[int, list[int]], chunk: int) -> dict[int, np.ndarray]:
+    """Prompt tokens for several rows, chunk by chunk in shared prefill calls; each row's logits after its last."""
+    out, pending = {}, {row: list(ids) for row, ids in prompts.items()}
+    while any(pending.values()):
+        feeds = {row: ids[:chunk] for row, ids in pending.items() if ids}
+        logits = batch.step(feeds, prompt_rows=set(feeds))
+        for row in feeds:
+            pending[row], out[row] = pending[row][chunk:], logits[row]
+    return out
+
+
+def test_a_row_moves_to_another_row_and_bundle_alone(bundle_factory, tmp_path):
+    """Row 1 of a batch-2 bundle, saved, continues in row 0 of another batch with the logits of the
+    uninterrupted row, to the bit; a restore leaves the other row's state and logits its own; the same
+    file resumes as a session of this bundle and of the batch-1 bundle of the same model."""
+    from foldline.runtime import SessionStateError, Snapshot
+
+    model = Model.load(bundle_factory("gemma3-tiny", batch=ROWS))
+    rng = np.random.default_rng(21)
+    # 20 and 27 prompt tokens (two chunks), then 5 and 9: both rows' continuations end at the same
+    # position, so a prefill call reads as many K/V tiles whichever of the two conversations it feeds
+    p0, p1, q0, q1 = (rng.integers(1, model.vocab_size, n).tolist() for n in (20, 27, 5, 9))
+
+    def start() -> object:
+        batch = model.batch()
+        batch.open_row(0)
+        batch.open_row(1)
+        _feed_prompts(batch, {0: p0, 1: p1}, model.chunk)
+        batch.step({0: [7], 1: [8]})  # a decode step: the rows hold decode-written state too
+        return batch
+
+    a = start()
+    snap = a.snapshot_row(1)
+    assert [b.shape for b in snap.buffers] == [s.rows(1).shape for s in model.state_layout()], "one row only"
+    assert (snap.position, snap.tokens, snap.prefilled) == (len(p1) + 1, [*p1, 8], len(p1))
+    path = a.save_row(1, tmp_path / "row1.npz")
+    want_prompt = _feed_prompts(a, {0: q0, 1: q1}, model.chunk)
+    want_decode = a.step({0: [3], 1: [4]})
+
+    # the same calls give the same state; zeroed state restored into row 0 leaves row 1 as it was
+    b = start()
+    kept = b.snapshot_row(1)
+    for x, y in zip(kept.buffers, snap.buffers):
+        assert np.array_equal(x, y)
+    with pytest.raises(RowError, match="is open"):
+        b.open_row_from(0, snap, [*snap.tokens, 1])
+    every_row = Snapshot(snap.position, [np.zeros(s.shape, s.host_dtype) for s in model.state_layout()], snap.tokens)
+    with pytest.raises(SessionStateError, match="copy of every row"):
+        b.restore_row(0, every_row)
+    zeros = Snapshot(len(p0) + 1, [np.zeros_like(x) for x in snap.buffers], [*p0, 7])
+    b.restore_row(0, zeros)
+    for x, y, z in zip(b.snapshot_row(0).buffers, b.snapshot_row(1).buffers, kept.buffers):
+        assert not x.any() and np.array_equal(y, z), "a restore into row 0 never touches row 1"
+    got_prompt, got_decode = _feed_prompts(b, {0: q0, 1: q1}, model.chunk), b.step({0: [3], 1: [4]})
+    assert np.array_equal(got_prompt[1], want_prompt[1]) and np.array_equal(got_decode[1], want_decode[1])
+    assert not np.array_equal(got_prompt[0], want_prompt[0]), "row 0 continued from the zeroed state"
+
+    # row 1's file into row 0 of another batch: both rows now continue row 1's conversation, to the bit
+    c = start()
+    c.load_row(0, path)
+    assert (c.positions, c.tokens, c.prefilled) == ([snap.position] * 2, [snap.tokens] * 2, [len(p1)] * 2)
+    got_prompt, got_decode = _feed_prompts(c, {0: q1, 1: q1}, model.chunk), c.step({0: [4], 1: [4]})
+    for row in (0, 1):
+        assert np.array_equal(got_prompt[row], want_prompt[1]) and np.array_equal(got_decode[row], want_decode[1])
+
+    # a session (row 0 through the one-row functions): its prefill is the rows' to the bit, its decode
+    # step differs by the two decode kernels' rounding (docs/serving.md); a session copies one row
+    single = Model.load(bundle_factory("gemma3-tiny"))
+    want_prompt, want_decode = want_prompt[1], want_decode[1]
+    for owner in (model, single):
+        with owner.session_from(path) as session:
+            assert session.tokens == snap.tokens
+            logits = session.prefill(q1)
+            if owner is model:
+                assert np.array_equal(logits, want_prompt)
+            np.testing.assert_allclose(logits, want_prompt, rtol=0, atol=1e-4 * float(np.abs(want_prompt).max()))
+            np.testing.assert_allclose(session.decode(4), want_decode, rtol=0,
+                                       atol=1e-3 * float(np.abs(want_decode).max()))
+            assert session.snapshot().buffers[0].shape[0] == 1
+
+
 def _wait(predicate, timeout: float = 120.0) -> None:
     import time
 

@@ -242,7 +242,7 @@ def test_bf16_cache_session_snapshot_restore(bf16_bundles):
     bf16 = dtypes.numpy_dtype("bfloat16")
     with Model.load(bundle) as model, model.session() as session:
         assert {b.dtype for b in session.buffers} == {bf16}
-        assert session.allocated_bytes == model.manifest.data["state_bytes"]
+        assert session.allocated_bytes == model.manifest.state_bytes
         session.prefill(list(range(1, 21)))
         snap = session.snapshot()
         assert all(b.dtype == bf16 for b in snap.buffers) and any(b.astype(np.float32).any() for b in snap.buffers)

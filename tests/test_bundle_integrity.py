@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from foldline.backends.targets import X86_ISA_FLAGS
+from foldline.contract.manifest import FORMAT_VERSION, seal_manifest, sha256_file
 from foldline.runtime import BundleError, Manifest, Model
-from foldline.runtime.bundle import FORMAT_VERSION, seal_manifest, sha256_file
 from foldline.runtime.device import host_cpu_features
 
 pytestmark = pytest.mark.slow
@@ -203,7 +203,7 @@ def test_compiled_module_declares_its_entry_points(bundle):
     """The compiler puts the signature the runtime checks into the module."""
     import iree.runtime as rt
 
-    from foldline.runtime.bundle import DYNAMIC, declared_inputs
+    from foldline.contract.entry_points import DYNAMIC, declared_inputs
 
     module = rt.VmModule.mmap(rt.VmInstance(), str(bundle / "model.cpu.vmfb"))
     declaration = module.lookup_function("decode").reflection["iree.abi.declaration"]

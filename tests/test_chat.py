@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from foldline.runtime.bundle import BundleError
+from foldline.contract.errors import BundleError
 from foldline.runtime.chat import ChatTemplateError, apply_chat_template, render_chat_template
 
 CHATML = (
@@ -24,7 +24,7 @@ class _Tok:
 
 
 def fake_model(template: str | None, bos: int | None = 2) -> SimpleNamespace:
-    manifest = SimpleNamespace(data={"chat_template": template}, root=Path("bundle"), tokenizer_path=Path("t.json"))
+    manifest = SimpleNamespace(chat_template=template, root=Path("bundle"), tokenizer_path=Path("t.json"))
     return SimpleNamespace(manifest=manifest, config={"bos_token_id": bos, "eos_token_ids": [1]}, tokenizer=_Tok())
 
 

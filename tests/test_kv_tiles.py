@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from foldline.backends.inplace_state import elide_inplace_aliases
+from foldline.contract.entry_points import kv_tile_count, kv_tile_size
 from foldline.frontend.arch import get_preset
 from foldline.frontend.export import kv_tiles_shape
 from foldline.passes.manager import run_pipeline
-from foldline.runtime.bundle import kv_tile_count, kv_tile_size
 from foldline.testing.golden import (
     GOLDEN_TOL,
     UnitRunner,

@@ -3,7 +3,8 @@
 Every import counts, at module level or inside a function: a lazy import that
 dodges a cycle at run time is still a cycle in the design.
 
-Stage order: tools -> backends -> kernels -> passes -> frontend (`kernels` holds the
+Stage order: tools -> backends -> kernels -> passes -> frontend -> contract (`contract`
+is the bundle's contract, numpy only, shared by compiler and runtime; `kernels` holds the
 hand-written kernels and the rewrites that put them into the imported MLIR). `runtime` stands apart
 (an edge app installs it without the compiler), so it imports no compiler
 stage; `server` (the HTTP front of `foldline serve`) builds on the runtime
@@ -17,13 +18,15 @@ CLI and the bench.
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("frontend", "passes", "kernels", "backends", "runtime", "server", "bench", "tools", "testing")
+PACKAGES = ("contract", "frontend", "passes", "kernels", "backends", "runtime", "server", "bench", "tools", "testing")
 
 # stage -> stages it must never import
 FORBIDDEN = {
+    "contract": {"frontend", "passes", "kernels", "backends", "runtime", "server", "bench", "tools", "testing"},
     "runtime": {"frontend", "passes", "kernels", "backends", "server", "bench", "tools", "testing"},
     "server": {"frontend", "passes", "kernels", "backends", "bench", "tools", "testing"},
     "bench": {"passes", "kernels", "backends", "server", "tools"},
@@ -144,3 +147,59 @@ def test_an_import_against_the_order_is_caught():
         "foldline.frontend.model imports foldline.passes.manager",
         "foldline.runtime.model imports foldline.frontend.config",
     ]
+
+
+# ---- the manifest's fields are named in contract/ only -----------------------------------------------
+
+# Keys every JSON document uses (a device's "name", a config's "dtype", an API's "model"): outside
+# contract/ they name other documents' fields. A manifest is typed (contract/manifest.py), so code
+# reads these as attributes; the distinct field names below catch a manifest indexed as a dict.
+GENERIC_KEYS = {"name", "model", "cpu", "device", "dtype", "file", "size", "shape", "kind", "count", "source",
+                "description", "flags", "format", "state", "batch", "params", "passes", "tokenizer", "sha256",
+                "layers", "scope", "modules", "versions", "arch"}
+# (module, key): another document's field that shares a name with one of the manifest's.
+OTHER_DOCUMENTS = {
+    ("foldline.frontend.hf_loader", "chat_template"): "HF tokenizer_config.json",
+    ("foldline.runtime.session_file", "format_version"): "the session file's header",
+    ("foldline.runtime.session_file", "params_sha256"): "the session file's header (the bundle it belongs to)",
+}
+
+
+def _keys(tree: ast.AST) -> Iterator[ast.Constant]:
+    """String constants used as a mapping key: x["k"], x.get("k"), x.pop("k"), {"k": ...}."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            yield node.slice
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("get", "pop", "setdefault") and node.args and isinstance(node.args[0], ast.Constant)):
+            yield node.args[0]
+        elif isinstance(node, ast.Dict):
+            yield from (k for k in node.keys if isinstance(k, ast.Constant))
+
+
+def manifest_fields_named_outside_contract(sources: dict[str, str]) -> list[str]:
+    from foldline.contract.manifest import MODULE_FIELDS, PARAMS_FIELDS, STATE_FIELDS, TOP_FIELDS
+
+    fields = {*TOP_FIELDS, *STATE_FIELDS, *PARAMS_FIELDS, *MODULE_FIELDS} - GENERIC_KEYS
+    return sorted(
+        f"{module}:{key.lineno} names {key.value!r}"
+        for module, text in sources.items()
+        if not module.startswith("foldline.contract")
+        for key in _keys(ast.parse(text))
+        if key.value in fields and (module, key.value) not in OTHER_DOCUMENTS
+    )
+
+
+def test_only_the_contract_names_the_manifests_fields():
+    from foldline.contract.manifest import Manifest
+
+    assert not hasattr(Manifest, "data")  # no untyped view of the file
+    assert manifest_fields_named_outside_contract(module_sources()) == []
+
+
+def test_a_manifest_field_named_outside_the_contract_is_caught():
+    sources = module_sources()
+    sources["foldline.runtime.batch"] += "\n\ndef _chunk(m):\n    return m.to_json()['prefill_chunk']\n"
+    sources["foldline.tools.inspect_cmd"] += "\n\ndef _isa(entry):\n    return entry.get('kernel_isa')\n"
+    found = manifest_fields_named_outside_contract(sources)
+    assert len(found) == 2 and "'prefill_chunk'" in found[0] + found[1] and "'kernel_isa'" in found[0] + found[1]

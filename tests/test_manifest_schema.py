@@ -15,23 +15,21 @@ from typing import Any
 
 import pytest
 
-from foldline.frontend.arch import PRESETS, get_preset
-from foldline.passes.state_layout import planned_state_specs, reference_state_specs
-from foldline.runtime.bundle import (
-    FORMAT,
-    FORMAT_VERSION,
-    BundleError,
+from foldline.contract.entry_points import declared_inputs
+from foldline.contract.errors import BundleError
+from foldline.contract.isa import isa_flags
+from foldline.contract.manifest import (
     Manifest,
-    check_entry_points,
-    check_schema,
+    ModuleEntry,
+    ParamsEntry,
     check_seal,
-    declared_inputs,
-    isa_flags,
-    kv_tile_size,
     manifest_digest,
     seal_manifest,
-    vmfb_info,
 )
+from foldline.contract.schema import check_schema
+from foldline.contract.vmfb import vmfb_info
+from foldline.frontend.arch import PRESETS, get_preset
+from foldline.passes.state_layout import planned_state_specs, reference_state_specs
 
 PATH = Path("bundle/manifest.json")
 HEX = "ab" * 32
@@ -47,19 +45,11 @@ def manifest_for(preset: str, batch: int = 1, chunk: int = 16, compact: bool = T
     """A sealed manifest as `foldline compile` writes it for `preset` (the state from passes/state_layout)."""
     cfg = get_preset(preset)
     specs = (planned_state_specs if compact else reference_state_specs)(cfg, batch)
-    data = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "source": f"preset:{preset}",
-        "model": cfg.to_dict(), "batch": batch, "prefill_chunk": chunk,
-        "kv_tile": kv_tile_size(cfg.max_context),
-        "state": [{"name": s.name, "shape": list(s.shape), "dtype": s.dtype, "nbytes": s.nbytes,
-                   "layers": [s.layer], "kind": s.kind} for s in specs],
-        "state_bytes": sum(s.nbytes for s in specs),
-        "params": {"file": "params.irpa", "sha256": HEX, "size": 10},
-        "modules": {"cpu": {"file": "model.cpu.vmfb", "sha256": HEX, "size": 10, "params_sha256": HEX,
-                            "arch": "x86_64", "cpu_flags": []}},
-        "tokenizer": None, "tokenizer_sha256": None,
-    }
-    return seal_manifest(data)
+    return Manifest(
+        model=cfg.to_dict(), batch=batch, prefill_chunk=chunk, state=specs, source=f"preset:{preset}",
+        modules={"cpu": ModuleEntry("model.cpu.vmfb", HEX, 10, params_sha256=HEX, arch="x86_64")},
+        params=ParamsEntry("params.irpa", HEX, 10),
+    ).to_json()
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -185,14 +175,9 @@ def test_declared_inputs_are_parsed_without_the_outputs():
                                        ([1, 2, 128, 16], "float16")]
 
 
-class _FakeManifest:
-    """The fields check_entry_points reads, from a manifest dict (no files needed)."""
-
-    def __init__(self, data: dict):
-        self._m = Manifest(PATH.parent, data)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._m, name)
+def _typed(data: dict) -> Manifest:
+    """The typed manifest of a dict that passed the schema (no files needed)."""
+    return Manifest.from_json(data, PATH.parent)
 
 
 def _declarations(data: dict) -> dict[str, dict[str, str]]:
@@ -213,43 +198,43 @@ def _declarations(data: dict) -> dict[str, dict[str, str]]:
 def test_entry_points_matching_the_manifest_pass_and_mismatches_are_named():
     data = manifest_for("llama-tiny")
     module = _declarations(data)
-    check_entry_points(_FakeManifest(data), "cpu", module.get)
+    _typed(data).check_entry_points("cpu", module.get)
 
     edited = copy.deepcopy(data)
     _set_shape(edited, [1, 2, 64, 16])
     with pytest.raises(BundleError, match=r"prefill takes state buffer 'layer0.k' as float32\[1, 2, 128, 16\]; "
                                           r"the manifest says float32\[1, 2, 64, 16\]: module and manifest"):
-        check_entry_points(_FakeManifest(edited), "cpu", module.get)
+        _typed(edited).check_entry_points("cpu", module.get)
 
     fewer = copy.deepcopy(data)
     fewer["state"] = fewer["state"][:-1]
     with pytest.raises(BundleError, match=r"prefill takes 10 inputs, the manifest implies 9 \(5 state buffers\)"):
-        check_entry_points(_FakeManifest(fewer), "cpu", module.get)
+        _typed(fewer).check_entry_points("cpu", module.get)
 
     chunk = copy.deepcopy(data)
     chunk["prefill_chunk"] = 32
     with pytest.raises(BundleError, match=r"prefill takes tokens as int64\[1, 16\]; the manifest says int64\[1, 32\]"):
-        check_entry_points(_FakeManifest(chunk), "cpu", module.get)
+        _typed(chunk).check_entry_points("cpu", module.get)
 
     missing = {name: d for name, d in module.items() if name != "decode"}
     with pytest.raises(BundleError, match="has no entry point 'decode'"):
-        check_entry_points(_FakeManifest(data), "cpu", missing.get)
+        _typed(data).check_entry_points("cpu", missing.get)
 
     # A prefill without kv_tiles (the ABI before format 5) is named, not run.
     old_prefill = {name: {k: v.replace(", %input3: tensor<0x?xi8>", "") for k, v in d.items()}
                    if name == "prefill" else d for name, d in module.items()}
     with pytest.raises(BundleError, match=r"prefill takes 9 inputs, the manifest implies 10 \(6 state buffers\)"):
-        check_entry_points(_FakeManifest(data), "cpu", old_prefill.get)
+        _typed(data).check_entry_points("cpu", old_prefill.get)
 
     with pytest.raises(BundleError, match="declares no signature"):
-        check_entry_points(_FakeManifest(data), "cpu", lambda name: {})
+        _typed(data).check_entry_points("cpu", lambda name: {})
 
     # A decode without pos_shape (the ABI before format 4) is named, not run.
     old = {name: {k: re.sub(r", %input2: tensor<0x\?xi8>", "", v) for k, v in d.items()} if name.startswith("decode")
            else d for name, d in module.items()}
     assert "0x?xi8" not in old["decode"]["iree.abi.declaration"]
     with pytest.raises(BundleError, match=r"decode takes 8 inputs, the manifest implies 9 \(6 state buffers\)"):
-        check_entry_points(_FakeManifest(data), "cpu", old.get)
+        _typed(data).check_entry_points("cpu", old.get)
 
 
 def test_a_batched_manifest_implies_an_entry_point_per_row_count():
@@ -264,13 +249,13 @@ def test_a_batched_manifest_implies_an_entry_point_per_row_count():
         spec["shape"][0] = 1
     rows1 = {f"{name}_rows1": {k: v.replace(f"@{name}(", f"@{name}_rows1(") for k, v in d.items()}
              for name, d in _declarations(one).items()}
-    check_entry_points(_FakeManifest(data), "cpu", {**full, **rows1}.get)
+    _typed(data).check_entry_points("cpu", {**full, **rows1}.get)
     with pytest.raises(BundleError, match="has no entry point 'prefill_rows1'"):
-        check_entry_points(_FakeManifest(data), "cpu", full.get)
+        _typed(data).check_entry_points("cpu", full.get)
     bad = {**full, **rows1, "prefill_rows1": full["prefill"]}  # the 4-row function under the 1-row name
     with pytest.raises(BundleError, match=r"prefill_rows1 takes tokens as int64\[4, 16\]; the manifest says "
                                           r"int64\[1, 16\]"):
-        check_entry_points(_FakeManifest(data), "cpu", bad.get)
+        _typed(data).check_entry_points("cpu", bad.get)
 
 
 # ---- CPU features -----------------------------------------------------------------------------

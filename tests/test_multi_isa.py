@@ -35,7 +35,7 @@ HOST = host_cpu_features() or set()
 
 
 def _manifest(cpus: list[str] | None = None) -> Manifest:
-    return Manifest(Path("bundle"), multi_isa_manifest(cpus))
+    return Manifest.from_json(multi_isa_manifest(cpus), Path("bundle"))
 
 
 # ---- the choice, on manifests ---------------------------------------------------------------------
@@ -77,7 +77,7 @@ def test_a_single_module_bundle_keeps_its_layout():
     for key in ("device", "cpu", "kernel_isa"):
         entry.pop(key)
     data["modules"]["cpu"] = entry
-    manifest = Manifest(Path("bundle"), data)
+    manifest = Manifest.from_json(data, Path("bundle"))
     assert manifest.devices() == ["cpu"]
     assert select_cpu_module(manifest, set(X86_V2), "x86_64") == "cpu"  # refused later, on load, as before
 
@@ -183,7 +183,7 @@ def test_each_cpu_gets_its_module_and_the_weights_are_shared(multi_isa_bundle):
     assert sorted(p.name for p in multi_isa_bundle.iterdir()) == [
         "manifest.json", "model.cpu-cascadelake.vmfb", "model.cpu-x86-64-v3.vmfb", "params.irpa"]
     assert {m["params_sha256"] for m in modules.values()} == {manifest["params"]["sha256"]}
-    from foldline.runtime.bundle import vmfb_info
+    from foldline.contract.vmfb import vmfb_info
 
     v3 = vmfb_info(multi_isa_bundle / "model.cpu-x86-64-v3.vmfb").cpu_flags
     vnni = vmfb_info(multi_isa_bundle / "model.cpu-cascadelake.vmfb").cpu_flags

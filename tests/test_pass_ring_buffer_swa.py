@@ -98,7 +98,7 @@ def test_ring_golden_presets(preset, exported_unit):
     local = cfg.layers_of("local")
     assert pass_report[0]["changed"] and pass_report[0]["sites"] == 2 * len(local)  # prefill and decode
     for before_spec, spec in zip(unit.state_specs, after.state_specs):
-        if spec.layer in local:
+        if spec.layers[0] in local:
             assert spec.kind == "local_kv" and spec.shape == (2, cfg.num_kv_heads, window, cfg.head_dim)
         else:
             assert spec == before_spec

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from foldline.contract.entry_points import position_shape
 from foldline.frontend.sources import load_model
 from foldline.runtime import Model
-from foldline.runtime.bundle import position_shape
 from foldline.testing.parity import SCALED_TOL_FP32, run_parity
 
 TINY_PRESETS = ["ripple-tiny", "gemma3-tiny", "llama-tiny"]

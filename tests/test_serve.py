@@ -267,3 +267,80 @@ def test_a_chat_prefills_only_its_new_tokens(client, server):
         assert plain.served.scheduler.cached == 0
     finally:
         plain.close()
+
+
+def test_conversations_beyond_the_rows_resume_from_the_slots_dir(server, tmp_path, caplog):
+    """Five chats on four rows, turn by turn: the row each new turn takes held the previous chat, which is
+    saved to --slots-dir first, and every later turn is restored from there (cached_tokens: the previous
+    prompt), with the answers of a server without the prompt cache. A restarted server indexes the files,
+    keeps --slots-max of them, skips a foreign one, and resumes a chat from disk."""
+    import logging
+
+    from foldline.runtime.session_file import save_session_file
+    from foldline.server.served import ServedModel, ServeOptions
+
+    model = server.served.model
+    slots_dir = tmp_path / "slots"
+    slots_dir.mkdir()
+    other_bundle = {"config_sha256": "0" * 64, "params_sha256": None, "model": "another-model"}
+    save_session_file(slots_dir / "slot-foreign.npz", other_bundle, [], [], 0, [])
+    plain = RunningServer(ServedModel(model, MODEL, options=ServeOptions(prompt_cache=False)))
+    with caplog.at_level(logging.WARNING, logger="foldline.slots"):
+        slotted = RunningServer(ServedModel(model, MODEL, options=ServeOptions(slots_dir=str(slots_dir))))
+    assert "slot-foreign.npz" in caplog.text and "another model" in caplog.text
+    restarted = None
+    try:
+        def ask(running: RunningServer, messages: list[dict[str, str]]):
+            client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", timeout=300, max_retries=0)
+            return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+
+        def turn(running: RunningServer, chat: dict) -> int:
+            """One turn of `chat` on `running` and on the plain server; the tokens served from the cache."""
+            got, want = ask(running, chat["messages"]), ask(plain, chat["messages"])
+            assert got.choices[0].message.content == want.choices[0].message.content, chat["messages"]
+            chat["messages"].append({"role": "assistant", "content": got.choices[0].message.content})
+            chat["last_prompt"] = got.usage.prompt_tokens
+            return got.usage.prompt_tokens_details.cached_tokens
+
+        topics = ["France", "Japan", "Brazil", "Kenya", "Canada"]
+        chats = [{"messages": [], "last_prompt": 0} for _ in topics]
+        slots = slotted.served.scheduler.slots
+        for n, question in enumerate(["What is the capital of {}?", "And its largest city?", "Name a river there."]):
+            for topic, chat in zip(topics, chats):
+                chat["messages"].append({"role": "user", "content": question.format(topic)})
+                restores, last_prompt = slots.restores, chat["last_prompt"]
+                cached = turn(slotted, chat)
+                if n:
+                    assert slots.restores == restores + 1, f"turn {n} of the {topic} chat was restored from disk"
+                    assert cached == last_prompt, "the previous prompt was served, the rest prefilled"
+        assert slotted.served.scheduler.restored > 0 and slots.saves >= len(topics)
+        assert len(slots.files) == len(topics), "one file per chat: its earlier turns' files were superseded"
+        assert len(list(slots_dir.glob("slot-*.npz"))) == len(topics) + 1, "the foreign file is left alone"
+        slotted.close()
+        slotted = None
+
+        restarted = RunningServer(ServedModel(model, MODEL, options=ServeOptions(slots_dir=str(slots_dir),
+                                                                                slots_max=3)))
+        slots = restarted.served.scheduler.slots
+        assert slots.skipped == 1 and len(slots.files) == 3, "the least recently used files went first"
+        assert len(list(slots_dir.glob("slot-*.npz"))) == 3 + 1
+        for chat in chats:
+            chat["messages"].append({"role": "user", "content": "Thanks!"})
+        resumable = [c for c in chats if slots.best(restarted.served.chat_ids(c["messages"]))[1] == c["last_prompt"]]
+        assert resumable, "a kept file resumes its chat"
+        last_prompt = resumable[0]["last_prompt"]
+        assert turn(restarted, resumable[0]) == last_prompt and slots.restores == 1
+    finally:
+        for running in (plain, slotted, restarted):
+            if running is not None:
+                running.close()
+
+
+def test_a_slots_dir_must_be_a_writable_directory(tmp_path, capsys):
+    from foldline.tools.cli import main
+
+    (tmp_path / "file").write_text("")
+    for args, message in (([str(tmp_path / "absent")], "does not exist"), ([str(tmp_path / "file")], "not a directory"),
+                          ([str(tmp_path), "--no-prompt-cache"], "needs the cache")):
+        assert main(["serve", str(tmp_path / "no-bundle"), "--slots-dir", *args]) == 2
+        assert message in capsys.readouterr().err

@@ -114,6 +114,59 @@ def test_corrupted_or_foreign_files_are_clear_errors(bundle, tmp_path):
         assert "header.npy" in members and "state_0.npy" in members
 
 
+def _rewrite(source, target, edit_header, edit_buffer=lambda i, raw: raw) -> None:
+    """A copy of session file `source` with its header (a dict) and raw buffers edited."""
+    import json
+
+    with np.load(source, allow_pickle=False) as archive:
+        header = json.loads(archive["header"].tobytes().decode())
+        buffers = {k: archive[k] for k in archive.files if k != "header"}
+    edit_header(header)
+    arrays = {k: edit_buffer(int(k.split("_")[1]), v) for k, v in buffers.items()}
+    with open(target, "wb") as f:  # a file object: np.savez would add .npz to a path
+        np.savez(f, header=np.frombuffer(json.dumps(header).encode(), np.uint8), **arrays)
+
+
+def test_old_and_foreign_layouts_and_versions(bundle, tmp_path):
+    """Version 1 files (every row of the bundle that saved them, no prefilled count) resume as their row 0;
+    a file of another state layout or of a newer format is refused, naming why."""
+    path = tmp_path / "chat.session"
+    with Model.load(bundle) as model:
+        session, _ = _first_half(model)
+        session.save(path)
+        snap = session.snapshot()
+        assert model.read_snapshot(path).prefilled == len(PROMPT), "the header counts the prefilled tokens"
+
+        def v1(header: dict, rows: int = 1) -> None:
+            header["format_version"] = 1
+            del header["prefilled"]
+            for s in header["state"]:
+                s["shape"][0] = rows
+
+        _rewrite(path, tmp_path / "v1.session", v1)
+        _rewrite(path, tmp_path / "v1-rows3.session", lambda h: v1(h, rows=3),
+                 lambda _i, raw: np.concatenate([raw, np.full(2 * raw.size, 0x7F, np.uint8)]))
+        for name in ("v1.session", "v1-rows3.session"):
+            old = model.read_snapshot(tmp_path / name)
+            assert (old.position, old.tokens, old.prefilled) == (snap.position, snap.tokens, 0), name
+            for a, b in zip(old.buffers, snap.buffers):
+                assert np.array_equal(a, b), name
+
+        def wider(header: dict) -> None:
+            header["state"][0]["shape"][2] *= 2  # a cache of twice the slots: another context size
+
+        _rewrite(path, tmp_path / "wider.session", wider,
+                 lambda i, raw: np.concatenate([raw, raw]) if i == 0 else raw)
+        with pytest.raises(SessionFileError, match="another state layout"):
+            model.session_from(tmp_path / "wider.session")
+        _rewrite(path, tmp_path / "v3.session", lambda h: h.update(format_version=3))
+        with pytest.raises(SessionFileError, match="version 3.*newer foldline"):
+            model.session_from(tmp_path / "v3.session")
+        _rewrite(path, tmp_path / "bad-prefilled.session", lambda h: h.update(prefilled=snap.position + 1))
+        with pytest.raises(SessionFileError, match="prefilled"):
+            model.session_from(tmp_path / "bad-prefilled.session")
+
+
 def test_an_interrupted_save_keeps_the_previous_file(bundle, tmp_path, monkeypatch):
     path = tmp_path / "chat.session"
     with Model.load(bundle) as model:

@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..bench import modes
-    from ..runtime.bundle import Manifest
+    from ..contract.manifest import Manifest
 
     manifest = Manifest.load(args.bundle)
     if args.held is not None:

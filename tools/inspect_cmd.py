@@ -18,7 +18,7 @@ def _mib(n: int) -> str:
 
 def _cpu_choice(m) -> str:
     """Which CPU module this machine would load, or why none (runtime/cpu_select.py)."""
-    from ..runtime.bundle import BundleError
+    from ..contract.errors import BundleError
     from ..runtime.cpu_select import select_cpu_module
     from ..runtime.device import check_host_compatible, cpu_features, host_arch
 
@@ -28,16 +28,17 @@ def _cpu_choice(m) -> str:
         check_host_compatible(m.modules[key], "cpu", have)
     except BundleError as e:
         return f"none: {e}"
-    return f"{key} ({m.modules[key]['file']})"
+    return f"{key} ({m.modules[key].file})"
 
 
 def run(args) -> int:
-    from ..runtime.bundle import ARCH_ISA_FLAGS, Manifest
+    from ..contract.isa import ARCH_ISA_FLAGS
+    from ..contract.manifest import Manifest
     from ..runtime.cpu_select import isa_level
 
     m = Manifest.load(args.bundle)
     if args.json:
-        print(json.dumps(m.data, indent=2))
+        print(json.dumps(m.to_json(), indent=2))
         return 0
     cfg = m.config
     kinds = {k: cfg["layer_types"].count(k) for k in ("local", "global", "gdn") if k in cfg["layer_types"]}
@@ -47,22 +48,22 @@ def run(args) -> int:
     rows = f" (entry points for {', '.join(map(str, m.row_counts))} rows)" if m.batch > 1 else ""
     print(f"shapes   batch {m.batch}{rows}, prefill chunk {m.prefill_chunk}, max context {m.max_context}")
     print(f"attention reads the tokens held, in tiles of {m.kv_tile} slots (prefill's kv_tiles input)")
-    params = m.data.get("params")
+    params = m.params
     if params:
-        print(f"params   {params['file']}: {params['count']} tensors, {_mib(params['size'])}")
+        print(f"params   {params.file}: {params.count} tensors, {_mib(params.size or 0)}")
     for key, mod in m.modules.items():
-        acts = f", {mod['activations']} activations in quantized decode" if mod.get("activations") else ""
-        isa = mod.get("kernel_isa")
+        acts = f", {mod.activations} activations in quantized decode" if mod.activations else ""
+        isa = mod.kernel_isa
         if isa:
             acts += f" (kernels: decode {isa['decode']}, prefill {isa['prefill']})"
-        level = f", ISA {isa_level(mod)}" if m.device_of(key) == "cpu" and mod.get("arch") in ARCH_ISA_FLAGS else ""
-        print(f"module   {key}: {mod['file']} ({_mib(mod['size'])}) {mod['description']}{level}{acts}")
-        if mod.get("kernels"):
-            print("         sites: " + ", ".join(f"{n} {kind}" for kind, n in mod["kernels"].items()))
+        level = f", ISA {isa_level(mod)}" if m.device_of(key) == "cpu" and mod.arch in ARCH_ISA_FLAGS else ""
+        print(f"module   {key}: {mod.file} ({_mib(mod.size or 0)}) {mod.description}{level}{acts}")
+        if mod.kernels:
+            print("         sites: " + ", ".join(f"{n} {kind}" for kind, n in mod.kernels.items()))
     if "cpu" in m.devices():
         print(f"this CPU loads {_cpu_choice(m)}")
-    print(f"tokenizer {m.data.get('tokenizer') or 'none (token ids only)'}")
-    print(f"passes   {', '.join(p['name'] + ('*' if p['changed'] else '') for p in m.data.get('passes', [])) or 'none'}"
+    print(f"tokenizer {m.tokenizer.file if m.tokenizer else 'none (token ids only)'}")
+    print(f"passes   {', '.join(name + ('*' if changed else '') for name, changed in m.pass_names()) or 'none'}"
           "   (* changed the program)")
     print(f"state    {len(m.state)} buffers, {_mib(sum(s.nbytes for s in m.state))}")
     for s in m.state:

@@ -37,10 +37,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from ..contract.entry_points import kv_tile_size
     from ..frontend.config import ConfigError
     from ..frontend.sources import holds_block_quantized_weights, resolve_config
     from ..passes.state_layout import plan_state
-    from ..runtime.bundle import kv_tile_size
 
     cfg = resolve_config(args.model)
     if args.dtype is not None:

@@ -30,6 +30,11 @@ def add_parser(sub) -> None:
                    help="allow browser requests from ORIGIN (repeatable; '*' for any)")
     p.add_argument("--no-prompt-cache", action="store_true",
                    help="prefill every prompt in full, instead of reusing the tokens a released row holds")
+    p.add_argument("--slots-dir", default=None, metavar="DIR",
+                   help="save the conversation a row must give up to DIR (an existing writable directory) and "
+                        "restore it when its next turn arrives (default: rows only)")
+    p.add_argument("--slots-max", type=int, default=None, metavar="N",
+                   help="files kept in --slots-dir; the least recently used go first (default 32)")
     p.add_argument("--no-verify", action="store_true", help="skip the bundle hash check at load")
     p.set_defaults(func=run)
 
@@ -42,23 +47,36 @@ def run(args) -> int:
         raise CliError(f"foldline serve needs the serve extra ({e.name} is missing): pip install 'foldline[serve]'") \
             from e
     from ..runtime import Model
+    from ..runtime.slots import DEFAULT_MAX_FILES, check_slots_dir
 
     for name in ("max_queue",):
         if getattr(args, name) < 0:
             raise CliError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    for name in ("max_body_bytes", "request_timeout", "shutdown_timeout", "stall_timeout"):
+    for name in ("max_body_bytes", "request_timeout", "shutdown_timeout", "stall_timeout", "slots_max"):
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise CliError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    if args.slots_dir is None and args.slots_max is not None:
+        raise CliError("--slots-max bounds --slots-dir, which is not given")
+    if args.slots_dir is not None:
+        if args.no_prompt_cache:
+            raise CliError("--slots-dir keeps what the prompt cache gives up: it needs the cache "
+                           "(drop --no-prompt-cache)")
+        check_slots_dir(args.slots_dir)  # before the model loads: a typo fails at once
     options = ServeOptions(max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                            request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
                            stall_timeout=args.stall_timeout, cors_origins=list(args.cors),
-                           prompt_cache=not args.no_prompt_cache)
+                           prompt_cache=not args.no_prompt_cache, slots_dir=args.slots_dir,
+                           slots_max=args.slots_max or DEFAULT_MAX_FILES)
     model = Model.load(args.bundle, device=args.device, verify=not args.no_verify, threads=args.threads)
-    model_id = args.model_id or str(model.config.get("name") or "foldline")
+    model_id = args.model_id or str(model.manifest.model_name or "foldline")
     served = ServedModel(model, model_id, options=options)
     print(f"foldline serve: {model_id} ({model.batch_size} rows, context {model.max_context}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    slots = served.scheduler.slots
+    if slots is not None:
+        print(f"foldline serve: saving rows to {slots.dir} ({len(slots.files)} found, at most {slots.max_files} "
+              f"files of {slots.file_nbytes / (1 << 20):.1f} MiB)", file=sys.stderr, flush=True)
     serve(served, args.host, args.port)
     print("foldline serve: stopped", file=sys.stderr, flush=True)
     return 0

@@ -221,7 +221,7 @@ def config_from_gguf(g: GGUFFile, max_context: int | None = None) -> ModelConfig
         gdn_head_v_dim=inner // n_v,
         gdn_conv_kernel=int(g.require("ssm.conv_kernel")),
         gdn_kv_mapping="interleaved",  # value heads stored in tiled order by the converter
-        gdn_norm_eps="plain",  # llama.cpp's build_norm_gated uses rms_eps (measured, docs/gdn.md)
+        gdn_norm_eps="plain",  # llama.cpp's build_norm_gated uses rms_eps (checked, docs/gdn.md)
         # llama.cpp's GDN q/k norm is x * rsqrt(sum x^2 + rms_eps) (build_gdn_l2_norm); HF's uses a
         # fixed 1e-6, which is the same expression for every released Qwen3.5 (rms_eps 1e-6).
         gdn_l2norm="hf",

@@ -27,7 +27,7 @@ from torch import Tensor
 from ...errors import FoldlineError
 from ..ops import register_decomposition
 
-DEFAULT_BLOCK_SIZE = 1024  # the measured qwen35 / Bonsai files
+DEFAULT_BLOCK_SIZE = 1024  # where the metadata names none: the qwen35 / Bonsai files' block
 
 
 class HadamardMetadataError(FoldlineError, ValueError):

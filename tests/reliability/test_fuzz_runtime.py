@@ -26,8 +26,8 @@ import pytest
 from fuzz_common import FuzzLog
 from reliability_common import record, scaled
 
+from foldline.contract import manifest as manifest_module
 from foldline.runtime import BundleError, ContextFullError, Manifest, Model, TokenIdError
-from foldline.runtime import bundle as bundle_module
 
 pytestmark = pytest.mark.slow  # compiles a tiny preset with IREE (shared with the pipeline tests)
 
@@ -104,7 +104,7 @@ def _node(data, path):
 
 def _load_manifest(root: Path) -> None:
     m = Manifest.load(root)
-    assert isinstance(m.data, dict)
+    assert isinstance(m.model, dict) and m.state
 
 
 def test_fuzzed_manifests_raise_bundle_errors(tmp_path, bundle):
@@ -113,7 +113,7 @@ def test_fuzzed_manifests_raise_bundle_errors(tmp_path, bundle):
     shutil.copytree(bundle, root)
     original = json.loads((root / "manifest.json").read_text())
     Manifest.load(root)  # the undamaged bundle loads
-    seal = getattr(bundle_module, "seal_manifest", None)
+    seal = getattr(manifest_module, "seal_manifest", None)
     sealed = seal is not None and "manifest_sha256" in original
     log = FuzzLog("manifest", expected=BundleError)
     for what, edited in manifest_edits(original, random.Random(3), scaled(150, 10000)):
