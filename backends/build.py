@@ -32,6 +32,8 @@ from .compile_pool import pool_size, run_concurrently
 from .importer import import_programs, params_to_numpy
 from .inplace_state import ElideReport, elide_inplace_aliases
 from .lowering import Lowering
+from .onnx_export import DEVICE as ONNX_DEVICE
+from .onnx_export import export_module as export_onnx_module
 from .options import BuildOptions, Progress, build_cache_key, from_cache, row_counts
 from .targets import Target, TargetError
 
@@ -152,6 +154,8 @@ def default_compute_dtype(loaded: LoadedModel, targets: list[Target]) -> str:
 
 def unsupported_compute_dtype(dtype: str, targets: list[Target]) -> str | None:
     """Why `dtype` cannot be the compute dtype for one of `targets`, or None when it can."""
+    if dtype == "bfloat16" and any(t.device == ONNX_DEVICE for t in targets):
+        return "the ONNX target keeps no bfloat16 state or activations; compute in float32 (--dtype f32 or auto)"
     if dtype == "bfloat16" and any(t.device == "cpu" for t in targets):
         return ("IREE 3.13's llvm-cpu backend fails to compile bfloat16 arithmetic "
                 "('arith.constant' op failed to verify); compute in float32 (--dtype f32 or auto: "
@@ -170,6 +174,9 @@ def resolve_dtypes(loaded: LoadedModel, options: BuildOptions) -> tuple[str, str
     kv_dtype = default_kv_dtype(loaded, options.weights, dtype) if options.kv_dtype == "auto" else options.kv_dtype
     if kv_dtype not in KV_DTYPES:
         raise DTypeError(f"K/V cache dtype {kv_dtype!r} is not supported; choose one of {', '.join(KV_DTYPES)}")
+    if kv_dtype == "bfloat16" and any(t.device == ONNX_DEVICE for t in options.targets):
+        raise DTypeError("the ONNX target keeps no bfloat16 caches (ONNX Runtime's Python API takes no bfloat16 "
+                         "arrays): choose --kv-dtype f16 or f32")
     return dtype, kv_dtype
 
 
@@ -285,12 +292,51 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
     clock.stage("passes", "[2/4] running passes")
     report = run_pipeline(unit, options.passes, dump_after=options.dump_after, progress=progress)
 
-    kinds_count = len({t.device == "cpu" for t in options.targets})
+    modules: dict[str, ModuleEntry] = {}
+    if any(t.device == ONNX_DEVICE for t in options.targets):
+        clock.stage("onnx", "[3/4] exporting ONNX graphs (core aten, standard ONNX ops)", total=len(unit.programs))
+        rows = {name: n for name, _kind, n in entry_point_variants(options)}
+        modules[ONNX_DEVICE] = export_onnx_module(
+            {name: (program, rows[name]) for name, program in unit.programs.items()}, unit.state_specs, out, progress)
+    iree_targets = [(t, a) for t, a in zip(options.targets, activations) if t.device != ONNX_DEVICE]
+    params_entry = None
+    if iree_targets:
+        params_entry = _compile_iree([t for t, _ in iree_targets], [a for _, a in iree_targets], unit, out, clock,
+                                     options, progress, modules)
+    modules = {key: modules[key] for key in module_order(options.targets)}
+
+    tokenizer = None
+    if loaded.tokenizer_json is not None:
+        (out / "tokenizer.json").write_text(loaded.tokenizer_json)
+        tokenizer = FileEntry.of(out / "tokenizer.json")
+    Manifest(
+        model=cfg.to_dict(),
+        batch=options.batch,
+        prefill_chunk=chunk,
+        state=list(unit.state_specs),
+        modules=modules,
+        row_counts=row_counts(options),
+        params=params_entry,
+        tokenizer=tokenizer,
+        chat_template=loaded.chat_template,
+        source=loaded.source,
+        passes=report,
+        versions=_versions(),
+    ).write(out)
+    progress(clock.summary())
+    progress(f"bundle written to {out} in {time.time() - t0:.0f} s")
+    return out
+
+
+def _compile_iree(targets: list[Target], activations: list[str], unit: CompileUnit, out: Path, clock: StageClock,
+                  options: BuildOptions, progress: Progress, modules: dict[str, ModuleEntry]) -> ParamsEntry:
+    """Stages 3-4 for the IREE targets: import to MLIR, weights to params.irpa, iree-compile; adds their modules."""
+    kinds_count = len({t.device == "cpu" for t in targets})
     clock.stage("import", "[3/4] importing to MLIR (torch dialect), weights to params.irpa",
                 total=len(unit.programs) * kinds_count)
     # CPU targets keep the decode attention ops for their hand-written kernel; GPU targets
     # import the decomposed form (a second import only when both kinds are asked for).
-    kinds = sorted({t.device == "cpu" for t in options.targets}, reverse=True)
+    kinds = sorted({t.device == "cpu" for t in targets}, reverse=True)
     lowering = Lowering()
     imported = {}
     for cpu in kinds:
@@ -310,29 +356,14 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
     params_count = len(params.tensors)
     del params  # written to params.irpa
     unit.programs.clear()  # what iree-compile needs is in the MLIR text now
-    modules = _compile_targets(options.targets, activations, imported, params_sha, out, clock, progress)
+    modules.update(_compile_targets(targets, activations, imported, params_sha, out, clock, progress))
+    return ParamsEntry(params_file.name, params_sha, params_file.stat().st_size, count=params_count)
 
-    tokenizer = None
-    if loaded.tokenizer_json is not None:
-        (out / "tokenizer.json").write_text(loaded.tokenizer_json)
-        tokenizer = FileEntry.of(out / "tokenizer.json")
-    Manifest(
-        model=cfg.to_dict(),
-        batch=options.batch,
-        prefill_chunk=chunk,
-        state=list(unit.state_specs),
-        modules=modules,
-        row_counts=row_counts(options),
-        params=ParamsEntry(params_file.name, params_sha, params_file.stat().st_size, count=params_count),
-        tokenizer=tokenizer,
-        chat_template=loaded.chat_template,
-        source=loaded.source,
-        passes=report,
-        versions=_versions(),
-    ).write(out)
-    progress(clock.summary())
-    progress(f"bundle written to {out} in {time.time() - t0:.0f} s")
-    return out
+
+def module_order(targets: list[Target]) -> list[str]:
+    """The manifest keys of the targets' modules, in the order the targets were given."""
+    iree = iter(key for key, _ in module_names([t for t in targets if t.device != ONNX_DEVICE]))
+    return [ONNX_DEVICE if t.device == ONNX_DEVICE else next(iree) for t in targets]
 
 
 def module_names(targets: list[Target]) -> list[tuple[str, str]]:

@@ -55,7 +55,7 @@ class TargetError(FoldlineError, ValueError):
 class Target:
     """One compiled module of a bundle."""
 
-    device: str  # cpu, vulkan, cuda: the runtime device that runs it
+    device: str  # cpu, vulkan, cuda, onnxruntime: the runtime device that runs it
     flags: list[str]
     description: str
     arch: str | None = None
@@ -248,7 +248,9 @@ def make_target(name: str, cpu: str = "host", triple: str | None = None,
         return vulkan_target(vulkan)
     if name == "cuda":
         return cuda_target(cuda_arch)
-    raise TargetError(f"unknown target {name!r}; expected cpu, vulkan or cuda")
+    if name == "onnx":
+        return Target("onnxruntime", [], "ONNX for ONNX Runtime (backends/onnx_export.py)")
+    raise TargetError(f"unknown target {name!r}; expected cpu, vulkan, cuda or onnx")
 
 
 def make_targets(name: str, cpu: str = "host", triple: str | None = None,

@@ -45,7 +45,7 @@ TOP_FIELDS = ("format", "format_version", "source", "model", "batch", "row_count
 STATE_FIELDS = ("name", "shape", "dtype", "nbytes", "layers", "kind")
 PARAMS_FIELDS = ("file", "sha256", "size", "scope", "count")
 MODULE_FIELDS = ("file", "sha256", "size", "params_sha256", "device", "cpu", "flags", "description", "arch",
-                 "cpu_flags", "activations", "kernel_isa", "kernels", "executable_formats")
+                 "cpu_flags", "activations", "kernel_isa", "kernels", "executable_formats", "parts")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -96,10 +96,26 @@ class ModuleEntry:
     kernel_isa: dict[str, str] | None = None  # family ("decode", "prefill") -> int8 kernel ISA (or f32)
     kernels: dict[str, int] = field(default_factory=dict)  # kernel -> sites that took it (kernels/sites.py)
     executable_formats: list[str] = field(default_factory=list)  # read from the vmfb (contract/vmfb.py)
+    # function -> its own file, for a module kept as one file per function (ONNX: one graph each,
+    # `file` holding the weights they share); empty for an IREE module, whose one file has them all
+    parts: dict[str, FileEntry] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModuleEntry:
-        return cls(**{k: data[k] for k in MODULE_FIELDS if data.get(k) is not None})
+        fields = {k: data[k] for k in MODULE_FIELDS if data.get(k) is not None}
+        fields["parts"] = {name: FileEntry(p["file"], p["sha256"], p.get("size"))
+                           for name, p in (data.get("parts") or {}).items()}
+        return cls(**fields)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in MODULE_FIELDS if k != "parts"}
+        if self.parts:
+            out["parts"] = {name: {"file": p.file, "sha256": p.sha256, "size": p.size} for name, p in self.parts.items()}
+        return out
+
+    def file_entries(self) -> list[FileEntry | ModuleEntry]:
+        """Every file of the module with its hash: the module file, then its parts."""
+        return [self, *self.parts.values()]
 
 
 @dataclass
@@ -174,7 +190,7 @@ class Manifest:
         return sorted({self.device_of(key) for key in self.modules})
 
     def files(self) -> list[str]:
-        names = [m.file for m in self.modules.values()]
+        names = [e.file for m in self.modules.values() for e in m.file_entries()]
         names += [e.file for e in (self.params, self.tokenizer) if e is not None]
         return names
 
@@ -239,7 +255,7 @@ class Manifest:
             "params": None if self.params is None else {
                 "file": self.params.file, "sha256": self.params.sha256, "size": self.params.size,
                 "scope": self.params.scope, "count": self.params.count},
-            "modules": {key: {k: getattr(m, k) for k in MODULE_FIELDS} for key, m in self.modules.items()},
+            "modules": {key: m.to_json() for key, m in self.modules.items()},
             "tokenizer": self.tokenizer.file if self.tokenizer else None,
             "tokenizer_sha256": self.tokenizer.sha256 if self.tokenizer else None,
             "tokenizer_size": self.tokenizer.size if self.tokenizer else None,
@@ -324,7 +340,7 @@ class Manifest:
         IREE mmaps the .irpa: a truncated archive would otherwise end in SIGBUS
         on first use of a parameter past the end instead of an error here.
         """
-        for entry in (self.modules[key], self.params):
+        for entry in (*self.modules[key].file_entries(), self.params):
             if entry is None:
                 continue
             path = self.root / entry.file
@@ -345,7 +361,8 @@ class Manifest:
         if key not in self.modules:
             raise BundleError(f"bundle {self.root} has no module {key!r}")
         entry = self.modules[key]
-        self.verify_file(entry)
+        for part in entry.file_entries():
+            self.verify_file(part)
         if self.params and entry.params_sha256 not in (None, self.params.sha256):
             raise BundleError(f"module {entry.file} was compiled against other parameters than {self.params.file}")
 

@@ -209,6 +209,15 @@ def check_schema(path: Path, data: dict[str, Any]) -> None:
                 r.string(word, f"{where}.{field}[{j}]")
         for field in ("description", "activations"):
             r.string(entry.get(field), f"{where}.{field}", optional=True)
+        for part, value in r.obj(entry.get("parts") or {}, f"{where}.parts").items():
+            there = f"{where}.parts[{part!r}]"
+            value = r.obj(value, there)
+            part_file = r.filename(r.key(value, "file", there), f"{there}.file")
+            if part_file in files:
+                raise r.fail(f"{there}.file", f"{part_file!r} is also the file of modules.{files[part_file]}")
+            files[part_file] = key
+            r.sha256(r.key(value, "sha256", there), f"{there}.sha256")
+            r.integer(value.get("size"), f"{there}.size", optional=True)
     params = data.get("params")
     if params is not None:
         r.filename(params["file"], "params.file")

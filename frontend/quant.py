@@ -239,7 +239,9 @@ def dequantize_torch(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
     if fmt == "q4":  # ggml's order: byte b of a group holds elements b and b + group / 2
         n = codes.shape[0]
         b = codes.reshape(n, -1, group // 2)
-        q = torch.cat([b & 0x0F, b >> 4], dim=-1).reshape(n, -1)
+        # the high nibble as a division, not `b >> 4`: ONNX's shift is unsigned-only and the exporter's
+        # emulation of aten's shift mistypes uint8 (backends/onnx_export.py)
+        q = torch.cat([b & 0x0F, torch.div(b, 16, rounding_mode="floor")], dim=-1).reshape(n, -1)
     else:
         q = codes
     n, k = q.shape

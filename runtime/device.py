@@ -26,6 +26,8 @@ from ..contract.manifest import Manifest, ModuleEntry
 from ..contract.vmfb import vmfb_info
 from ..errors import InputError
 from .cpu_select import missing_flags, select_cpu_module
+from .onnx_device import DEVICE as ONNX_DEVICE
+from .onnx_device import OnnxContext, open_onnx
 
 # foldline device name -> IREE HAL driver
 DRIVERS = {"cpu": "local-task", "vulkan": "vulkan", "cuda": "cuda"}
@@ -394,15 +396,15 @@ def _reflection(module: rt.VmModule, name: str) -> dict[str, str] | None:
 
 
 def open_device(manifest: Manifest, device: str, verify: bool = True, threads: int | None = None,
-                cpu: str | None = None, features: str | Iterable[str] | None = None) -> DeviceContext:
+                cpu: str | None = None, features: str | Iterable[str] | None = None) -> DeviceContext | OnnxContext:
     """Create the device, load params + module for it; clear errors for what is missing.
 
     threads: CPU worker threads (None: IREE's default, one per physical core; 1: the caller's thread).
     cpu: pin the CPU module compiled for that --cpu name (else the best one this CPU runs,
     runtime/cpu_select.py); features: the CPU flags to assume (cpu_features).
     """
-    if device not in DRIVERS:
-        raise BundleError(f"unknown device {device!r}; expected one of {', '.join(DRIVERS)}")
+    if device not in (*DRIVERS, ONNX_DEVICE):
+        raise BundleError(f"unknown device {device!r}; expected one of {', '.join((*DRIVERS, ONNX_DEVICE))}")
     if device not in manifest.devices():
         raise BundleError(
             f"bundle {manifest.root} has no module for device {device!r} (it has: {', '.join(manifest.devices())}); "
@@ -410,6 +412,8 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
         )
     if (cpu is not None or features is not None) and device != "cpu":
         raise InputError(f"cpu and cpu_features apply to the cpu device, not {device!r}")
+    if device == ONNX_DEVICE:
+        return open_onnx(manifest, verify, threads)
     have = cpu_features(features) if device == "cpu" else None
     try:
         key = select_cpu_module(manifest, have, host_arch(), cpu) if device == "cpu" else manifest.module_keys(device)[0]

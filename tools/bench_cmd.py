@@ -41,7 +41,7 @@ def add_parser(sub) -> None:
                    help="instead: a TURNS-turn chat (32 new user tokens and 16 answer tokens per turn unless "
                         "--prompt-len / --new-tokens say otherwise): time to the first answer token with the "
                         "prompt cache on and off, beside llama.cpp with and without prefix reuse (--llama-cpp)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "vulkan", "cuda"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "vulkan", "cuda", "onnxruntime"])
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
     p.add_argument("--hadamard-online", default=None, metavar="BUNDLE",

@@ -13,8 +13,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("compile", help="compile a model (preset, .gguf, HF dir, shipped name) into a bundle")
     p.add_argument("model", help="preset name, shipped model name, .gguf file or config.json+safetensors dir")
     p.add_argument("-o", "--output", required=True, type=Path, help="bundle directory to write")
-    p.add_argument("--target", action="append", choices=["cpu", "vulkan", "cuda"],
-                   help="compile target (repeat for several; default cpu)")
+    p.add_argument("--target", action="append", choices=["cpu", "vulkan", "cuda", "onnx"],
+                   help="compile target (repeat for several; default cpu). onnx: ONNX graphs that a stock "
+                        "onnxruntime runs (docs/onnx.md), loaded with --device onnxruntime")
     p.add_argument("--cpu", default=None,
                    help="CPU(s) for llvm-cpu: host, generic, an LLVM CPU name, a comma-separated list "
                         "(e.g. x86-64-v3,znver4) or x86-all (x86-64-v2, x86-64-v3, cascadelake): one module "

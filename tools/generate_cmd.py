@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
     src.add_argument("--prompt", help="prompt text (needs a bundle with a tokenizer)")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--device", default="cpu", choices=["cpu", "vulkan", "cuda"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "vulkan", "cuda", "onnxruntime"])
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -58,6 +58,8 @@ def run(args) -> int:
             acts += f" (kernels: decode {isa['decode']}, prefill {isa['prefill']})"
         level = f", ISA {isa_level(mod)}" if m.device_of(key) == "cpu" and mod.arch in ARCH_ISA_FLAGS else ""
         print(f"module   {key}: {mod.file} ({_mib(mod.size or 0)}) {mod.description}{level}{acts}")
+        if mod.parts:
+            print("         graphs: " + ", ".join(f"{fn} {part.file} ({_mib(part.size or 0)})" for fn, part in mod.parts.items()))
         if mod.kernels:
             print("         sites: " + ", ".join(f"{n} {kind}" for kind, n in mod.kernels.items()))
     if "cpu" in m.devices():

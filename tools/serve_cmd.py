@@ -12,7 +12,7 @@ def add_parser(sub) -> None:
     p.add_argument("bundle", help="bundle directory (compile with --batch N to serve N requests at once)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--device", default="cpu", choices=["cpu", "vulkan", "cuda"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "vulkan", "cuda", "onnxruntime"])
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: one per physical core)")
     p.add_argument("--model-id", default=None, help="the name clients use (default: the bundle's model name)")
     p.add_argument("--max-queue", type=int, default=64,

@@ -11,7 +11,7 @@ import numpy as np
 def add_parser(sub) -> None:
     p = sub.add_parser("verify", help="compile MODEL and check the compiled module against torch eager")
     p.add_argument("model", help="preset name, shipped model name, .gguf file or HF directory")
-    p.add_argument("--target", default="cpu", choices=["cpu", "vulkan", "cuda"])
+    p.add_argument("--target", default="cpu", choices=["cpu", "vulkan", "cuda", "onnx"])
     p.add_argument("--cpu", default="host", help="CPU for llvm-cpu: host, generic or an LLVM CPU name")
     p.add_argument("--vulkan-target", default="host", help="IREE Vulkan target (default: the device here)")
     p.add_argument("--cuda-arch", default="sm_80", help="CUDA SM architecture (default sm_80)")
@@ -35,16 +35,16 @@ def run(args) -> int:
     from ..runtime.device import available_devices
     from ..testing.parity import SCALED_TOL_FP32, run_parity
 
-    if args.target != "cpu" and not available_devices(args.target):
-        raise BundleError(f"device {args.target!r} is not available here; nothing to verify on")
+    target = make_target(args.target, cpu=args.cpu, vulkan=args.vulkan_target, cuda_arch=args.cuda_arch)
+    if target.device in ("vulkan", "cuda") and not available_devices(target.device):
+        raise BundleError(f"device {target.device!r} is not available here; nothing to verify on")
     loaded = load_model(args.model, max_context=args.max_context)
     names = [n for n in args.passes.split(",") if n] if args.passes is not None else None
-    target = make_target(args.target, cpu=args.cpu, vulkan=args.vulkan_target, cuda_arch=args.cuda_arch)
     options = BuildOptions(targets=[target], passes=resolve_pipeline(names), chunk=args.chunk)
     with tempfile.TemporaryDirectory() as tmp:
         out = args.bundle or Path(tmp) / "bundle"
         compile_model(loaded, out, options)
-        bundle = Model.load(out, device=args.target)
+        bundle = Model.load(out, device=target.device)
         rng = np.random.default_rng(args.seed)
         prompt = rng.integers(0, loaded.config.vocab_size, size=args.prompt_len).tolist()
         steps = min(args.steps, loaded.config.max_context - args.prompt_len - 1)

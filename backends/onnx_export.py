@@ -1,0 +1,158 @@
+"""ONNX out: the bundle's functions as ONNX graphs that a stock onnxruntime runs.
+
+Each function (prefill, decode and the row variants of a batched bundle)
+becomes one graph, `model.<function>.onnx`, exported from its post-pass
+program: the Hadamard rotations folded, the windowed caches as rings, the
+weights in their block formats. foldline's custom ops are decomposed into
+core aten first, by the decompositions they register (the portable form the
+GPU targets compile), so the graphs hold standard ONNX ops only and need no
+custom-op library. The quantized weights stay codes (int8, or uint8 nibble
+pairs) with their scales; the graph dequantizes them.
+
+State is explicit. Inputs: the step inputs by their entry-point names, then
+the state buffers by their manifest names. Outputs: each buffer's next value
+(`<name>.next`), then `logits`. The graphs' weights are one external-data
+file, `model.onnx.data`, in which bytes that several graphs hold are stored
+once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+import torch
+from onnx.external_data_helper import set_external_data
+from torch.export import ExportedProgram
+from torch.export.graph_signature import OutputKind, OutputSpec
+from torch.utils import _pytree as pytree
+
+from ..contract.manifest import FileEntry, ModuleEntry
+from ..contract.state import StateBuffer
+from ..errors import FoldlineError
+from ..frontend import quant  # noqa: F401  (registers foldline::qlinear's decomposition)
+from ..frontend.ops import DECOMPOSITIONS
+
+DEVICE = "onnxruntime"  # the runtime device that runs an ONNX module (runtime/onnx_device.py)
+DATA_FILE = "model.onnx.data"
+EXTERNAL_MIN_BYTES = 1024  # smaller initializers stay in their graph
+# The step inputs of each entry point, in order (contract/entry_points.py).
+STEP_INPUTS = {"prefill": ("tokens", "start_pos", "n_valid", "kv_tiles"), "decode": ("tokens", "pos", "pos_shape")}
+NEXT_SUFFIX = ".next"
+
+
+class OnnxExportError(FoldlineError, ValueError):
+    """A program the ONNX export cannot express."""
+
+
+def graph_file(function: str) -> str:
+    return f"model.{function}.onnx"
+
+
+def step_inputs(function: str, rows: int) -> tuple[str, ...]:
+    """The step inputs of `function` (prefill, decode, prefill_rows2, ...); batched decode has no pos_shape."""
+    names = STEP_INPUTS["prefill" if function.startswith("prefill") else "decode"]
+    return names if names[0] != "tokens" or "pos_shape" not in names or rows == 1 else names[:2]
+
+
+def _functional(program: ExportedProgram, n_state: int) -> ExportedProgram:
+    """The program in core aten, its state updates as outputs: (next state..., logits).
+
+    An exported entry point writes its state buffers in place (input mutations);
+    ONNX has no in-place update, so each mutation becomes an output, in the
+    order of the state inputs.
+    """
+    table = torch.export.default_decompositions()
+    table.update(DECOMPOSITIONS)
+    program = program.run_decompositions(table)
+    left = sorted({str(n.target) for n in program.graph.nodes
+                   if n.op == "call_function" and str(n.target).startswith("foldline.")})
+    if left:
+        raise OnnxExportError(f"no decomposition for {', '.join(left)}: ONNX has no form of these ops")
+    sig = program.graph_signature
+    state_inputs = list(sig.user_inputs[len(sig.user_inputs) - n_state:])
+    mutated = [o.target for o in sig.output_specs if o.kind == OutputKind.USER_INPUT_MUTATION]
+    if mutated != state_inputs:
+        raise OnnxExportError(f"the program updates {mutated}, not each of its state inputs {state_inputs} in order")
+    sig.output_specs[:] = [OutputSpec(OutputKind.USER_OUTPUT, o.arg, None)
+                           if o.kind == OutputKind.USER_INPUT_MUTATION else o for o in sig.output_specs]
+    program._module_call_graph[0].signature.out_spec = pytree.tree_flatten(tuple(range(len(sig.output_specs))))[1]
+    return program
+
+
+def export_function(program: ExportedProgram, function: str, rows: int, state: list[StateBuffer]) -> onnx.ModelProto:
+    """One function as an ONNX model, its inputs and outputs named as the module's contract names them."""
+    functional = _functional(program, len(state))
+    inputs = [*step_inputs(function, rows), *(s.name for s in state)]
+    outputs = [*(s.name + NEXT_SUFFIX for s in state), "logits"]
+    exported = torch.onnx.export(functional, dynamo=True, verbose=False, input_names=inputs, output_names=outputs,
+                                 optimize=False)
+    model = exported.model_proto
+    for node in model.graph.node:  # the exporter's per-node Python stack traces: most of the graph's bytes
+        node.ClearField("metadata_props")
+        node.ClearField("doc_string")
+    got = [i.name for i in model.graph.input]
+    if got != inputs:
+        raise OnnxExportError(f"the {function} graph takes {got}, expected {inputs}")
+    return model
+
+
+class SharedWeights:
+    """One external-data file for several graphs: each distinct initializer's bytes written once."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offsets: dict[str, tuple[int, int]] = {}  # sha256 of the bytes -> (offset, length)
+        self._file = open(path, "wb")
+
+    def externalize(self, model: onnx.ModelProto) -> None:
+        """Move the model's large initializers into the shared file (in place)."""
+        for tensor in model.graph.initializer:
+            if not tensor.HasField("raw_data") or len(tensor.raw_data) < EXTERNAL_MIN_BYTES:
+                continue
+            raw = tensor.raw_data
+            key = hashlib.sha256(raw).hexdigest()
+            if key not in self.offsets:
+                offset = -(-self._file.tell() // 64) * 64  # aligned, so the runtime may map it
+                self._file.seek(offset)
+                self._file.write(raw)
+                self.offsets[key] = (offset, len(raw))
+            offset, length = self.offsets[key]
+            set_external_data(tensor, self.path.name, offset, length)
+            tensor.ClearField("raw_data")
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def export_module(programs: dict[str, tuple[ExportedProgram, int]], state: list[StateBuffer], out: Path,
+                  progress: Callable[[str], None] = print) -> ModuleEntry:
+    """Every function as `model.<function>.onnx` over one shared `model.onnx.data`; the manifest's entry.
+
+    programs: function name -> (post-pass program, rows it computes).
+    """
+    weights = SharedWeights(out / DATA_FILE)
+    parts: dict[str, FileEntry] = {}
+    opsets: set[int] = set()
+    try:
+        for function, (program, rows) in programs.items():
+            t0 = time.time()
+            model = export_function(program, function, rows, state)
+            weights.externalize(model)
+            path = out / graph_file(function)
+            onnx.save_model(model, path)
+            onnx.checker.check_model(str(path), full_check=True)
+            opsets |= {o.version for o in model.opset_import if o.domain in ("", "ai.onnx")}
+            parts[function] = FileEntry.of(path)
+            progress(f"      {path.name}: {len(model.graph.node)} nodes, opset {max(opsets)}, "
+                     f"{time.time() - t0:.0f} s")
+    finally:
+        weights.close()
+    entry = FileEntry.of(out / DATA_FILE)
+    return ModuleEntry(entry.file, entry.sha256, entry.size, device=DEVICE,
+                       description=f"ONNX opset {max(opsets)} for ONNX Runtime", executable_formats=["onnx"],
+                       parts=parts)

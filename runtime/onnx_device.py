@@ -1,0 +1,129 @@
+"""The `onnxruntime` device: a bundle's ONNX graphs (`foldline compile --target onnx`) run by ONNX Runtime.
+
+It offers what sessions and batches use of a device (runtime/device.py's
+`DeviceContext`): zeroed state buffers, row ranges, views of the first rows and
+a call per function. Here the state buffers are host arrays: each call feeds
+them to the function's graph and writes the next state it returns back into
+them, so `Session`, `Batch`, snapshots and the server work unchanged. That
+write is a host copy of the state per step, which IREE's in-place updates do
+not need (docs/onnx.md).
+
+Imports onnxruntime only: no torch, no onnx.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..contract.entry_points import DYNAMIC
+from ..contract.errors import BundleError
+from ..contract.manifest import Manifest
+
+DEVICE = "onnxruntime"
+# ONNX Runtime's type names of the dtypes a bundle's inputs use.
+ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int8)": "int8", "tensor(int64)": "int64"}
+
+
+@dataclass
+class OnnxContext:
+    """ONNX Runtime sessions, one per function of the module, over host state buffers."""
+
+    sessions: dict[str, Any]  # function -> onnxruntime.InferenceSession
+    module_key: str = DEVICE
+    name: str = DEVICE
+    input_names: dict[str, list[str]] = field(default_factory=dict)
+
+    def zeros(self, shape: Sequence[int], dtype: Any) -> np.ndarray:
+        return np.zeros(tuple(int(d) for d in shape), dtype=np.dtype(dtype))
+
+    def upload(self, array: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(array).copy()
+
+    @staticmethod
+    def _bytes(array: np.ndarray) -> np.ndarray:
+        return array.reshape(-1).view(np.uint8)
+
+    def fill_zero_range(self, array: np.ndarray, offset: int, length: int) -> np.ndarray:
+        self._bytes(array)[offset : offset + length] = 0
+        return array
+
+    def read_range(self, array: np.ndarray, offset: int, length: int) -> np.ndarray:
+        return self._bytes(array)[offset : offset + length].copy()
+
+    def write_range(self, array: np.ndarray, offset: int, data: np.ndarray) -> np.ndarray:
+        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        self._bytes(array)[offset : offset + raw.size] = raw
+        return array
+
+    def first_rows(self, array: np.ndarray, rows: int) -> np.ndarray:
+        return array[:rows]  # rows are the outermost dimension: a contiguous view
+
+    def to_host(self, array: np.ndarray) -> np.ndarray:
+        return array.copy()
+
+    def call(self, fn: str, inputs: list[np.ndarray], state: list[np.ndarray]) -> np.ndarray:
+        """Run `fn`; its next state is written into `state`, the logits come back."""
+        session = self.sessions.get(fn)
+        if session is None:
+            raise BundleError(f"the onnxruntime module has no function {fn!r}")
+        names = self.input_names[fn]
+        outputs = session.run(None, dict(zip(names, [*inputs, *state])))
+        for buffer, new in zip(state, outputs[: len(state)]):
+            np.copyto(buffer, new)
+        return outputs[-1]
+
+
+def _check_inputs(manifest: Manifest, fn: str, session: Any, want: list[tuple[list[int], str, str]]) -> None:
+    """The graph takes what the manifest implies, in order: checked before the first call."""
+    have = session.get_inputs()
+    graph = manifest.modules[DEVICE].parts[fn].file
+    if len(have) != len(want):
+        raise BundleError(f"{graph} takes {len(have)} inputs, the manifest implies {len(want)}: "
+                          "graph and manifest are from different builds")
+    for arg, (shape, dtype, what) in zip(have, want):
+        dims = [d if isinstance(d, int) else DYNAMIC for d in arg.shape]
+        if (dims, ORT_TYPES.get(arg.type, arg.type)) != (shape, dtype):
+            raise BundleError(f"{graph} takes {what} as {ORT_TYPES.get(arg.type, arg.type)}{dims}; the manifest "
+                              f"says {dtype}{shape}: graph and manifest are from different builds")
+
+
+def open_onnx(manifest: Manifest, verify: bool = True, threads: int | None = None) -> OnnxContext:
+    """ONNX Runtime sessions for every function of the bundle's ONNX module."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise BundleError("the onnxruntime device needs ONNX Runtime: pip install 'foldline[onnx]'") from None
+    if DEVICE not in manifest.modules:
+        raise BundleError(f"bundle {manifest.root} has no ONNX module (it has: {', '.join(manifest.devices())}); "
+                          "recompile with --target onnx")
+    manifest.check_sizes(DEVICE)
+    if verify:
+        manifest.verify_module(DEVICE)
+        manifest.verify_tokenizer()
+    for buf in manifest.state:
+        if buf.dtype not in ("float32", "float16"):
+            raise BundleError(f"state buffer {buf.name!r} is {buf.dtype}; the onnxruntime device takes float32 "
+                              f"and float16 state (recompile with --kv-dtype f16)")
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # errors only: its constant folding warns of ops it leaves to run time
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    wanted = manifest.entry_point_inputs()
+    sessions, names = {}, {}
+    for fn, part in manifest.modules[DEVICE].parts.items():
+        if fn not in wanted:
+            raise BundleError(f"the ONNX module has a graph for {fn!r}, which the manifest does not imply")
+        try:
+            session = ort.InferenceSession(str(manifest.root / part.file), options, providers=["CPUExecutionProvider"])
+        except Exception as e:
+            raise BundleError(f"ONNX Runtime could not load {manifest.root / part.file}: {e}") from e
+        _check_inputs(manifest, fn, session, wanted[fn])
+        sessions[fn], names[fn] = session, [i.name for i in session.get_inputs()]
+    missing = sorted(set(wanted) - set(sessions))
+    if missing:
+        raise BundleError(f"the ONNX module has no graph for {', '.join(missing)}: recompile the bundle")
+    return OnnxContext(sessions, input_names=names)

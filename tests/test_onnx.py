@@ -1,0 +1,111 @@
+"""ONNX out (`--target onnx`): the bundle's functions as ONNX graphs run by a stock onnxruntime.
+
+Against the eager reference: rings wrapped several times (gemma3-tiny), gated
+delta-net state (qwen35-tiny) and q4 blocks kept as codes (llama-tiny), each
+over a prompt of three chunks and 60 decode steps.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+from foldline.contract.errors import BundleError
+from foldline.runtime import Model
+from foldline.testing.parity import SCALED_TOL_FP32, run_parity
+
+pytestmark = pytest.mark.slow
+PROMPT = list(range(3, 43))  # three prefill chunks of 16, the last padded
+STEPS = 60  # past the 128-slot context's middle: gemma3-tiny's 16-slot rings wrap six times
+
+
+@pytest.fixture(scope="module")
+def onnx_bundles(tmp_path_factory):
+    """preset -> (eager reference module, ONNX bundle), compiled once."""
+    from test_quant_compile import _blocked
+
+    from foldline.backends.build import BuildOptions, compile_model
+    from foldline.backends.compile_cache import CompileCache
+    from foldline.backends.targets import make_target
+    from foldline.frontend.sources import load_model
+
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            loaded = _blocked("llama-tiny", "q4") if name == "llama-tiny-q4" else load_model(name)
+            out = tmp_path_factory.mktemp(name) / "bundle"
+            options = BuildOptions(targets=[make_target("onnx")], kv_dtype="float32")
+            compile_model(loaded, out, options, progress=lambda _m: None, cache=CompileCache())
+            cache[name] = (loaded.module, out)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["gemma3-tiny", "qwen35-tiny", "llama-tiny-q4"])
+def test_onnxruntime_matches_eager(name, onnx_bundles):
+    module, bundle = onnx_bundles(name)
+    model = Model.load(bundle, device="onnxruntime")
+    assert model.module_key == "onnxruntime"
+    report = run_parity(module, model, PROMPT, steps=STEPS)
+    assert report.steps == STEPS + 1
+    assert report.tokens_agree, report.summary()
+    assert report.worst_scaled_error <= SCALED_TOL_FP32, report.summary()
+
+
+def test_the_graphs_are_standard_onnx_over_one_weights_file(onnx_bundles):
+    """No custom op, the checker's full check passes, and the graphs share one external-data file
+    holding the q4 codes as they are (two per byte), not a float copy."""
+    _module, bundle = onnx_bundles("llama-tiny-q4")
+    graphs = sorted(bundle.glob("*.onnx"))
+    assert [g.name for g in graphs] == ["model.decode.onnx", "model.prefill.onnx"]
+    locations = set()
+    for path in graphs:
+        onnx.checker.check_model(str(path), full_check=True)
+        model = onnx.load(str(path), load_external_data=False)
+        assert {node.domain for node in model.graph.node} <= {"", "ai.onnx"}
+        codes = [t for t in model.graph.initializer if t.name.endswith(".codes")]
+        assert codes and all(t.data_type == onnx.TensorProto.UINT8 for t in codes)
+        locations |= {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
+    assert locations == {"model.onnx.data"}
+    # each distinct tensor is stored once: the file holds one graph's weights, not both graphs'
+    lengths = [sum(int(e.value) for t in onnx.load(str(g), load_external_data=False).graph.initializer
+                   for e in t.external_data if e.key == "length") for g in graphs]
+    assert max(lengths) <= (bundle / "model.onnx.data").stat().st_size < sum(lengths)
+
+
+def test_plain_onnxruntime_runs_the_prefill_graph(onnx_bundles):
+    """What docs/onnx.md shows: the graph run from onnxruntime alone gives the runtime's logits."""
+    import onnxruntime as ort
+
+    _module, bundle = onnx_bundles("gemma3-tiny")
+    model = Model.load(bundle, device="onnxruntime")
+    expected = model.session().prefill(PROMPT[:16])
+
+    session = ort.InferenceSession(str(bundle / "model.prefill.onnx"))
+    feeds = {"tokens": np.array([PROMPT[:16]], np.int64), "start_pos": np.array([0], np.int64),
+             "n_valid": np.array([16], np.int64), "kv_tiles": np.empty((0, 1), np.int8)}
+    for buf in model.manifest.state:
+        feeds[buf.name] = np.zeros(buf.shape, buf.host_dtype)
+    outputs = session.run(None, feeds)
+    names = [o.name for o in session.get_outputs()]
+    assert names[-1] == "logits" and names[0] == model.manifest.state[0].name + ".next"
+    np.testing.assert_array_equal(outputs[-1][0], expected)
+
+
+def test_a_changed_graph_is_refused_at_load(onnx_bundles, tmp_path):
+    _module, bundle = onnx_bundles("gemma3-tiny")
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    graph = copy / "model.decode.onnx"
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    graph.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="model.decode.onnx does not match the manifest's sha256"):
+        Model.load(copy, device="onnxruntime")
+    with pytest.raises(BundleError, match="has no module for device 'cpu'"):
+        Model.load(bundle, device="cpu")
