@@ -35,6 +35,7 @@ from ..contract.state import StateBuffer
 from ..errors import FoldlineError
 from ..frontend import quant  # noqa: F401  (registers foldline::qlinear's decomposition)
 from ..frontend.ops import DECOMPOSITIONS
+from .lowering import KEPT_OPS, Lowering
 
 DEVICE = "onnxruntime"  # the runtime device that runs an ONNX module (runtime/onnx_device.py)
 DATA_FILE = "model.onnx.data"
@@ -58,6 +59,15 @@ def step_inputs(function: str, rows: int) -> tuple[str, ...]:
     return names if names[0] != "tokens" or "pos_shape" not in names or rows == 1 else names[:2]
 
 
+def _lowering() -> Lowering:
+    """backends/lowering.py's node-by-node decomposition, with the quantized products decomposed too
+    (the IREE targets keep them for their kernels; ONNX has none)."""
+    lowering = Lowering()
+    for op in KEPT_OPS:
+        lowering.table[op] = DECOMPOSITIONS[op]
+    return lowering
+
+
 def _functional(program: ExportedProgram, n_state: int) -> ExportedProgram:
     """The program in core aten, its state updates as outputs: (next state..., logits).
 
@@ -65,9 +75,7 @@ def _functional(program: ExportedProgram, n_state: int) -> ExportedProgram:
     ONNX has no in-place update, so each mutation becomes an output, in the
     order of the state inputs.
     """
-    table = torch.export.default_decompositions()
-    table.update(DECOMPOSITIONS)
-    program = program.run_decompositions(table)
+    program = _lowering().program("", program, keep=lambda _name, _node: False)
     left = sorted({str(n.target) for n in program.graph.nodes
                    if n.op == "call_function" and str(n.target).startswith("foldline.")})
     if left:

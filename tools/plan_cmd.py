@@ -10,17 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..dtypes import ALIASES as DTYPES
-
-
-def fmt_bytes(n: int) -> str:
-    """Binary units with at most two decimals and no trailing zeros: 64.25 GiB, 320 GiB."""
-    units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
-    value, unit = float(n), 0
-    while value >= 1024 and unit < len(units) - 1:
-        value /= 1024
-        unit += 1
-    text = f"{value:.2f}".rstrip("0").rstrip(".")
-    return f"{text} {units[unit]}"
+from ..passes.shard_plan import SCHEMES, SEARCH_DEVICES, fmt_bytes
 
 
 def add_parser(sub) -> None:
@@ -33,6 +23,18 @@ def add_parser(sub) -> None:
                         "else the compute dtype)")
     p.add_argument("--batch", type=int, default=1, help="sequences held at once (default 1)")
     p.add_argument("--summary", action="store_true", help="only the per-kind and total lines")
+    p.add_argument("--devices", type=int, default=None,
+                   help="plan MODEL split over N devices: each device's weights, state and scratch, and the "
+                        "bytes they exchange per decode step (docs/scaling.md)")
+    p.add_argument("--scheme", default="tensor", choices=SCHEMES,
+                   help="with --devices: tensor parallel (default; heads, MLP features and vocabulary split) "
+                        "or pipeline (contiguous runs of layers)")
+    p.add_argument("--device-memory", default=None, metavar="SIZE",
+                   help="with --devices: the memory of one device (24GiB, 80GB, or bytes): whether the plan "
+                        f"fits, and the fewest devices of {', '.join(map(str, SEARCH_DEVICES))} that do")
+    p.add_argument("--weight-bits", type=float, default=None, metavar="B",
+                   help="with --devices: bits per weight of the projections and embedding tables "
+                        "(4.5 for Q4_0 blocks; default: the compute dtype's)")
     p.set_defaults(func=run)
 
 
@@ -40,6 +42,7 @@ def run(args) -> int:
     from ..contract.entry_points import kv_tile_size
     from ..frontend.config import ConfigError
     from ..frontend.sources import holds_block_quantized_weights, resolve_config
+    from ..passes.shard_plan import parse_size, shard_plan
     from ..passes.state_layout import plan_state
 
     cfg = resolve_config(args.model)
@@ -55,11 +58,23 @@ def run(args) -> int:
         raise ConfigError("--context must be positive")
     if args.batch <= 0:
         raise ConfigError("--batch must be positive")
+    if args.devices is None:
+        given = [flag for flag, value in (("--device-memory", args.device_memory), ("--weight-bits", args.weight_bits),
+                                          ("--scheme", None if args.scheme == "tensor" else args.scheme))
+                 if value is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: only with --devices N (a split over devices)")
+    elif args.devices <= 0:
+        raise ConfigError(f"--devices must be positive (got {args.devices})")
+    memory = parse_size(args.device_memory) if args.device_memory is not None else None
     context = args.context if args.context is not None else cfg.max_context
     try:
         plan = plan_state(cfg, args.batch, context)
     except ModuleNotFoundError as e:
         raise ConfigError(f"{cfg.name}: cannot lay out its state ({e})") from e
+    shards = None
+    if args.devices is not None:  # before any output: a plan that cannot be made is one error line
+        shards = shard_plan(cfg, args.devices, args.batch, context, args.scheme, args.weight_bits)
 
     kinds = defaultdict(int)
     for t in cfg.layer_types:
@@ -69,6 +84,8 @@ def run(args) -> int:
     )
     print(f"{cfg.name}: {cfg.num_layers} layers ({layers}); batch {args.batch}, "
           f"context {context:,} positions, {cfg.dtype}, K/V {cfg.cache_dtype}")
+    if shards is not None:
+        return print_shard_plan(cfg, shards, args, context, memory)
     if not args.summary:
         print("state buffers after the default pipeline:")
         name_w = max(len(s.name) for s in plan.specs)
@@ -98,7 +115,50 @@ def run(args) -> int:
 
 
 def attention_scratch_bytes(cfg, batch: int, length: int, chunk: int) -> int:
-    """The float32 intermediates of one chunk's attention over `length` slots, the largest scratch
-    that grows with the context: scores [heads, chunk, length] and K, V read per query head
-    [heads, length, head_dim] (ops._attend)."""
-    return 4 * batch * cfg.num_heads * length * (chunk + 2 * cfg.head_dim)
+    """The float32 intermediates of one chunk's attention over `length` slots (passes.shard_plan's formula)."""
+    from ..passes.shard_plan import attention_scratch_bytes as scratch
+
+    return scratch(cfg, batch, length, chunk)
+
+
+def print_shard_plan(cfg, plan, args, context: int, memory: int | None) -> int:
+    """The per-device table of a ShardPlan, the traffic per decode step and the fit in --device-memory."""
+    from ..passes.shard_plan import WeightWidth, parameter_count, smallest_fit
+
+    n, scheme, bits = args.devices, args.scheme, args.weight_bits
+    title = "tensor parallel" if scheme == "tensor" else "pipeline by layers"
+    print(f"{title} over {n} device{'s' if n != 1 else ''}; {parameter_count(cfg):,} parameters, "
+          f"weights as {WeightWidth.of(cfg, bits).describe(cfg)}")
+    for note in plan.notes:
+        print(f"  {note}")
+    pipeline = scheme == "pipeline"
+    head = f"  {'device':>6}  " + (f"{'layers':>9}  " if pipeline else "")
+    print(head + f"{'weights':>11}  {'state':>11}  {'scratch':>11}  {'total':>11}")
+
+    def row(label: str, weights: int, state: int, scratch: int, total: int, layers: str = "") -> None:
+        cells = f"  {label:>6}  " + (f"{layers:>9}  " if pipeline else "")
+        print(cells + "  ".join(f"{fmt_bytes(v):>11}" for v in (weights, state, scratch, total)))
+
+    for d in plan.devices:
+        row(str(d.index), d.weights, d.state, d.scratch, d.total, f"{d.layers[0]}-{d.layers[1]}" if d.layers else "")
+    devs = plan.devices
+    row("sum", *(sum(getattr(d, k) for d in devs) for k in ("weights", "state", "scratch", "total")))
+    one = plan.one_device
+    row("1 dev", one.weights, one.state, one.scratch, one.total)
+    print(f"held beyond one device: {fmt_bytes(plan.weight_copies)} of weights ({plan.weight_copies:,} bytes), "
+          f"{fmt_bytes(plan.state_copies)} of state ({plan.state_copies:,} bytes)")
+    print("scratch: one prefill chunk of 64: attention's float32 scores and K/V per query head at the longest cache, "
+          "plus the MLP's gate and up outputs (both counted)")
+    print(f"traffic per decode step: {fmt_bytes(plan.traffic.per_device)} sent by the busiest device, "
+          f"{fmt_bytes(plan.traffic.total)} in all")
+    for line in plan.traffic.lines:
+        print(f"  {line}")
+    if memory is None:
+        print(f"largest device: {fmt_bytes(plan.largest)} (--device-memory SIZE checks a fit)")
+        return 0
+    fewest = smallest_fit(cfg, memory, args.batch, context, scheme, bits)
+    fewest_text = str(fewest) if fewest is not None else f"none up to {SEARCH_DEVICES[-1]}"
+    print(f"fits in {fmt_bytes(memory)} ({memory:,} bytes): {'yes' if plan.fits(memory) else 'no'} (largest device "
+          f"{fmt_bytes(plan.largest)}); smallest N that fits: {fewest_text} "
+          f"(N in {', '.join(map(str, SEARCH_DEVICES))})")
+    return 0
