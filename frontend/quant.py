@@ -238,10 +238,11 @@ def dequantize_torch(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
     """The eager reference of the compiled dequantization: float32 [N, K]."""
     if fmt == "q4":  # ggml's order: byte b of a group holds elements b and b + group / 2
         n = codes.shape[0]
-        b = codes.reshape(n, -1, group // 2)
-        # the high nibble as a division, not `b >> 4`: ONNX's shift is unsigned-only and the exporter's
-        # emulation of aten's shift mistypes uint8 (backends/onnx_export.py)
-        q = torch.cat([b & 0x0F, torch.div(b, 16, rounding_mode="floor")], dim=-1).reshape(n, -1)
+        # The nibbles in float32 arithmetic, exact for bytes 0..255: it exports to plain ONNX ops
+        # that ONNX Runtime folds at load (aten's uint8 shift exports to a mistyped emulation).
+        b = codes.reshape(n, -1, group // 2).float()
+        high = torch.floor(b / 16)
+        q = torch.cat([b - 16 * high, high], dim=-1).reshape(n, -1)
     else:
         q = codes
     n, k = q.shape
