@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
                         "else the compute dtype)")
     p.add_argument("--batch", type=int, default=1, help="sequences held at once (default 1)")
     p.add_argument("--summary", action="store_true", help="only the per-kind and total lines")
-    p.add_argument("--devices", type=int, default=None,
+    p.add_argument("--devices", type=int, default=None, metavar="N",
                    help="plan MODEL split over N devices: each device's weights, state and scratch, and the "
                         "bytes they exchange per decode step (docs/scaling.md)")
     p.add_argument("--scheme", default="tensor", choices=SCHEMES,
