@@ -126,7 +126,7 @@ def test_cuda_targets():
 
 
 def test_unknown_target():
-    with pytest.raises(TargetError, match="expected cpu, vulkan or cuda"):
+    with pytest.raises(TargetError, match="expected cpu, vulkan, cuda or onnx"):
         make_target("tpu")
 
 
