@@ -30,6 +30,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind, OutputSpec
 from torch.utils import _pytree as pytree
 
+from ..contract.entry_points import takes_position_shape
 from ..contract.manifest import FileEntry, ModuleEntry
 from ..contract.state import StateBuffer
 from ..errors import FoldlineError
@@ -55,8 +56,10 @@ def graph_file(function: str) -> str:
 
 def step_inputs(function: str, rows: int) -> tuple[str, ...]:
     """The step inputs of `function` (prefill, decode, prefill_rows2, ...); batched decode has no pos_shape."""
-    names = STEP_INPUTS["prefill" if function.startswith("prefill") else "decode"]
-    return names if names[0] != "tokens" or "pos_shape" not in names or rows == 1 else names[:2]
+    if function.startswith("prefill"):
+        return STEP_INPUTS["prefill"]
+    decode = STEP_INPUTS["decode"]
+    return decode if takes_position_shape(rows) else decode[:2]
 
 
 def _lowering() -> Lowering:
