@@ -188,7 +188,8 @@ def target_activations(target: Target, activations: str, batch: int = 1) -> str:
 
     int8 (kernels/int8_decode.py) needs a CPU one of the int8 dot-product forms runs
     on (kernels/select.py: x86 AVX2 or VNNI, aarch64 dotprod); auto takes it there
-    and f32 everywhere else (GPU targets, other CPUs, `--cpu generic`). A batched
+    and on the ONNX target (MatMulNBits' int8 kernels), f32 everywhere else (GPU
+    targets, other CPUs, `--cpu generic`). A batched
     bundle takes f32: its rows decode with the float multi-row kernel, and the entry
     points over fewer rows must compute each row as it does, or a stream's text would
     depend on how many other streams run (kernels/qlinear.uses_int8_gemm).
@@ -200,7 +201,8 @@ def target_activations(target: Target, activations: str, batch: int = 1) -> str:
             raise TargetError(f"--activations int8 is for --batch 1: a batched bundle's rows decode with float "
                               f"activations, whatever rows a call computes (--batch {batch} asked for)")
         return "f32"
-    capable = target.device == "cpu" and cpu_has_int8_dot(target.cpu_flags, target.arch)
+    # ONNX Runtime picks MatMulNBits' int8 kernel by the CPU it runs on, and multiplies in float where it has none
+    capable = target.device == ONNX_DEVICE or (target.device == "cpu" and cpu_has_int8_dot(target.cpu_flags, target.arch))
     if activations == "int8" and not capable:
         raise TargetError(f"--activations int8 needs a CPU target with an int8 dot product: x86 AVX2 (avx2, fma, "
                           f"f16c) or AVX-512 VNNI (avx512f, avx512bw, avx512_vnni), or aarch64 dotprod (asimddp); "
@@ -296,8 +298,10 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
     if any(t.device == ONNX_DEVICE for t in options.targets):
         clock.stage("onnx", "[3/4] exporting ONNX graphs (core aten, standard ONNX ops)", total=len(unit.programs))
         rows = {name: n for name, _kind, n in entry_point_variants(options)}
+        onnx_activations = next(a for t, a in zip(options.targets, activations) if t.device == ONNX_DEVICE)
         modules[ONNX_DEVICE] = export_onnx_module(
-            {name: (program, rows[name]) for name, program in unit.programs.items()}, unit.state_specs, out, progress)
+            {name: (program, rows[name]) for name, program in unit.programs.items()}, unit.state_specs, out, progress,
+            onnx_activations)
     iree_targets = [(t, a) for t, a in zip(options.targets, activations) if t.device != ONNX_DEVICE]
     params_entry = None
     if iree_targets:

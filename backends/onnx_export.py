@@ -6,8 +6,10 @@ program: the Hadamard rotations folded, the windowed caches as rings, the
 weights in their block formats. foldline's custom ops are decomposed into
 core aten first, by the decompositions they register (the portable form the
 GPU targets compile), so the graphs hold standard ONNX ops only and need no
-custom-op library. The quantized weights stay codes (int8, or uint8 nibble
-pairs) with their scales; the graph dequantizes them.
+custom-op library. The quantized products become ONNX Runtime's
+MatMulNBits (backends/onnx_nbits.py): the blocks stay 4- or 8-bit codes with
+their scales, multiplied without a float copy; a product MatMulNBits cannot take
+(another dtype, a group that is not a power of two) is dequantized in the graph.
 
 State is explicit. Inputs: the step inputs by their entry-point names, then
 the state buffers by their manifest names. Outputs: each buffer's next value
@@ -37,6 +39,7 @@ from ..errors import FoldlineError
 from ..frontend import quant  # noqa: F401  (registers foldline::qlinear's decomposition)
 from ..frontend.ops import DECOMPOSITIONS
 from .lowering import KEPT_OPS, Lowering
+from .onnx_nbits import ACCURACY_LEVEL, fits, placeholder_translation, to_matmul_nbits
 
 DEVICE = "onnxruntime"  # the runtime device that runs an ONNX module (runtime/onnx_device.py)
 DATA_FILE = "model.onnx.data"
@@ -62,13 +65,20 @@ def step_inputs(function: str, rows: int) -> tuple[str, ...]:
     return decode if takes_position_shape(rows) else decode[:2]
 
 
+QLINEAR = torch.ops.foldline.qlinear.default
+
+
 def _lowering() -> Lowering:
-    """backends/lowering.py's node-by-node decomposition, with the quantized products decomposed too
-    (the IREE targets keep them for their kernels; ONNX has none)."""
+    """backends/lowering.py's node-by-node decomposition; of the ops the IREE targets keep for their
+    kernels, the quantized products MatMulNBits fits stay (onnx_nbits.fits), the rest decompose."""
     lowering = Lowering()
     for op in KEPT_OPS:
         lowering.table[op] = DECOMPOSITIONS[op]
     return lowering
+
+
+def _keeps_product(_name: str, node) -> bool:
+    return node.target == QLINEAR and fits(node)
 
 
 def _functional(program: ExportedProgram, n_state: int) -> ExportedProgram:
@@ -78,9 +88,9 @@ def _functional(program: ExportedProgram, n_state: int) -> ExportedProgram:
     ONNX has no in-place update, so each mutation becomes an output, in the
     order of the state inputs.
     """
-    program = _lowering().program("", program, keep=lambda _name, _node: False)
+    program = _lowering().program("", program, keep=_keeps_product)
     left = sorted({str(n.target) for n in program.graph.nodes
-                   if n.op == "call_function" and str(n.target).startswith("foldline.")})
+                   if n.op == "call_function" and str(n.target).startswith("foldline.") and n.target != QLINEAR})
     if left:
         raise OnnxExportError(f"no decomposition for {', '.join(left)}: ONNX has no form of these ops")
     sig = program.graph_signature
@@ -94,14 +104,20 @@ def _functional(program: ExportedProgram, n_state: int) -> ExportedProgram:
     return program
 
 
-def export_function(program: ExportedProgram, function: str, rows: int, state: list[StateBuffer]) -> onnx.ModelProto:
-    """One function as an ONNX model, its inputs and outputs named as the module's contract names them."""
+def export_function(program: ExportedProgram, function: str, rows: int, state: list[StateBuffer],
+                    activations: str = "f32") -> onnx.ModelProto:
+    """One function as an ONNX model, its inputs and outputs named as the module's contract names them.
+
+    activations: what MatMulNBits multiplies the codes by, "int8" (per block, ONNX Runtime's
+    accuracy level 4) or "f32".
+    """
     functional = _functional(program, len(state))
     inputs = [*step_inputs(function, rows), *(s.name for s in state)]
     outputs = [*(s.name + NEXT_SUFFIX for s in state), "logits"]
     exported = torch.onnx.export(functional, dynamo=True, verbose=False, input_names=inputs, output_names=outputs,
-                                 optimize=False)
+                                 optimize=False, custom_translation_table={QLINEAR: placeholder_translation()})
     model = exported.model_proto
+    to_matmul_nbits(model, ACCURACY_LEVEL[activations])
     for node in model.graph.node:  # the exporter's per-node Python stack traces: most of the graph's bytes
         node.ClearField("metadata_props")
         node.ClearField("doc_string")
@@ -141,10 +157,11 @@ class SharedWeights:
 
 
 def export_module(programs: dict[str, tuple[ExportedProgram, int]], state: list[StateBuffer], out: Path,
-                  progress: Callable[[str], None] = print) -> ModuleEntry:
+                  progress: Callable[[str], None] = print, activations: str = "f32") -> ModuleEntry:
     """Every function as `model.<function>.onnx` over one shared `model.onnx.data`; the manifest's entry.
 
     programs: function name -> (post-pass program, rows it computes).
+    activations: "int8" or "f32", for the quantized products (export_function).
     """
     weights = SharedWeights(out / DATA_FILE)
     parts: dict[str, FileEntry] = {}
@@ -152,7 +169,7 @@ def export_module(programs: dict[str, tuple[ExportedProgram, int]], state: list[
     try:
         for function, (program, rows) in programs.items():
             t0 = time.time()
-            model = export_function(program, function, rows, state)
+            model = export_function(program, function, rows, state, activations)
             weights.externalize(model)
             path = out / graph_file(function)
             onnx.save_model(model, path)
@@ -166,4 +183,4 @@ def export_module(programs: dict[str, tuple[ExportedProgram, int]], state: list[
     entry = FileEntry.of(out / DATA_FILE)
     return ModuleEntry(entry.file, entry.sha256, entry.size, device=DEVICE,
                        description=f"ONNX opset {max(opsets)} for ONNX Runtime", executable_formats=["onnx"],
-                       parts=parts)
+                       activations=activations, parts=parts)

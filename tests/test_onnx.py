@@ -2,8 +2,10 @@
 
 Against the eager reference: rings wrapped several times (gemma3-tiny), and
 gated delta-net state with q4 blocks kept as codes (qwen35-tiny, its linear
-and embedding weights exactly their blocks' dequantization), each over a
-prompt of three chunks and 60 decode steps.
+and embedding weights exactly their blocks' dequantization, its products
+MatMulNBits with float activations), each over a prompt of three chunks and 60
+decode steps. tests/test_onnx_nbits.py checks MatMulNBits per block type, with
+int8 activations too.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import shutil
 import numpy as np
 import onnx
 import pytest
+from onnx import helper
 
 from foldline.contract.errors import BundleError
 from foldline.runtime import Model
@@ -39,7 +42,7 @@ def onnx_bundles(tmp_path_factory):
         if name not in cache:
             loaded = _blocked("qwen35-tiny", "q4") if name == "qwen35-tiny-q4" else load_model(name)
             out = tmp_path_factory.mktemp(name) / "bundle"
-            options = BuildOptions(targets=[make_target("onnx")], kv_dtype="float32")
+            options = BuildOptions(targets=[make_target("onnx")], kv_dtype="float32", activations="f32")
             compile_model(loaded, out, options, progress=lambda _m: None, cache=CompileCache())
             cache[name] = (loaded.module, out)
         return cache[name]
@@ -59,18 +62,25 @@ def test_onnxruntime_matches_eager(name, onnx_bundles):
 
 
 def test_the_graphs_are_standard_onnx_over_one_weights_file(onnx_bundles):
-    """No custom op, the checker's full check passes, and the graphs share one external-data file
-    holding the q4 codes as they are (two per byte), not a float copy."""
+    """Standard ops but MatMulNBits, the checker's full check passes, and the graphs share one
+    external-data file holding the q4 codes as 4-bit blocks (two per byte), not a float copy."""
     _module, bundle = onnx_bundles("qwen35-tiny-q4")
     graphs = sorted(bundle.glob("*.onnx"))
     assert [g.name for g in graphs] == ["model.decode.onnx", "model.prefill.onnx"]
+    assert Model.load(bundle, device="onnxruntime").manifest.modules["onnxruntime"].activations == "f32"
     locations = set()
     for path in graphs:
         onnx.checker.check_model(str(path), full_check=True)
         model = onnx.load(str(path), load_external_data=False)
-        assert {node.domain for node in model.graph.node} <= {"", "ai.onnx"}
-        codes = [t for t in model.graph.initializer if t.name.endswith(".codes")]
-        assert codes and all(t.data_type == onnx.TensorProto.UINT8 for t in codes)
+        custom = {(n.domain, n.op_type) for n in model.graph.node if n.domain not in ("", "ai.onnx")}
+        assert custom == {("com.microsoft", "MatMulNBits")}
+        products = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+        inits = {t.name: t for t in model.graph.initializer}
+        assert products and all(inits[n.input[1]].data_type == onnx.TensorProto.UINT8 for n in products)
+        assert all(helper.get_attribute_value(a) == 4 for n in products for a in n.attribute if a.name == "bits")
+        # no weight multiplied as floats: a MatMul by a constant is an offset's term (onnx_nbits)
+        assert all(n.input[1].endswith(".offsets_t") for n in model.graph.node
+                   if n.op_type == "MatMul" and n.input[1] in inits)
         locations |= {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
     assert locations == {"model.onnx.data"}
     # each distinct tensor is stored once: the file holds one graph's weights, not both graphs'

@@ -1,0 +1,185 @@
+"""foldline's quantized products as ONNX Runtime's MatMulNBits, their blocks kept.
+
+ONNX Runtime's `com.microsoft.MatMulNBits` multiplies by 4- or 8-bit block codes
+without a float copy of the weight, with int8-activation kernels for AVX2,
+AVX-512 and NEON. The export emits each foldline::qlinear it keeps as a
+`foldline.QLinear` placeholder over the codes, scales and mins initializers
+(the schema is registered here, so the exporter can build it); `to_matmul_nbits`
+then rewrites every placeholder into MatMulNBits, the codes repacked to its
+layout and no placeholder left behind.
+
+The repacking is exact. MatMulNBits computes s * (u - z) with the default zero
+point z (8 for 4 bits, 128 for 8 bits), u the unsigned code:
+- q4: u is foldline's code (0..15), so w = s * u + m = s * (u - 8) + (m + 8 s);
+- q8: u = q + 128, so w = s * q + m = s * (u - 128) + m.
+Where the offset (m + 8 s, or m) is zero in every group (GGUF Q4_0, Q8_0, Q6_K),
+MatMulNBits is the whole product; otherwise the graph adds the offset's term,
+each group's sum of x times its offset (a product 1/group the size of the main
+one).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+from onnx.defs import OpSchema
+from torch.fx import Node
+
+from ..errors import FoldlineError
+from ..frontend.quant import unpack_q4
+
+PLACEHOLDER_DOMAIN = "foldline"
+ORT_DOMAIN = "com.microsoft"
+BITS = {"q4": 4, "q8": 8}
+DEFAULT_ZERO = {"q4": 8, "q8": 128}  # MatMulNBits' zero point when none is given
+ACCURACY_LEVEL = {"int8": 4, "f32": 0}  # 4: int8 activations per block (where the CPU has a kernel); 0: float
+
+
+class MatMulNBitsError(FoldlineError, ValueError):
+    """A quantized product the MatMulNBits rewrite cannot express."""
+
+
+def register_placeholder() -> None:
+    """Register `foldline.QLinear` (x, codes, scales, mins?) -> y with attributes fmt and group, once."""
+    if onnx.defs.has("QLinear", PLACEHOLDER_DOMAIN):
+        return
+    param = OpSchema.FormalParameter
+    onnx.defs.register_schema(OpSchema(
+        "QLinear", PLACEHOLDER_DOMAIN, 1,
+        inputs=[param("x", "T"), param("codes", "C"), param("scales", "S"),
+                param("mins", "S", param_option=OpSchema.FormalParameterOption.Optional)],
+        outputs=[param("y", "T")],
+        type_constraints=[("T", ["tensor(float)"], ""), ("C", ["tensor(uint8)", "tensor(int8)"], ""),
+                          ("S", ["tensor(float)", "tensor(float16)"], "")],
+        attributes=[OpSchema.Attribute("fmt", OpSchema.AttrType.STRING, ""),
+                    OpSchema.Attribute("group", OpSchema.AttrType.INT, "")],
+    ))
+
+
+def placeholder_translation():
+    """The exporter's translation of foldline::qlinear: the placeholder node, rewritten after export."""
+    import onnxscript
+
+    register_placeholder()
+    ops = onnxscript.values.Opset(PLACEHOLDER_DOMAIN, 1)
+
+    def qlinear(x, codes, scales, mins=None, fmt: str = "q8", group: int = 32):
+        return ops.QLinear(x, codes, scales, mins, fmt=fmt, group=group)
+
+    return qlinear
+
+
+def fits(node: Node) -> bool:
+    """Whether a foldline::qlinear node becomes MatMulNBits: float32 activations, weights that are
+    program inputs (initializers once exported), and a group MatMulNBits takes (a power of two >= 16)."""
+    x, codes, scales, mins, _fmt, group = node.args
+    weights_are_inputs = all(a is None or (isinstance(a, Node) and a.op == "placeholder") for a in (codes, scales, mins))
+    x_val = x.meta.get("val") if isinstance(x, Node) else None
+    return (weights_are_inputs and x_val is not None and str(x_val.dtype) == "torch.float32"
+            and group >= 16 and group & (group - 1) == 0)
+
+
+def _blocks(fmt: str, codes: np.ndarray, group: int) -> np.ndarray:
+    """foldline codes -> MatMulNBits' B [N, blocks, group * bits / 8]: 4-bit element 2j in byte j's low nibble."""
+    n = codes.shape[0]
+    if fmt == "q4":
+        q = unpack_q4(codes, group)  # [N, blocks, group], element order
+        return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    return (codes.astype(np.int16) + 128).astype(np.uint8).reshape(n, -1, group)
+
+
+def _offsets(fmt: str, scales: np.ndarray, mins: np.ndarray | None) -> np.ndarray | None:
+    """Each group's w - s * (u - z) (module docstring), float32 [N, blocks]; None where all are zero."""
+    if fmt == "q4":
+        offset = mins + np.float32(DEFAULT_ZERO["q4"]) * scales
+    elif mins is not None:
+        offset = mins
+    else:
+        return None
+    return None if not np.any(offset) else offset
+
+
+class _Rewrite:
+    """One graph's placeholders into MatMulNBits nodes and their initializers."""
+
+    def __init__(self, model: onnx.ModelProto, accuracy_level: int):
+        self.graph = model.graph
+        self.inits = {t.name: t for t in self.graph.initializer}
+        self.accuracy_level = accuracy_level
+        self.new_inits: list[onnx.TensorProto] = []
+
+    def array(self, name: str, what: str) -> np.ndarray:
+        if name not in self.inits:
+            raise MatMulNBitsError(f"the {what} {name!r} of a quantized product is computed in the graph, "
+                                   "not a weight: MatMulNBits needs it constant")
+        return numpy_helper.to_array(self.inits[name])
+
+    def constant(self, name: str, value: np.ndarray) -> str:
+        self.new_inits.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        return name
+
+    def nodes_for(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        fmt, group = attrs["fmt"].decode() if isinstance(attrs["fmt"], bytes) else attrs["fmt"], attrs["group"]
+        if fmt not in BITS:
+            raise MatMulNBitsError(f"block format {fmt!r} has no MatMulNBits form; expected one of {sorted(BITS)}")
+        x, codes_name, scales_name, mins_name = (list(node.input) + [""] * 4)[:4]
+        codes = self.array(codes_name, "codes")
+        scales = self.array(scales_name, "scales").astype(np.float32)
+        mins = self.array(mins_name, "mins").astype(np.float32) if mins_name else None
+        b = _blocks(fmt, codes, group)
+        n, blocks = b.shape[0], b.shape[1]
+        base = node.output[0]
+        out = [helper.make_node(
+            "MatMulNBits", [x, self.constant(f"{codes_name}.nbits", b), self.constant(f"{scales_name}.nbits",
+                                                                                      scales.reshape(-1))],
+            [base + ".nbits"], name=base + ".nbits", domain=ORT_DOMAIN,
+            K=blocks * group, N=n, bits=BITS[fmt], block_size=group, accuracy_level=self.accuracy_level)]
+        offsets = _offsets(fmt, scales, mins)
+        if offsets is None:
+            out[0].output[0] = base
+            return out
+        # y += (x summed per group) @ offsets^T
+        tail = self.constant(f"{base}.group_shape", np.array([blocks, group], np.int64))
+        axes = self.constant(f"{base}.last_axis", np.array([-1], np.int64))
+        off_t = self.constant(f"{mins_name or scales_name}.offsets_t", offsets.T.astype(np.float32))
+        out += [
+            helper.make_node("Shape", [x], [base + ".lead"], end=-1),
+            helper.make_node("Concat", [base + ".lead", tail], [base + ".grouped_shape"], axis=0),
+            helper.make_node("Reshape", [x, base + ".grouped_shape"], [base + ".grouped"]),
+            helper.make_node("ReduceSum", [base + ".grouped", axes], [base + ".sums"], keepdims=0),
+            helper.make_node("MatMul", [base + ".sums", off_t], [base + ".offset"]),
+            helper.make_node("Add", [base + ".nbits", base + ".offset"], [base]),
+        ]
+        return out
+
+
+def to_matmul_nbits(model: onnx.ModelProto, accuracy_level: int) -> int:
+    """Rewrite every `foldline.QLinear` of `model` (in place) into MatMulNBits; the number rewritten.
+
+    Weights only the placeholders read (the codes in foldline's layout) leave the graph.
+    """
+    rewrite = _Rewrite(model, accuracy_level)
+    nodes: list[onnx.NodeProto] = []
+    count = 0
+    for node in model.graph.node:
+        if node.domain == PLACEHOLDER_DOMAIN:
+            nodes += rewrite.nodes_for(node)
+            count += 1
+        else:
+            nodes.append(node)
+    if not count:
+        return 0
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    seen = {t.name for t in model.graph.initializer}
+    model.graph.initializer.extend(t for t in rewrite.new_inits if t.name not in seen and not seen.add(t.name))
+    used = {name for node in model.graph.node for name in node.input} | {o.name for o in model.graph.output}
+    kept = [t for t in model.graph.initializer if t.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    imports = [o for o in model.opset_import if o.domain != PLACEHOLDER_DOMAIN]
+    del model.opset_import[:]
+    model.opset_import.extend([*imports, helper.make_opsetid(ORT_DOMAIN, 1)])
+    return count
