@@ -382,9 +382,13 @@ def _create_config(device: str, threads: int | None = None) -> rt.Config:
             f"device {device!r} is not available here: the IREE {DRIVERS[device]!r} driver finds no device "
             f"({'install a Vulkan driver such as mesa-vulkan-drivers' if device == 'vulkan' else 'no NVIDIA GPU or libcuda'})"
         )
-    driver = _cpu_driver(threads) if device == "cpu" else DRIVERS[device]
     try:
-        return rt.Config(driver)
+        if device == "cpu":
+            return rt.Config(_cpu_driver(threads))
+        # A GPU device of its own, not IREE's process-wide cached one: it goes when the model goes. An idle
+        # Vulkan device keeps two IREE threads waiting on its semaphores, and on Mesa's lavapipe (a CPU Vulkan)
+        # those waits poll, a core each, for as long as the device lives.
+        return rt.Config(device=rt.get_device(DRIVERS[device], cache=False))
     except Exception as e:
         raise BundleError(f"device {device!r} is not available here: {e}") from e
 

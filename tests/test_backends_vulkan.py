@@ -127,3 +127,29 @@ def test_generate_cli_missing_device_is_one_clear_line(multi_bundle, capsys):
     err = capsys.readouterr().err
     assert "no module for device 'cuda'" in err
     assert "Traceback" not in err
+
+
+def test_a_dropped_vulkan_model_releases_its_device(bundle_factory, vulkan_device):
+    """The device goes with the model: on lavapipe an idle Vulkan device's semaphore waits poll a core
+    each for as long as it lives, which a process-wide cached device would do for the process's life."""
+    import gc
+    import os
+    import time
+
+    def cpu_seconds() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def idle_cpu(seconds: float = 1.5) -> float:
+        start = cpu_seconds()
+        time.sleep(seconds)
+        return cpu_seconds() - start
+
+    session = Model.load(bundle_factory("llama-tiny", "vulkan"), device="vulkan").session()
+    session.prefill([1, 2, 3])
+    session.decode(4)
+    held = idle_cpu()
+    del session
+    gc.collect()
+    released = idle_cpu()
+    assert released < 0.3, f"{released:.2f} s of CPU in 1.5 s idle after the model was dropped ({held:.2f} s held)"
