@@ -382,9 +382,10 @@ def _create_config(device: str, threads: int | None = None) -> rt.Config:
             f"device {device!r} is not available here: the IREE {DRIVERS[device]!r} driver finds no device "
             f"({'install a Vulkan driver such as mesa-vulkan-drivers' if device == 'vulkan' else 'no NVIDIA GPU or libcuda'})"
         )
+    cpu_driver = _cpu_driver(threads) if device == "cpu" else None  # a bad thread count is the caller's error
     try:
-        if device == "cpu":
-            return rt.Config(_cpu_driver(threads))
+        if cpu_driver is not None:
+            return rt.Config(cpu_driver)
         # A GPU device of its own, not IREE's process-wide cached one: it goes when the model goes. An idle
         # Vulkan device keeps two IREE threads waiting on its semaphores, and on Mesa's lavapipe (a CPU Vulkan)
         # those waits poll, a core each, for as long as the device lives.
