@@ -296,7 +296,7 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
 
     modules: dict[str, ModuleEntry] = {}
     if any(t.device == ONNX_DEVICE for t in options.targets):
-        clock.stage("onnx", "[3/4] exporting ONNX graphs (core aten, standard ONNX ops)", total=len(unit.programs))
+        clock.stage("onnx", "[3/4] exporting ONNX graphs (core aten: standard ONNX ops and MatMulNBits)", total=len(unit.programs))
         rows = {name: n for name, _kind, n in entry_point_variants(options)}
         onnx_activations = next(a for t, a in zip(options.targets, activations) if t.device == ONNX_DEVICE)
         modules[ONNX_DEVICE] = export_onnx_module(

@@ -21,7 +21,9 @@ once.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -114,8 +116,13 @@ def export_function(program: ExportedProgram, function: str, rows: int, state: l
     functional = _functional(program, len(state))
     inputs = [*step_inputs(function, rows), *(s.name for s in state)]
     outputs = [*(s.name + NEXT_SUFFIX for s in state), "logits"]
-    exported = torch.onnx.export(functional, dynamo=True, verbose=False, input_names=inputs, output_names=outputs,
-                                 optimize=False, custom_translation_table={QLINEAR: placeholder_translation()})
+    # The exporter logs a line per torchvision op it cannot register and pytree deprecations: noise to a user.
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        exported = torch.onnx.export(functional, dynamo=True, verbose=False, input_names=inputs,
+                                     output_names=outputs, optimize=False,
+                                     custom_translation_table={QLINEAR: placeholder_translation()})
     model = exported.model_proto
     to_matmul_nbits(model, ACCURACY_LEVEL[activations])
     for node in model.graph.node:  # the exporter's per-node Python stack traces: most of the graph's bytes
