@@ -29,6 +29,8 @@ from ..passes.manager import CompileUnit, run_pipeline
 from .abi_declaration import declare_entry_points
 from .compile_cache import CompileCache
 from .compile_pool import pool_size, run_concurrently
+from .fused_attention import SITE_NAME as FUSED_SITE
+from .fused_attention import attention_form, count_fused_attention
 from .importer import import_programs, params_to_numpy
 from .inplace_state import ElideReport, elide_inplace_aliases
 from .lowering import Lowering
@@ -335,18 +337,19 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
 def _compile_iree(targets: list[Target], activations: list[str], unit: CompileUnit, out: Path, clock: StageClock,
                   options: BuildOptions, progress: Progress, modules: dict[str, ModuleEntry]) -> ParamsEntry:
     """Stages 3-4 for the IREE targets: import to MLIR, weights to params.irpa, iree-compile; adds their modules."""
-    kinds_count = len({t.device == "cpu" for t in targets})
-    clock.stage("import", "[3/4] importing to MLIR (torch dialect), weights to params.irpa",
-                total=len(unit.programs) * kinds_count)
     # CPU targets keep the decode attention ops for their hand-written kernel; GPU targets
-    # import the decomposed form (a second import only when both kinds are asked for).
-    kinds = sorted({t.device == "cpu" for t in targets}, reverse=True)
-    lowering = Lowering()
+    # import the decomposed form; targets whose prefill attention is fused import it so
+    # (one import per kind of target asked for).
+    kinds = sorted({import_kind(t, options.attention) for t in targets}, reverse=True)
+    clock.stage("import", "[3/4] importing to MLIR (torch dialect), weights to params.irpa",
+                total=len(unit.programs) * len(kinds))
+    lowerings = {fused: Lowering(fused_attention=fused) for fused in {fused for _, fused in kinds}}
     imported = {}
-    for cpu in kinds:
-        imported[cpu] = import_programs(unit.programs.items(), decode_attention_kernel=cpu, lowering=lowering,
-                                        progress=clock.advance)
-    del lowering
+    for kind in kinds:
+        cpu, fused = kind
+        imported[kind] = import_programs(unit.programs.items(), decode_attention_kernel=cpu,
+                                         lowering=lowerings[fused], progress=clock.advance)
+    del lowerings
     mlir, params = imported[kinds[0]]
     if options.keep_mlir:
         (out / "model.mlir").write_text(mlir)
@@ -360,7 +363,8 @@ def _compile_iree(targets: list[Target], activations: list[str], unit: CompileUn
     params_count = len(params.tensors)
     del params  # written to params.irpa
     unit.programs.clear()  # what iree-compile needs is in the MLIR text now
-    modules.update(_compile_targets(targets, activations, imported, params_sha, out, clock, progress))
+    modules.update(_compile_targets(targets, activations, imported, params_sha, out, clock, progress,
+                                    options.attention))
     return ParamsEntry(params_file.name, params_sha, params_file.stat().st_size, count=params_count)
 
 
@@ -378,8 +382,13 @@ def module_names(targets: list[Target]) -> list[tuple[str, str]]:
     return [(key, f"model.{key}.vmfb") for key in keys]
 
 
+def import_kind(target: Target, attention: str) -> tuple[bool, bool]:
+    """(CPU, fused prefill attention): the import a target's module is compiled from."""
+    return target.device == "cpu", attention_form(target.device, attention) == "fused"
+
+
 def _compile_targets(targets: list[Target], activations: list[str], imported: dict, params_sha: str, out: Path,
-                     clock: StageClock, progress: Progress) -> dict[str, ModuleEntry]:
+                     clock: StageClock, progress: Progress, attention: str) -> dict[str, ModuleEntry]:
     """Stage 4: each target's kernels expanded and its iree-compile run, several at once; the manifest's modules."""
     jobs = list(zip(targets, activations, module_names(targets)))
     size = pool_size(len(jobs))
@@ -391,10 +400,14 @@ def _compile_targets(targets: list[Target], activations: list[str], imported: di
         t1 = time.time()
         cpu = target.device == "cpu"
         int8 = choose_kernels(target.cpu_flags, target.arch) if acts == "int8" else FLOAT_KERNELS
-        target_mlir, sites = expand_qlinear_ops(imported[cpu][0], cpu_tiles=cpu, int8=int8)
+        target_mlir, sites = expand_qlinear_ops(imported[import_kind(target, attention)][0], cpu_tiles=cpu,
+                                                int8=int8)
         if cpu:
-            target_mlir, attention = expand_decode_attention_ops(target_mlir)
-            sites += attention
+            target_mlir, decode_attention = expand_decode_attention_ops(target_mlir)
+            sites += decode_attention
+        fused = count_fused_attention(target_mlir)
+        if fused:
+            sites[FUSED_SITE] = fused
         vmfb, inplace = compile_torch_module(target_mlir, target.flags)
         return int8, sites, vmfb, inplace, time.time() - t1
 

@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 from ..frontend import quant  # noqa: F401  (registers foldline::qlinear)
 from ..frontend.ops import DECOMPOSITIONS
 from ..passes.graph_edit import copy_graph_module, fake_mode, rebuild
+from .fused_attention import fused_decompositions, to_sdpa
 
 # Custom ops that reach MLIR as `torch.operator` for a backend rewrite instead of being decomposed
 # (kernels/qlinear.py lowers foldline::qlinear to a fused dequantize-matmul kernel).
@@ -179,10 +180,16 @@ def expand_ops(gm: GraphModule, expand: Callable[[Node], bool], table: dict | No
 
 
 class Lowering:
-    """Decomposes entry points to core aten for import, sharing the table and the traces between them."""
+    """Decomposes entry points to core aten for import, sharing the table and the traces between them.
 
-    def __init__(self) -> None:
+    fused_attention: prefill chunks' cache attention becomes one attention op
+    (backends/fused_attention.py) instead of the decomposed scores and softmax.
+    """
+
+    def __init__(self, fused_attention: bool = False) -> None:
         self.table = decomposition_table()
+        if fused_attention:
+            self.table.update(fused_decompositions())
         for op in SHAPE_QUERIES:
             self.table.pop(op, None)
         self.traces: dict = {}
@@ -195,6 +202,7 @@ class Lowering:
         and the nodes `keep` holds."""
         gm = copy_graph_module(program)
         expand_ops(gm, lambda n: self.decomposes(n) and not keep(name, n), self.table, self.traces)
+        to_sdpa(gm)
         return rebuild(program, gm)
 
 

@@ -36,6 +36,7 @@ class BuildOptions:
     kv_dtype: str = "auto"  # attention cache element type: auto (build.default_kv_dtype), float32, float16, bfloat16
     dtype: str = "auto"  # compute dtype: auto (build.default_compute_dtype), float32, float16, bfloat16
     activations: str = "auto"  # quantized products: auto (int8 where the CPU has AVX2 or VNNI), int8, f32
+    attention: str = "auto"  # prefill attention: auto, fused (one flash-style op), decomposed (backends/fused_attention.py)
 
 
 def row_counts(options: BuildOptions) -> list[int]:

@@ -292,11 +292,20 @@ def _split_state(cfg: ModelConfig, spec: StateBuffer, s: Splits) -> tuple[int, .
 # ---- scratch --------------------------------------------------------------------------------------
 
 
-def attention_scratch_bytes(cfg: ModelConfig, batch: int, length: int, chunk: int, heads: int | None = None) -> int:
-    """The float32 intermediates of one chunk's attention over `length` slots, the largest scratch
-    that grows with the context: scores [heads, chunk, length] and K, V read per query head
-    [heads, length, head_dim] (ops._attend). `heads`: the query heads one device computes."""
+def attention_scratch_bytes(cfg: ModelConfig, batch: int, length: int, chunk: int, heads: int | None = None,
+                            fused: bool = False) -> int:
+    """The float32 intermediates of one chunk's attention over `length` slots. `heads`: the query heads
+    one device computes.
+
+    Decomposed (ops._attend), the largest scratch that grows with the context: scores
+    [heads, chunk, length] and K, V read per query head [heads, length, head_dim].
+    Fused (backends/fused_attention.py, `--attention fused`): the online softmax's
+    accumulator, running maximum and sum [heads, chunk, head_dim + 2], whatever the
+    length; the scores exist one key tile at a time inside the dispatch.
+    """
     heads = cfg.num_heads if heads is None else heads
+    if fused:
+        return 4 * batch * heads * chunk * (cfg.head_dim + 2)
     return 4 * batch * heads * length * (chunk + 2 * cfg.head_dim)
 
 
@@ -365,8 +374,9 @@ class ShardPlan:
 
 
 def shard_plan(cfg: ModelConfig, devices: int, batch: int = 1, context: int | None = None,
-               scheme: str = "tensor", weight_bits: float | None = None) -> ShardPlan:
-    """The plan of `cfg` over `devices` devices; ConfigError on a count or scheme that cannot be planned."""
+               scheme: str = "tensor", weight_bits: float | None = None, fused_attention: bool = False) -> ShardPlan:
+    """The plan of `cfg` over `devices` devices; ConfigError on a count or scheme that cannot be planned.
+    fused_attention: size attention's scratch for the fused form (attention_scratch_bytes)."""
     if devices <= 0:
         raise ConfigError(f"--devices must be positive (got {devices})")
     if scheme not in SCHEMES:
@@ -375,14 +385,14 @@ def shard_plan(cfg: ModelConfig, devices: int, batch: int = 1, context: int | No
         raise ConfigError("--batch must be positive")
     width = WeightWidth.of(cfg, weight_bits)
     specs = plan_state(cfg, batch, context).specs
-    one = _tensor(cfg, 1, batch, specs, width)
+    one = _tensor(cfg, 1, batch, specs, width, fused=fused_attention)
     if scheme == "tensor":
-        return _tensor(cfg, devices, batch, specs, width, one.devices[0])
-    return _pipeline(cfg, devices, batch, specs, width, one.devices[0])
+        return _tensor(cfg, devices, batch, specs, width, one.devices[0], fused=fused_attention)
+    return _pipeline(cfg, devices, batch, specs, width, one.devices[0], fused=fused_attention)
 
 
 def _tensor(cfg: ModelConfig, n: int, batch: int, specs: list[StateBuffer], width: WeightWidth,
-            one: DevicePlan | None = None) -> ShardPlan:
+            one: DevicePlan | None = None, fused: bool = False) -> ShardPlan:
     s = tensor_splits(cfg, n)
     parts = weight_parts(cfg, n)
     weights = [_to_bytes(sum(p.on(i) * width.bits(p) for p in parts)) for i in range(n)]
@@ -394,7 +404,8 @@ def _tensor(cfg: ModelConfig, n: int, batch: int, specs: list[StateBuffer], widt
     has_attention = any(t != "gdn" for t in cfg.layer_types)
     devs = tuple(
         DevicePlan(i, weights[i], state[i],
-                   attention_scratch_bytes(cfg, batch, length, CHUNK, s.query_heads.per_device[i]) if has_attention else 0,
+                   attention_scratch_bytes(cfg, batch, length, CHUNK, s.query_heads.per_device[i], fused)
+                   if has_attention else 0,
                    mlp_scratch_bytes(cfg, batch, CHUNK, s.mlp.per_device[i]))
         for i in range(n)
     )
@@ -475,7 +486,7 @@ def _balanced_runs(costs: list[int], n: int) -> list[tuple[int, int]]:
 
 
 def _pipeline(cfg: ModelConfig, n: int, batch: int, specs: list[StateBuffer], width: WeightWidth,
-              one: DevicePlan) -> ShardPlan:
+              one: DevicePlan, fused: bool = False) -> ShardPlan:
     layers = cfg.num_layers
     if n > layers:
         raise ConfigError(f"a pipeline over {n} devices needs at least {n} layers; {cfg.name} has {layers}")
@@ -505,7 +516,7 @@ def _pipeline(cfg: ModelConfig, n: int, batch: int, specs: list[StateBuffer], wi
         attn = any(cfg.layer_types[i] != "gdn" for i in range(a, b + 1))
         length = max(length_of[i] for i in range(a, b + 1))
         devs.append(DevicePlan(j, _to_bytes(sum(layer_bits[a:b + 1])), sum(layer_state[a:b + 1]),
-                               attention_scratch_bytes(cfg, batch, length, CHUNK) if attn else 0,
+                               attention_scratch_bytes(cfg, batch, length, CHUNK, fused=fused) if attn else 0,
                                mlp_scratch_bytes(cfg, batch, CHUNK), layers=(a, b)))
     notes = [f"layers dealt in contiguous runs balanced by bytes of weights and state: "
              f"{', '.join(str(b - a + 1) for a, b in runs)}"]
@@ -526,12 +537,12 @@ def _pipeline(cfg: ModelConfig, n: int, batch: int, specs: list[StateBuffer], wi
 
 def smallest_fit(cfg: ModelConfig, memory: int, batch: int = 1, context: int | None = None,
                  scheme: str = "tensor", weight_bits: float | None = None,
-                 candidates: tuple[int, ...] = SEARCH_DEVICES) -> int | None:
+                 candidates: tuple[int, ...] = SEARCH_DEVICES, fused_attention: bool = False) -> int | None:
     """The fewest devices of `candidates` whose largest device fits in `memory` bytes; None when none does."""
     for n in candidates:
         if scheme == "pipeline" and n > cfg.num_layers:
             break
-        if shard_plan(cfg, n, batch, context, scheme, weight_bits).fits(memory):
+        if shard_plan(cfg, n, batch, context, scheme, weight_bits, fused_attention).fits(memory):
             return n
     return None
 

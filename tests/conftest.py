@@ -56,13 +56,13 @@ def bundle_factory(tmp_path_factory) -> Callable[..., Path]:
 
     def compile_bundle(spec: str, target: str = "cpu", passes: tuple[str, ...] | None = None,
                        chunk: int = 16, max_context: int | None = None,
-                       kv_dtype: str = "auto", batch: int = 1) -> Path:
-        key = (spec, target, passes, chunk, max_context, kv_dtype, batch)
+                       kv_dtype: str = "auto", batch: int = 1, attention: str = "auto") -> Path:
+        key = (spec, target, passes, chunk, max_context, kv_dtype, batch, attention)
         if key not in cache:
             out = tmp_path_factory.mktemp(spec.replace("/", "_")) / "bundle"
             loaded = load_model(spec, max_context=max_context)
             options = BuildOptions(targets=[make_target(target)], passes=list(passes) if passes is not None else None,
-                                   chunk=chunk, kv_dtype=kv_dtype, batch=batch)
+                                   chunk=chunk, kv_dtype=kv_dtype, batch=batch, attention=attention)
             compile_model(loaded, out, options, progress=lambda _msg: None, cache=CompileCache())
             cache[key] = out
         return cache[key]

@@ -1,10 +1,11 @@
 """ONNX out (`--target onnx`): the bundle's functions as ONNX graphs run by a stock onnxruntime.
 
-Against the eager reference: rings wrapped several times (gemma3-tiny), and
-gated delta-net state with q4 blocks kept as codes (qwen35-tiny, its linear
-and embedding weights exactly their blocks' dequantization, its products
-MatMulNBits with float activations), each over a prompt of three chunks and 60
-decode steps. tests/test_onnx_nbits.py checks MatMulNBits per block type, with
+Against the eager reference, every tiny preset: rings wrapped several times
+(gemma3-tiny), gated delta-net state with q4 blocks kept as codes (qwen35-tiny,
+its linear and embedding weights exactly their blocks' dequantization, its
+products MatMulNBits with float activations), GQA over full caches
+(llama-tiny) and Ripple's value residual beside its windows (ripple-tiny),
+each over a prompt of three chunks and 60 decode steps. tests/test_onnx_nbits.py checks MatMulNBits per block type, with
 int8 activations too.
 """
 
@@ -50,7 +51,7 @@ def onnx_bundles(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", ["gemma3-tiny", "qwen35-tiny-q4"])
+@pytest.mark.parametrize("name", ["gemma3-tiny", "qwen35-tiny-q4", "llama-tiny", "ripple-tiny"])
 def test_onnxruntime_matches_eager(name, onnx_bundles):
     module, bundle = onnx_bundles(name)
     model = Model.load(bundle, device="onnxruntime")

@@ -157,7 +157,7 @@ def test_smallest_fit_flips_at_the_largest_device(capsys):
 
     def answer(memory: int) -> str:
         assert main(["plan", "ripple-65b", "--devices", "8", "--context", "1048576",
-                     "--device-memory", str(memory)]) == 0
+                     "--device-memory", str(memory), "--attention", "decomposed"]) == 0
         line = re.search(r"^fits in .*$", capsys.readouterr().out, flags=re.M)
         assert line
         return line.group(0)
@@ -165,6 +165,21 @@ def test_smallest_fit_flips_at_the_largest_device(capsys):
     assert re.search(r": yes .*smallest N that fits: 8 ", answer(eight))
     assert re.search(r": no .*smallest N that fits: 16 ", answer(eight - 1))
     assert "smallest N that fits: none up to 64" in answer(1024)
+
+
+def test_fused_attention_scratch_does_not_grow_with_the_context(capsys):
+    """The fused form's scratch is the online softmax's state per query head and chunk row: the same at
+    4096 positions and at 1 Mi, split with the heads, and `plan --devices` sizes it so by default."""
+    cfg = get_preset("ripple-65b")
+    short, long = (shard_plan(cfg, 8, 1, n, fused_attention=True) for n in (4096, MI))
+    per_device = 4 * 10 * 64 * (cfg.head_dim + 2)  # 10 query heads a device, chunk 64
+    assert all(d.attention_scratch == per_device for d in short.devices + long.devices)
+    assert long.one_device.attention_scratch == 8 * per_device
+    decomposed = shard_plan(cfg, 8, 1, MI)
+    assert decomposed.devices[0].attention_scratch > 10_000 * per_device
+    assert main(["plan", "ripple-65b", "--devices", "8", "--context", "1048576"]) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"^\s+0\s+15\.09 GiB\s+8\.03 GiB\s+[\d.]+ MiB", table, flags=re.M), table
 
 
 def test_pipeline_holds_every_layer_once():
@@ -224,6 +239,7 @@ def test_parse_size():
     (["--devices", "-2"], "--devices must be positive"),
     (["--devices", "8", "--device-memory", "80XB"], "--device-memory '80XB'"),
     (["--device-memory", "80GB"], "only with --devices"),
+    (["--attention", "decomposed"], "only with --devices"),
     (["--devices", "4", "--weight-bits", "0"], "--weight-bits"),
     (["--devices", "81", "--scheme", "pipeline"], "needs at least 81 layers"),
 ])

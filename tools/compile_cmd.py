@@ -58,6 +58,11 @@ def add_parser(sub) -> None:
                    help="what quantized weights meet in prefill and decode: auto (default: int8 activations per weight "
                         "group with VNNI dot products where the CPU target has AVX-512 VNNI, as llama.cpp; "
                         "else f32), int8, or f32 (exact float products everywhere)")
+    p.add_argument("--attention", choices=["auto", "fused", "decomposed"], default="auto",
+                   help="prefill attention over the caches: fused (one flash-style attention op per layer, whose "
+                        "scratch does not grow with the context), decomposed (scores and softmax as separate "
+                        "ops), or auto (default: fused on CUDA, decomposed on CPU, where IREE's attention "
+                        "codegen is slower; Vulkan and ONNX always decomposed)")
     p.add_argument("--no-cache", action="store_true",
                    help="compile even when the compile cache ($FOLDLINE_CACHE/compiled) holds this bundle, "
                         "and store nothing in it")
@@ -108,6 +113,7 @@ def run(args) -> int:
         kv_dtype="auto" if args.kv_dtype == "auto" else canonical(args.kv_dtype),
         dtype="auto" if args.dtype == "auto" else canonical(args.dtype),
         activations=args.activations,
+        attention=args.attention,
     )
     row_counts(options)  # refuse row counts outside 1..--batch before anything is loaded
     cache = None if args.no_cache else CompileCache()

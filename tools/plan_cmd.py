@@ -35,6 +35,10 @@ def add_parser(sub) -> None:
     p.add_argument("--weight-bits", type=float, default=None, metavar="B",
                    help="with --devices: bits per weight of the projections and embedding tables "
                         "(4.5 for Q4_0 blocks; default: the compute dtype's)")
+    p.add_argument("--attention", default=None, choices=["fused", "decomposed"],
+                   help="with --devices: size attention's scratch for the fused prefill attention (default: "
+                        "`compile --attention fused`, CUDA's default form, scratch independent of the context) "
+                        "or the decomposed one (scores for the whole length)")
     p.set_defaults(func=run)
 
 
@@ -60,7 +64,8 @@ def run(args) -> int:
         raise ConfigError("--batch must be positive")
     if args.devices is None:
         given = [flag for flag, value in (("--device-memory", args.device_memory), ("--weight-bits", args.weight_bits),
-                                          ("--scheme", None if args.scheme == "tensor" else args.scheme))
+                                          ("--scheme", None if args.scheme == "tensor" else args.scheme),
+                                          ("--attention", args.attention))
                  if value is not None]
         if given:
             raise ConfigError(f"{', '.join(given)}: only with --devices N (a split over devices)")
@@ -73,8 +78,10 @@ def run(args) -> int:
     except ModuleNotFoundError as e:
         raise ConfigError(f"{cfg.name}: cannot lay out its state ({e})") from e
     shards = None
+    args.attention = args.attention or "fused"
     if args.devices is not None:  # before any output: a plan that cannot be made is one error line
-        shards = shard_plan(cfg, args.devices, args.batch, context, args.scheme, args.weight_bits)
+        shards = shard_plan(cfg, args.devices, args.batch, context, args.scheme, args.weight_bits,
+                            fused_attention=args.attention == "fused")
 
     kinds = defaultdict(int)
     for t in cfg.layer_types:
@@ -109,16 +116,19 @@ def run(args) -> int:
     if "global" in cfg.layer_types:
         print(f"attention reads the positions held, in tiles of {kv_tile_size(context)} slots")
         scratch = attention_scratch_bytes(cfg, args.batch, context, chunk=64)
-        print(f"attention scratch at the full context: {fmt_bytes(scratch)} per call "
-              f"(4 B x heads x length x (chunk + 2 x head_dim), chunk 64)")
+        fused = attention_scratch_bytes(cfg, args.batch, context, chunk=64, fused=True)
+        print(f"attention scratch at the full context, chunk 64: {fmt_bytes(scratch)} per call decomposed "
+              f"(4 B x heads x length x (chunk + 2 x head_dim); CPU, Vulkan and ONNX by default), "
+              f"{fmt_bytes(fused)} fused (4 B x heads x chunk x (head_dim + 2); CUDA by default, "
+              f"compile --attention fused)")
     return 0
 
 
-def attention_scratch_bytes(cfg, batch: int, length: int, chunk: int) -> int:
+def attention_scratch_bytes(cfg, batch: int, length: int, chunk: int, fused: bool = False) -> int:
     """The float32 intermediates of one chunk's attention over `length` slots (passes.shard_plan's formula)."""
     from ..passes.shard_plan import attention_scratch_bytes as scratch
 
-    return scratch(cfg, batch, length, chunk)
+    return scratch(cfg, batch, length, chunk, fused=fused)
 
 
 def print_shard_plan(cfg, plan, args, context: int, memory: int | None) -> int:
@@ -147,8 +157,10 @@ def print_shard_plan(cfg, plan, args, context: int, memory: int | None) -> int:
     row("1 dev", one.weights, one.state, one.scratch, one.total)
     print(f"held beyond one device: {fmt_bytes(plan.weight_copies)} of weights ({plan.weight_copies:,} bytes), "
           f"{fmt_bytes(plan.state_copies)} of state ({plan.state_copies:,} bytes)")
-    print("scratch: one prefill chunk of 64: attention's float32 scores and K/V per query head at the longest cache, "
-          "plus the MLP's gate and up outputs (both counted)")
+    attention = ("the fused attention's accumulator, maximum and sum (whatever the length)"
+                 if args.attention == "fused" else
+                 "attention's float32 scores and K/V per query head at the longest cache (decomposed)")
+    print(f"scratch: one prefill chunk of 64: {attention}, plus the MLP's gate and up outputs (both counted)")
     print(f"traffic per decode step: {fmt_bytes(plan.traffic.per_device)} sent by the busiest device, "
           f"{fmt_bytes(plan.traffic.total)} in all")
     for line in plan.traffic.lines:
@@ -156,7 +168,8 @@ def print_shard_plan(cfg, plan, args, context: int, memory: int | None) -> int:
     if memory is None:
         print(f"largest device: {fmt_bytes(plan.largest)} (--device-memory SIZE checks a fit)")
         return 0
-    fewest = smallest_fit(cfg, memory, args.batch, context, scheme, bits)
+    fewest = smallest_fit(cfg, memory, args.batch, context, scheme, bits,
+                          fused_attention=args.attention == "fused")
     fewest_text = str(fewest) if fewest is not None else f"none up to {SEARCH_DEVICES[-1]}"
     print(f"fits in {fmt_bytes(memory)} ({memory:,} bytes): {'yes' if plan.fits(memory) else 'no'} (largest device "
           f"{fmt_bytes(plan.largest)}); smallest N that fits: {fewest_text} "

@@ -23,11 +23,14 @@ def add_parser(sub) -> None:
     p.add_argument("--tol", type=float, default=None, help="scaled-error tolerance (default 1e-4 for fp32)")
     p.add_argument("--bundle", type=Path, default=None, help="keep the bundle here (default: temp dir)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention", choices=["auto", "fused", "decomposed"], default="auto",
+                   help="prefill attention form, as foldline compile --attention")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from ..backends.build import BuildOptions, compile_model, resolve_dtypes
+    from ..backends.fused_attention import attention_form
     from ..backends.targets import make_target
     from ..frontend.sources import load_model
     from ..passes.manager import resolve_pipeline
@@ -40,7 +43,8 @@ def run(args) -> int:
         raise BundleError(f"device {target.device!r} is not available here; nothing to verify on")
     loaded = load_model(args.model, max_context=args.max_context)
     names = [n for n in args.passes.split(",") if n] if args.passes is not None else None
-    options = BuildOptions(targets=[target], passes=resolve_pipeline(names), chunk=args.chunk)
+    options = BuildOptions(targets=[target], passes=resolve_pipeline(names), chunk=args.chunk,
+                           attention=args.attention)
     with tempfile.TemporaryDirectory() as tmp:
         out = args.bundle or Path(tmp) / "bundle"
         compile_model(loaded, out, options)
@@ -52,7 +56,9 @@ def run(args) -> int:
         with loaded.reconfigured(dtype=dtype, kv_dtype=kv_dtype if kv_dtype != dtype else None):
             report = run_parity(loaded.module, bundle, prompt, steps)
     tol = args.tol if args.tol is not None else SCALED_TOL_FP32
-    print(f"verify {args.model} on {args.target}: {report.summary()} (tolerance {tol:.0e})")
+    form = attention_form(target.device, args.attention)
+    print(f"verify {args.model} on {args.target} ({form} prefill attention): {report.summary()} "
+          f"(tolerance {tol:.0e})")
     if not report.ok(tol):
         print("MISMATCH")
         return 1

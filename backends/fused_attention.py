@@ -1,0 +1,132 @@
+"""Prefill attention as one fused op whose scratch does not grow with the context.
+
+The portable decomposition of `foldline::cache_attention` (frontend/ops.py)
+materialises a chunk's float32 scores against every key it reads,
+`4 B x heads x chunk x length`: 20 GiB for Ripple-65B's 80 heads at 1 Mi
+positions. Here the same attention becomes one `aten.scaled_dot_product_attention`
+per layer, which torch-mlir imports as `tm_tensor.attention` and IREE compiles
+as `iree_linalg_ext.attention`: tiled over the keys with an online softmax
+(flash attention), the f16 cache widening and the mask computed inside the one
+dispatch. What a call keeps beyond its output is a tile of keys per workgroup,
+whatever the length.
+
+The mask is an additive float32 bias of 0 or `MASK_VALUE` rather than a
+boolean: a padded query past the keys read (a sliding-window layer's) has no
+allowed key, and a boolean mask becomes -inf inside IREE's online softmax,
+whose running maximum would then give NaN for that row. The finite bias keeps
+such a row finite, as the decomposed form does.
+
+GQA needs no repeated K/V: the query heads that read one KV head are stacked
+as that head's query rows, [B, Hkv, rep x C, D] against [B, Hkv, L, D].
+
+Which targets take it is decided per target (`attention_form`): IREE's SPIR-V
+backend cannot compile the attention op, and its CPU backend compiles it one
+query row at a time (docs/backends.md, "Fused attention"), so the CPU default
+stays the decomposed form.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.fx import GraphModule
+
+from ..errors import InputError
+from ..frontend.ops import (
+    MASK_VALUE,
+    _chunk_positions,
+    _first_slots,
+    _group_query,
+    _ungroup,
+    cache_attention_impl,
+)
+
+ATTENTION_FORMS = ("auto", "fused", "decomposed")
+# Targets whose IREE backend compiles iree_linalg_ext.attention, and whether `auto` picks it there.
+FUSED_BY_DEFAULT = {"cuda": True, "cpu": False}
+# The kernel-site name `foldline inspect` shows for each fused prefill attention.
+SITE_NAME = "attention prefill fused"
+
+
+@torch.library.custom_op("foldline::biased_attention", mutates_args=())
+def biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
+    """softmax(q k^T scale + bias) v over [B, H, M, D] queries and [B, H, L, D] keys/values, bias [B, 1, M, L]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale + bias
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+@biased_attention.register_fake
+def _(q, k, v, bias, scale):
+    return q.new_empty(q.shape)
+
+
+def fused_cache_attention_impl(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, start_pos: Tensor, window: int, scale: float, kv_mapping: str,
+    length: int,
+) -> Tensor:
+    """`cache_attention_impl`'s attention (same keys, same mask) as one biased_attention call; a decode
+    step (one query token) keeps the decomposed form, whose scores are one row per head."""
+    if q.shape[2] == 1:
+        return cache_attention_impl(q, k_cache, v_cache, start_pos, window, scale, kv_mapping, length)
+    slots = torch.arange(k_cache.shape[2], dtype=start_pos.dtype, device=start_pos.device)
+    kpos = _first_slots(slots[None, None, :, None], length)[0, 0, :, 0][None, None, :]
+    k = _first_slots(k_cache, length).to(torch.float32)
+    v = _first_slots(v_cache, length).to(torch.float32)
+    b, hq, chunk, d = q.shape
+    n_kv = k.shape[1]
+    rep = hq // n_kv
+    qpos = _chunk_positions(start_pos, chunk)[:, :, None]
+    allowed = kpos <= qpos
+    if window > 0:
+        allowed = allowed & (qpos - kpos < window)
+    bias = torch.where(allowed, 0.0, MASK_VALUE)  # [B, C, L]
+    bias = bias[:, None, None].expand(b, 1, rep, chunk, bias.shape[-1]).reshape(b, 1, rep * chunk, bias.shape[-1])
+    queries = _group_query(q, n_kv, kv_mapping).to(torch.float32).reshape(b, n_kv, rep * chunk, d)
+    out = torch.ops.foldline.biased_attention(queries, k, v, bias, scale)
+    return _ungroup(out.reshape(b, n_kv, rep, chunk, d), kv_mapping).to(q.dtype)
+
+
+def fused_decompositions() -> dict:
+    """Decomposition-table entries that give prefill chunks the fused form (decode keeps its own)."""
+    return {torch.ops.foldline.cache_attention.default: fused_cache_attention_impl}
+
+
+def to_sdpa(gm: GraphModule) -> int:
+    """Rename every biased_attention node to aten.scaled_dot_product_attention, which the FX importer knows.
+
+    The op is kept as an op through the lowering (eager, it is the math form); only
+    here, after the decompositions, does it become the aten op IREE fuses. Returns how many.
+    """
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.foldline.biased_attention.default:
+            q, k, v, bias, scale = node.args
+            node.target = torch.ops.aten.scaled_dot_product_attention.default
+            node.args = (q, k, v, bias)
+            node.kwargs = {"scale": scale}
+            count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+def count_fused_attention(mlir: str) -> int:
+    """How many fused attention ops an imported module holds (torch dialect text)."""
+    return mlir.count("torch.aten.scaled_dot_product_attention ")
+
+
+def attention_form(device: str, requested: str) -> str:
+    """`fused` or `decomposed` for a target's prefill attention.
+
+    `fused` where the target's backend compiles the attention op; a target that
+    cannot (Vulkan's SPIR-V, ONNX) keeps the portable decomposed form whatever
+    is asked, so a request never fails a compile. `auto` picks fused where it
+    is also the faster form (CUDA).
+    """
+    if requested not in ATTENTION_FORMS:
+        raise InputError(f"--attention must be one of {', '.join(ATTENTION_FORMS)}, got {requested!r}")
+    if device not in FUSED_BY_DEFAULT or requested == "decomposed":
+        return "decomposed"
+    if requested == "fused":
+        return "fused"
+    return "fused" if FUSED_BY_DEFAULT[device] else "decomposed"
