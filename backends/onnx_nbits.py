@@ -179,7 +179,7 @@ def to_matmul_nbits(model: onnx.ModelProto, accuracy_level: int) -> int:
     kept = [t for t in model.graph.initializer if t.name in used]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
-    imports = [o for o in model.opset_import if o.domain != PLACEHOLDER_DOMAIN]
+    imports = [o for o in model.opset_import if o.domain not in (PLACEHOLDER_DOMAIN, ORT_DOMAIN)]
     del model.opset_import[:]
     model.opset_import.extend([*imports, helper.make_opsetid(ORT_DOMAIN, 1)])
     return count

@@ -4,9 +4,11 @@ It offers what sessions and batches use of a device (runtime/device.py's
 `DeviceContext`): zeroed state buffers, row ranges, views of the first rows and
 a call per function. Here the state buffers are host arrays: each call feeds
 them to the function's graph and writes the next state it returns back into
-them, so `Session`, `Batch`, snapshots and the server work unchanged. That
-write is a host copy of the state per step, which IREE's in-place updates do
-not need (docs/onnx.md).
+them, so `Session`, `Batch`, snapshots and the server work unchanged. The
+caches a graph updates in place (its GroupQueryAttention's, listed in the
+graph's metadata: backends/onnx_gqa.py) are bound as both input and output
+over the same array, so ONNX Runtime writes their one new slot there; the
+other state is copied back (docs/onnx.md).
 
 Imports onnxruntime only: no torch, no onnx.
 """
@@ -24,6 +26,8 @@ from ..contract.errors import BundleError
 from ..contract.manifest import Manifest
 
 DEVICE = "onnxruntime"
+NEXT_SUFFIX = ".next"  # a state buffer's output name is its input name and this (backends/onnx_export.py)
+INPLACE_KEY = "foldline.inplace_state"  # graph metadata: the state inputs updated in place (backends/onnx_gqa.py)
 # ONNX Runtime's type names of the dtypes a bundle's inputs use.
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int8)": "int8", "tensor(int64)": "int64"}
 
@@ -36,6 +40,7 @@ class OnnxContext:
     module_key: str = DEVICE
     name: str = DEVICE
     input_names: dict[str, list[str]] = field(default_factory=dict)
+    inplace: dict[str, frozenset[str]] = field(default_factory=dict)  # function -> state inputs it updates in place
 
     def zeros(self, shape: Sequence[int], dtype: Any) -> np.ndarray:
         return np.zeros(tuple(int(d) for d in shape), dtype=np.dtype(dtype))
@@ -71,10 +76,35 @@ class OnnxContext:
         if session is None:
             raise BundleError(f"the onnxruntime module has no function {fn!r}")
         names = self.input_names[fn]
-        outputs = session.run(None, dict(zip(names, [*inputs, *state])))
-        for buffer, new in zip(state, outputs[: len(state)]):
-            np.copyto(buffer, new)
-        return outputs[-1]
+        inplace = self.inplace.get(fn)
+        if not inplace:
+            outputs = session.run(None, dict(zip(names, [*inputs, *state])))
+            for buffer, new in zip(state, outputs[: len(state)]):
+                np.copyto(buffer, new)
+            return outputs[-1]
+        import onnxruntime as ort
+
+        binding = session.io_binding()
+        for name, array in zip(names, inputs):
+            binding.bind_cpu_input(name, np.ascontiguousarray(array))
+        bound: list[np.ndarray | None] = []  # per bound output, in order: the buffer to copy it into, or None
+        for name, buffer in zip(names[len(inputs):], state):
+            if name in inplace:  # the array itself, as input and output: ONNX Runtime writes into it
+                value = ort.OrtValue.ortvalue_from_numpy(buffer)
+                binding.bind_ortvalue_input(name, value)
+                binding.bind_ortvalue_output(name + NEXT_SUFFIX, value)
+                bound.append(None)
+            else:
+                binding.bind_cpu_input(name, buffer)
+                binding.bind_output(name + NEXT_SUFFIX)
+                bound.append(buffer)
+        binding.bind_output("logits")
+        session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()  # OrtValues, in binding order: no copy of the in-place caches
+        for buffer, value in zip(bound, outputs):
+            if buffer is not None:
+                np.copyto(buffer, value.numpy())
+        return outputs[-1].numpy()
 
 
 def _check_inputs(manifest: Manifest, fn: str, session: Any, want: list[tuple[list[int], str, str]]) -> None:
@@ -113,7 +143,7 @@ def open_onnx(manifest: Manifest, verify: bool = True, threads: int | None = Non
     if threads is not None:
         options.intra_op_num_threads = threads
     wanted = manifest.entry_point_inputs()
-    sessions, names = {}, {}
+    sessions, names, inplace = {}, {}, {}
     for fn, part in manifest.modules[DEVICE].parts.items():
         if fn not in wanted:
             raise BundleError(f"the ONNX module has a graph for {fn!r}, which the manifest does not imply")
@@ -123,7 +153,9 @@ def open_onnx(manifest: Manifest, verify: bool = True, threads: int | None = Non
             raise BundleError(f"ONNX Runtime could not load {manifest.root / part.file}: {e}") from e
         _check_inputs(manifest, fn, session, wanted[fn])
         sessions[fn], names[fn] = session, [i.name for i in session.get_inputs()]
+        listed = session.get_modelmeta().custom_metadata_map.get(INPLACE_KEY, "")
+        inplace[fn] = frozenset(n for n in listed.split(",") if n) & {b.name for b in manifest.state}
     missing = sorted(set(wanted) - set(sessions))
     if missing:
         raise BundleError(f"the ONNX module has no graph for {', '.join(missing)}: recompile the bundle")
-    return OnnxContext(sessions, input_names=names)
+    return OnnxContext(sessions, input_names=names, inplace=inplace)

@@ -74,7 +74,8 @@ def test_the_graphs_are_standard_onnx_over_one_weights_file(onnx_bundles):
         onnx.checker.check_model(str(path), full_check=True)
         model = onnx.load(str(path), load_external_data=False)
         custom = {(n.domain, n.op_type) for n in model.graph.node if n.domain not in ("", "ai.onnx")}
-        assert custom == {("com.microsoft", "MatMulNBits")}
+        decode_attention = {("com.microsoft", "GroupQueryAttention")} if path.name == "model.decode.onnx" else set()
+        assert custom == {("com.microsoft", "MatMulNBits")} | decode_attention
         products = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
         inits = {t.name: t for t in model.graph.initializer}
         assert products and all(inits[n.input[1]].data_type == onnx.TensorProto.UINT8 for n in products)
@@ -107,6 +108,42 @@ def test_plain_onnxruntime_runs_the_prefill_graph(onnx_bundles):
     names = [o.name for o in session.get_outputs()]
     assert names[-1] == "logits" and names[0] == model.manifest.state[0].name + ".next"
     np.testing.assert_array_equal(outputs[-1][0], expected)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gemma3-tiny", "qwen35-tiny-q4"])
+def test_decode_updates_the_global_caches_in_place(name, onnx_bundles):
+    """One GroupQueryAttention per global layer in decode (none in prefill, none for rings or GDN), its
+    caches listed for the runtime to bind in place; a step writes the token's slot into the session's
+    own arrays and nothing else there, and a plain `session.run` of the graph, which copies its caches,
+    gives the same logits and caches."""
+    import onnxruntime as ort
+
+    module, bundle = onnx_bundles(name)
+    globals_ = [i for i, t in enumerate(module.cfg.layer_types) if t == "global"]
+    decode = onnx.load(str(bundle / "model.decode.onnx"), load_external_data=False)
+    prefill = onnx.load(str(bundle / "model.prefill.onnx"), load_external_data=False)
+    assert sum(n.op_type == "GroupQueryAttention" for n in decode.graph.node) == len(globals_)
+    assert not any(n.op_type == "GroupQueryAttention" for n in prefill.graph.node)
+    model = Model.load(bundle, device="onnxruntime")
+    caches = {b.name for b in model.manifest.state if b.kind == "global_kv"}
+    assert len(caches) == 2 * len(globals_) and model.ctx.inplace["decode"] == caches
+    assert model.ctx.inplace["prefill"] == frozenset()
+
+    session = model.session()
+    session.prefill(PROMPT[:20])
+    names = [b.name for b in model.manifest.state]
+    before = {n: a.copy() for n, a in zip(names, session.buffers)}
+    feeds = {"tokens": np.array([[7]], np.int64), "pos": np.array([20], np.int64),
+             "pos_shape": np.empty((0, 20), np.int8), **before}
+    plain = ort.InferenceSession(str(bundle / "model.decode.onnx")).run(None, feeds)
+    logits = session.decode(7)
+    np.testing.assert_allclose(logits, plain[-1][0], rtol=0, atol=1e-5)
+    for name, after, copied in zip(names, session.buffers, plain):
+        if name in caches:
+            changed = np.flatnonzero((after != before[name]).any(axis=(0, 1, 3)))
+            assert set(changed) <= {20}, (name, changed)
+            np.testing.assert_array_equal(after[:, :, 20], copied[:, :, 20])
+            np.testing.assert_array_equal(after[:, :, :20], before[name][:, :, :20])
 
 
 def test_a_changed_graph_is_refused_at_load(onnx_bundles, tmp_path):
