@@ -1,24 +1,29 @@
-"""A decode step's global attention as ONNX Runtime's GroupQueryAttention, its caches updated in place.
+"""Global attention as ONNX Runtime's GroupQueryAttention, its caches updated in place.
 
-Decomposed into standard ONNX ops, a decode step's cache write makes each
-full cache's next value as a new tensor and the runtime copies it back: the
-step costs what the bundle's context holds, not what the sequence has reached
+Decomposed into standard ONNX ops, a call's cache write makes each full
+cache's next value as a new tensor and the runtime copies it back: a step
+costs what the bundle's context holds, not what the sequence has reached
 (docs/onnx.md). `com.microsoft.GroupQueryAttention` takes the cache before
-the step (`past_key`, BNSH, the layout of foldline's caches), writes the new
-token's key and value at `seqlens_k` and attends over the positions up to it.
-When its `present_key` output is bound to the same buffer as `past_key`, it
-writes the one slot in place and reads only the positions held.
+the call (`past_key`, BNSH, the layout of foldline's caches), writes the
+chunk's valid keys and values from its start position (`seqlens_k` + 1 is
+where they end, `query_seqlens` how many there are: right-padded chunks, as
+foldline's) and attends causally over the positions up to each. When its
+`present_key` output is bound to the same buffer as `past_key`, it writes
+those slots in place and reads only the positions held.
 
-`fuse_decode_attention` rewrites, in a one-row decode program, each global
-layer's pair of `kv_cache_write`s and the `cache_attention` that reads them
-into one `foldline::gqa_decode`; the export emits it as a placeholder node
-that `to_group_query_attention` renames into GroupQueryAttention. The graph
-records which state buffers it updates in place (`INPLACE_KEY` in the model's
-metadata) so that the runtime binds them (runtime/onnx_device.py); a plain
-`session.run` still gives the right caches, copied.
+`fuse_global_attention` rewrites, in a one-row program (prefill or decode),
+each global layer's pair of `kv_cache_write`s and the `cache_attention` that
+reads them into one `foldline::gqa_attention`; the export emits it as a
+placeholder node that `to_group_query_attention` renames into
+GroupQueryAttention. The graph records which state buffers it updates in
+place (`INPLACE_KEY` in the model's metadata) so that the runtime binds them
+(runtime/onnx_device.py); a plain `session.run` still gives the right caches,
+copied. A padded chunk row's output, which ONNX Runtime leaves unspecified,
+is zeroed, so that no later layer (a GDN recurrence) meets a NaN.
 
-Left decomposed: windowed full caches and rings (their keys are few), batched
-decode (an idle row's semantics differ), interleaved head mappings.
+Left decomposed: windowed full caches and rings (their keys are few),
+batched programs (a fresh idle row has no cached position, which the op
+requires), interleaved head mappings.
 """
 
 from __future__ import annotations
@@ -38,44 +43,46 @@ from ..frontend.ops import cache_attention_impl, kv_cache_write_impl
 PLACEHOLDER_DOMAIN = "foldline"
 PLACEHOLDER = "DecodeAttention"
 ORT_DOMAIN = "com.microsoft"
+QUERY_SEQLENS_INPUT = 16  # GroupQueryAttention's input index of query_seqlens (ONNX Runtime 1.32)
 INPLACE_KEY = "foldline.inplace_state"  # model metadata: the state inputs whose `.next` output aliases them
 
 CACHE_WRITE = torch.ops.foldline.kv_cache_write.default
 CACHE_ATTENTION = torch.ops.foldline.cache_attention.default
 
 
-@torch.library.custom_op("foldline::gqa_decode", mutates_args=())
-def gqa_decode(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
-               scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """One token's cache writes and global attention: (output, next k cache, next v cache)."""
-    valid = torch.ones_like(pos)
-    k_next = kv_cache_write_impl(k_cache, k_new, pos, valid)
-    v_next = kv_cache_write_impl(v_cache, v_new, pos, valid)
-    out = cache_attention_impl(q, k_next, v_next, pos, 0, scale, "blocked", k_cache.shape[2])
+@torch.library.custom_op("foldline::gqa_attention", mutates_args=())
+def gqa_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, start_pos: Tensor,
+                  n_valid: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """A chunk's cache writes and global attention: (output, next k cache, next v cache)."""
+    k_next = kv_cache_write_impl(k_cache, k_new, start_pos, n_valid)
+    v_next = kv_cache_write_impl(v_cache, v_new, start_pos, n_valid)
+    out = cache_attention_impl(q, k_next, v_next, start_pos, 0, scale, "blocked", k_cache.shape[2])
     return out, k_next, v_next
 
 
-@gqa_decode.register_fake
-def _(q, k_new, v_new, k_cache, v_cache, pos, scale):
+@gqa_attention.register_fake
+def _(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, scale):
     return q.new_empty(q.shape), k_cache.new_empty(k_cache.shape), v_cache.new_empty(v_cache.shape)
 
 
 def _fusable(attention: Node) -> tuple[Node, Node] | None:
-    """The two cache writes a one-token global cache_attention reads, if the pair can become one GQA."""
+    """The two cache writes a one-row global cache_attention reads, if the three can become one GQA."""
     q, k, v, _pos, window, _scale, kv_mapping, _length = attention.args
-    if window != 0 or kv_mapping != "blocked" or q.meta["val"].shape[0] != 1 or q.meta["val"].shape[2] != 1:
+    if window != 0 or kv_mapping != "blocked" or q.meta["val"].shape[0] != 1:
         return None
     if not all(isinstance(w, Node) and w.target == CACHE_WRITE for w in (k, v)):
         return None
     if any(w.args[0].op != "placeholder" or w.args[2] is not attention.args[3] for w in (k, v)):
         return None  # the writes must take the state inputs themselves, at the attention's position
+    if k.args[3] is not v.args[3]:
+        return None  # one count of valid tokens for both writes
     if q.meta["val"].dtype != torch.float32:
         return None
     return k, v
 
 
-def fuse_decode_attention(gm: GraphModule) -> int:
-    """Rewrite (in place) each fusable write-write-attend triple of `gm` into foldline::gqa_decode."""
+def fuse_global_attention(gm: GraphModule) -> int:
+    """Rewrite (in place) each fusable write-write-attend triple of `gm` into foldline::gqa_attention."""
     count = 0
     for attention in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == CACHE_ATTENTION]:
         pair = _fusable(attention)
@@ -84,9 +91,9 @@ def fuse_decode_attention(gm: GraphModule) -> int:
         k_write, v_write = pair
         q, _k, _v, pos, _window, scale, _mapping, _length = attention.args
         with gm.graph.inserting_before(attention):
-            fused = gm.graph.call_function(torch.ops.foldline.gqa_decode.default,
+            fused = gm.graph.call_function(torch.ops.foldline.gqa_attention.default,
                                            (q, k_write.args[1], v_write.args[1], k_write.args[0], v_write.args[0],
-                                            pos, scale))
+                                            pos, k_write.args[3], scale))
             fused.meta["val"] = (attention.meta["val"], k_write.meta["val"], v_write.meta["val"])
             parts = []
             for i, old in enumerate((attention, k_write, v_write)):
@@ -105,14 +112,15 @@ def fuse_decode_attention(gm: GraphModule) -> int:
 
 
 def register_placeholder() -> None:
-    """`foldline.DecodeAttention`: GroupQueryAttention's first seven inputs and three outputs, once."""
+    """`foldline.DecodeAttention`: GroupQueryAttention's first seven inputs, query_seqlens, its three
+    outputs, once."""
     if onnx.defs.has(PLACEHOLDER, PLACEHOLDER_DOMAIN):
         return
     param = OpSchema.FormalParameter
     onnx.defs.register_schema(OpSchema(
         PLACEHOLDER, PLACEHOLDER_DOMAIN, 1,
         inputs=[param(n, "T") for n in ("query", "key", "value", "past_key", "past_value")]
-        + [param("seqlens_k", "I"), param("total_sequence_length", "I")],
+        + [param("seqlens_k", "I"), param("total_sequence_length", "I"), param("query_seqlens", "I")],
         outputs=[param(n, "T") for n in ("output", "present_key", "present_value")],
         type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("I", ["tensor(int32)"], "")],
         attributes=[OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, ""),
@@ -122,7 +130,7 @@ def register_placeholder() -> None:
 
 
 def translation():
-    """The exporter's translation of foldline::gqa_decode into the placeholder, in BSH layout."""
+    """The exporter's translation of foldline::gqa_attention into the placeholder, in BSH layout."""
     import onnxscript
 
     register_placeholder()
@@ -130,22 +138,31 @@ def translation():
     op = onnxscript.opset20
     int32, f16, f32 = onnx.TensorProto.INT32, onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
 
-    def translate(q, k_new, v_new, k_cache, v_cache, pos, scale: float):
-        _b, heads, _one, dim = q.shape
+    def translate(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, scale: float):
+        _b, heads, chunk, dim = q.shape
         kv_heads = k_cache.shape[1]
         half = k_cache.dtype == onnxscript.ir.DataType.FLOAT16
-        flat = op.Constant(value_ints=[0, 1, -1])
+        flat = op.Constant(value_ints=[0, int(chunk), -1])
 
-        def bsh(x):  # [B, H, 1, D] -> [B, 1, H x D], in the cache's type
+        def bsh(x):  # [B, H, C, D] -> [B, C, H x D], in the cache's type
             x = op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), flat)
             return op.Cast(x, to=f16) if half else x
 
-        seqlens = op.Cast(pos, to=int32)
-        total = op.Cast(op.Add(op.ReduceMax(pos, keepdims=0), op.Constant(value_int=1)), to=int32)
+        end = op.Add(start_pos, n_valid)
+        seqlens = op.Cast(op.Sub(end, op.Constant(value_int=1)), to=int32)
+        # an upper bound of every row's end, at least the chunk (the op requires it of a full cache)
+        total = op.Cast(op.Max(op.ReduceMax(end, keepdims=0), op.Constant(value_int=int(chunk))), to=int32)
         out, k_next, v_next = ops.DecodeAttention(bsh(q), bsh(k_new), bsh(v_new), k_cache, v_cache, seqlens, total,
-                                                  num_heads=int(heads), kv_num_heads=int(kv_heads), scale=scale)
-        out = op.Transpose(op.Reshape(out, op.Constant(value_ints=[0, 1, int(heads), int(dim)])), perm=[0, 2, 1, 3])
-        return (op.Cast(out, to=f32) if half else out), k_next, v_next
+                                                  op.Cast(n_valid, to=int32), num_heads=int(heads),
+                                                  kv_num_heads=int(kv_heads), scale=scale)
+        out = op.Cast(out, to=f32) if half else out
+        if int(chunk) > 1:  # padded rows: unspecified by the op, zero here
+            rows = op.Range(op.Constant(value_int=0), op.Constant(value_int=int(chunk)), op.Constant(value_int=1))
+            valid = op.Less(op.Unsqueeze(rows, op.Constant(value_ints=[0])), op.Unsqueeze(n_valid, op.Constant(value_ints=[1])))
+            out = op.Where(op.Unsqueeze(valid, op.Constant(value_ints=[2])), out, op.CastLike(op.Constant(value_float=0.0), out))
+        out = op.Transpose(op.Reshape(out, op.Constant(value_ints=[0, int(chunk), int(heads), int(dim)])),
+                           perm=[0, 2, 1, 3])
+        return out, k_next, v_next
 
     return translate
 
@@ -164,6 +181,9 @@ def to_group_query_attention(model: onnx.ModelProto) -> list[str]:
         if node.domain != PLACEHOLDER_DOMAIN or node.op_type != PLACEHOLDER:
             continue
         node.domain, node.op_type = ORT_DOMAIN, "GroupQueryAttention"
+        query_seqlens = node.input[7]
+        del node.input[7:]
+        node.input.extend([""] * (QUERY_SEQLENS_INPUT - 7) + [query_seqlens])
         for i, past in ((1, node.input[3]), (2, node.input[4])):
             if past in inputs and f"{past}.next" in outputs and _present_as_output(model, node, i, f"{past}.next"):
                 inplace.append(past)

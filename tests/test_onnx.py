@@ -74,8 +74,7 @@ def test_the_graphs_are_standard_onnx_over_one_weights_file(onnx_bundles):
         onnx.checker.check_model(str(path), full_check=True)
         model = onnx.load(str(path), load_external_data=False)
         custom = {(n.domain, n.op_type) for n in model.graph.node if n.domain not in ("", "ai.onnx")}
-        decode_attention = {("com.microsoft", "GroupQueryAttention")} if path.name == "model.decode.onnx" else set()
-        assert custom == {("com.microsoft", "MatMulNBits")} | decode_attention
+        assert custom == {("com.microsoft", "MatMulNBits"), ("com.microsoft", "GroupQueryAttention")}
         products = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
         inits = {t.name: t for t in model.graph.initializer}
         assert products and all(inits[n.input[1]].data_type == onnx.TensorProto.UINT8 for n in products)
@@ -111,9 +110,9 @@ def test_plain_onnxruntime_runs_the_prefill_graph(onnx_bundles):
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gemma3-tiny", "qwen35-tiny-q4"])
-def test_decode_updates_the_global_caches_in_place(name, onnx_bundles):
-    """One GroupQueryAttention per global layer in decode (none in prefill, none for rings or GDN), its
-    caches listed for the runtime to bind in place; a step writes the token's slot into the session's
+def test_global_caches_are_updated_in_place(name, onnx_bundles):
+    """One GroupQueryAttention per global layer in prefill and decode (none for rings or GDN), its caches
+    listed for the runtime to bind in place; a decode step writes the token's slot into the session's
     own arrays and nothing else there, and a plain `session.run` of the graph, which copies its caches,
     gives the same logits and caches."""
     import onnxruntime as ort
@@ -122,12 +121,12 @@ def test_decode_updates_the_global_caches_in_place(name, onnx_bundles):
     globals_ = [i for i, t in enumerate(module.cfg.layer_types) if t == "global"]
     decode = onnx.load(str(bundle / "model.decode.onnx"), load_external_data=False)
     prefill = onnx.load(str(bundle / "model.prefill.onnx"), load_external_data=False)
-    assert sum(n.op_type == "GroupQueryAttention" for n in decode.graph.node) == len(globals_)
-    assert not any(n.op_type == "GroupQueryAttention" for n in prefill.graph.node)
+    for graph in (decode, prefill):
+        assert sum(n.op_type == "GroupQueryAttention" for n in graph.graph.node) == len(globals_)
     model = Model.load(bundle, device="onnxruntime")
     caches = {b.name for b in model.manifest.state if b.kind == "global_kv"}
-    assert len(caches) == 2 * len(globals_) and model.ctx.inplace["decode"] == caches
-    assert model.ctx.inplace["prefill"] == frozenset()
+    assert len(caches) == 2 * len(globals_)
+    assert model.ctx.inplace["decode"] == model.ctx.inplace["prefill"] == caches
 
     session = model.session()
     session.prefill(PROMPT[:20])
