@@ -144,14 +144,9 @@ TIE_GAP = 0.5  # a top-1 disagreement is allowed only where the reference's own 
 AGREE_MIN_INT8 = 0.9
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_compiled_logits_match_hf(name, gguf_bundles, hf_references):
-    """Float activations: top-1 equal at every position, cosine >= 0.999. int8: the bounds above."""
-    _skip_unless_installed(name)
-    bundle = gguf_bundles(name)
-    int8 = _cpu_module(bundle).get("activations") == "int8"
-    model = Model.load(bundle, verify=False)
-    ref = hf_references(name)
+def _match_hf(name: str, model: Model, ref: dict, int8: bool) -> str:
+    """Every prompt's prefill and greedy steps against HF eager: float activations top-1 equal at every
+    position and cosine >= 0.999; int8 the bounds above. Returns a summary line."""
     worst, agree, total = 1.0, 0, 0
     for prompt, logits in zip(ref["prompts"], ref["logits"]):
         ids = model.encode(prompt["text"])
@@ -176,8 +171,37 @@ def test_compiled_logits_match_hf(name, gguf_bundles, hf_references):
             assert c >= bound, f"{name}: cosine {c:.6f} at step {step} ({'int8' if int8 else 'f32'} activations)"
         assert len(ours) == N_NEW
     assert agree / total >= (AGREE_MIN_INT8 if int8 else 1.0), f"{name}: top-1 agrees on {agree}/{total}"
-    print(f"{name}: worst cosine vs HF {worst:.7f}, top-1 agrees on {agree}/{total} "
-          f"({'int8' if int8 else 'f32'} activations)")
+    return (f"{name}: worst cosine vs HF {worst:.7f}, top-1 agrees on {agree}/{total} "
+            f"({'int8' if int8 else 'f32'} activations)")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_compiled_logits_match_hf(name, gguf_bundles, hf_references):
+    """Float activations: top-1 equal at every position, cosine >= 0.999. int8: the bounds above."""
+    _skip_unless_installed(name)
+    bundle = gguf_bundles(name)
+    int8 = _cpu_module(bundle).get("activations") == "int8"
+    print(_match_hf(name, Model.load(bundle, verify=False), hf_references(name), int8))
+
+
+def test_onnx_bundle_matches_hf(gguf_models, hf_references, tmp_path_factory):
+    """SmolLM2 compiled for ONNX Runtime (`--target onnx`: MatMulNBits with int8 activations,
+    GroupQueryAttention over caches bound in place) against HF eager, with the int8 bounds above.
+    Gemma 3 270M's ONNX compile (about 2.5 min here) is checked by hand (docs/onnx.md)."""
+    name = "smollm2-135m"
+    _skip_unless_installed(name)
+    pytest.importorskip("onnxruntime")
+    from foldline.backends.build import BuildOptions, compile_model
+    from foldline.backends.compile_cache import CompileCache
+    from foldline.backends.targets import make_target
+
+    out = tmp_path_factory.mktemp("smollm2-onnx") / "bundle"
+    compile_model(gguf_models(name), out, BuildOptions(targets=[make_target("onnx")]), progress=lambda _m: None,
+                  cache=CompileCache())
+    model = Model.load(out, device="onnxruntime", verify=False)
+    assert model.manifest.modules["onnxruntime"].activations == "int8"
+    assert model.ctx.inplace["decode"], "no cache is updated in place"
+    print(_match_hf(name, model, hf_references(name), int8=True))
 
 
 def test_gemma_long_prompt_crosses_the_window(gguf_models, hf_references):
