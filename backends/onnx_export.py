@@ -34,7 +34,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind, OutputSpec
 from torch.utils import _pytree as pytree
 
-from ..contract.entry_points import takes_position_shape
+from ..contract.entry_points import NEXT_SUFFIX, takes_position_shape
 from ..contract.manifest import FileEntry, ModuleEntry
 from ..contract.state import StateBuffer
 from ..errors import FoldlineError
@@ -51,7 +51,6 @@ DATA_FILE = "model.onnx.data"
 EXTERNAL_MIN_BYTES = 1024  # smaller initializers stay in their graph
 # The step inputs of each entry point, in order (contract/entry_points.py).
 STEP_INPUTS = {"prefill": ("tokens", "start_pos", "n_valid", "kv_tiles"), "decode": ("tokens", "pos", "pos_shape")}
-NEXT_SUFFIX = ".next"
 
 
 class OnnxExportError(FoldlineError, ValueError):

@@ -16,7 +16,7 @@ each global layer's pair of `kv_cache_write`s and the `cache_attention` that
 reads them into one `foldline::gqa_attention`; the export emits it as a
 placeholder node that `to_group_query_attention` renames into
 GroupQueryAttention. The graph records which state buffers it updates in
-place (`INPLACE_KEY` in the model's metadata) so that the runtime binds them
+place (`INPLACE_STATE_KEY` in the model's metadata) so that the runtime binds them
 (runtime/onnx_device.py); a plain `session.run` still gives the right caches,
 copied. A padded chunk row's output, which ONNX Runtime leaves unspecified,
 is zeroed, so that no later layer (a GDN recurrence) meets a NaN.
@@ -38,13 +38,13 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 from torch.fx.passes.tools_common import legalize_graph
 
+from ..contract.entry_points import INPLACE_STATE_KEY, NEXT_SUFFIX
 from ..frontend.ops import cache_attention_impl, kv_cache_write_impl
 
 PLACEHOLDER_DOMAIN = "foldline"
 PLACEHOLDER = "DecodeAttention"
 ORT_DOMAIN = "com.microsoft"
 QUERY_SEQLENS_INPUT = 16  # GroupQueryAttention's input index of query_seqlens (ONNX Runtime 1.32)
-INPLACE_KEY = "foldline.inplace_state"  # model metadata: the state inputs whose `.next` output aliases them
 
 CACHE_WRITE = torch.ops.foldline.kv_cache_write.default
 CACHE_ATTENTION = torch.ops.foldline.cache_attention.default
@@ -171,8 +171,8 @@ def to_group_query_attention(model: onnx.ModelProto) -> list[str]:
     """Rename every placeholder into GroupQueryAttention (in place); the state inputs updated in place.
 
     A state is in place when a GroupQueryAttention reads it as a graph input and its
-    present output is that state's `.next` graph output; the list is also written to
-    the model's metadata under INPLACE_KEY.
+    present output is that state's next-value graph output; the list is also written to
+    the model's metadata under INPLACE_STATE_KEY.
     """
     inputs = {i.name for i in model.graph.input}
     outputs = {o.name for o in model.graph.output}
@@ -185,12 +185,13 @@ def to_group_query_attention(model: onnx.ModelProto) -> list[str]:
         del node.input[7:]
         node.input.extend([""] * (QUERY_SEQLENS_INPUT - 7) + [query_seqlens])
         for i, past in ((1, node.input[3]), (2, node.input[4])):
-            if past in inputs and f"{past}.next" in outputs and _present_as_output(model, node, i, f"{past}.next"):
+            following = past + NEXT_SUFFIX
+            if past in inputs and following in outputs and _present_as_output(model, node, i, following):
                 inplace.append(past)
     if any(n.domain == ORT_DOMAIN for n in model.graph.node):
         _use_ort_domain(model)
     if inplace:
-        helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, INPLACE_KEY: ",".join(inplace)})
+        helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, INPLACE_STATE_KEY: ",".join(inplace)})
     return inplace
 
 

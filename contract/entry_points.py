@@ -22,6 +22,11 @@ import numpy as np
 from ..dtypes import DTYPES, FLOAT_DTYPES
 
 ENTRY_POINTS = ("prefill", "decode")
+# An ONNX module's graphs (backends/onnx_export.py, runtime/onnx_device.py): a state buffer's next
+# value is the output named as its input plus NEXT_SUFFIX; the graph's metadata lists under
+# INPLACE_STATE_KEY the state inputs whose next value may be bound to the input's own buffer.
+NEXT_SUFFIX = ".next"
+INPLACE_STATE_KEY = "foldline.inplace_state"
 # What the manifest's `entry_points` field says of them, for a reader of manifest.json.
 SIGNATURES = {
     "prefill": "prefill(tokens[B,C] i64, start_pos[B] i64, n_valid[B] i64, kv_tiles[0,T] i8, state...) "

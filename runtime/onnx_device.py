@@ -21,13 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from ..contract.entry_points import DYNAMIC
+from ..contract.entry_points import DYNAMIC, INPLACE_STATE_KEY, NEXT_SUFFIX
 from ..contract.errors import BundleError
 from ..contract.manifest import Manifest
 
 DEVICE = "onnxruntime"
-NEXT_SUFFIX = ".next"  # a state buffer's output name is its input name and this (backends/onnx_export.py)
-INPLACE_KEY = "foldline.inplace_state"  # graph metadata: the state inputs updated in place (backends/onnx_gqa.py)
 # ONNX Runtime's type names of the dtypes a bundle's inputs use.
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int8)": "int8", "tensor(int64)": "int64"}
 
@@ -153,7 +151,7 @@ def open_onnx(manifest: Manifest, verify: bool = True, threads: int | None = Non
             raise BundleError(f"ONNX Runtime could not load {manifest.root / part.file}: {e}") from e
         _check_inputs(manifest, fn, session, wanted[fn])
         sessions[fn], names[fn] = session, [i.name for i in session.get_inputs()]
-        listed = session.get_modelmeta().custom_metadata_map.get(INPLACE_KEY, "")
+        listed = session.get_modelmeta().custom_metadata_map.get(INPLACE_STATE_KEY, "")
         inplace[fn] = frozenset(n for n in listed.split(",") if n) & {b.name for b in manifest.state}
     missing = sorted(set(wanted) - set(sessions))
     if missing:
