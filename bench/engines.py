@@ -28,8 +28,8 @@ def bench_compiled(bundle: str, device: str, prompt_len: int, new_tokens: int, s
     from ..runtime import Model
 
     t0 = time.perf_counter()
-    model = Model.load(bundle, device=device, verify=False,
-                       **({"threads": threads, "cpu": cpu} if device == "cpu" else {}))
+    model = Model.load(bundle, device=device, verify=False, threads=threads if device in ("cpu", "onnxruntime") else None,
+                       **({"cpu": cpu} if device == "cpu" else {}))
     load_s = time.perf_counter() - t0
     ids = prompt_ids(model.vocab_size, prompt_len, seed)
     session = model.session()  # first calls allocate and page in the weights

@@ -15,13 +15,14 @@ import json
 import os
 import sys
 from argparse import Namespace
+from pathlib import Path
 from typing import Any
 
 from ..contract.manifest import Manifest
 from .chat import bench_chat_llama_cpp, chat_script, check_fits
 from .child import BenchError, PeerUnavailable, run_foldline
 from .engines import prompt_ids
-from .peers import bench_hf_eager, bench_llama_cpp
+from .peers import bench_hf_eager, bench_llama_cpp, bench_ort_genai
 from .streams import bench_streams, parse_streams
 from .tables import (
     combine_rounds,
@@ -64,6 +65,22 @@ def _model_name(manifest: Manifest, args: Namespace) -> str:
     return str(manifest.model_name or args.bundle)
 
 
+def also_device(manifest: Manifest) -> str:
+    """The device another bundle of the same run is benched on: its CPU module, else its only device."""
+    devices = manifest.devices()
+    return "cpu" if "cpu" in devices else devices[0]
+
+
+def _also_runner(bundle: str, ours: dict[str, Any]) -> dict[str, Any]:
+    """`--also BUNDLE`: another compiled form of the model (an ONNX bundle beside the IREE one), same prompt."""
+    other = Manifest.load(bundle)
+    if other.vocab_size != Manifest.load(ours["bundle"]).vocab_size:
+        raise BenchError(f"--also {bundle}: its vocabulary ({other.vocab_size}) is not the benched bundle's")
+    device = also_device(other)
+    args = {**ours, "bundle": str(bundle), "device": device, "cpu": None}
+    return {f"foldline ({device}) {Path(bundle).name}": lambda: run_foldline("engines", "bench_compiled", args)}
+
+
 def run_throughput(args: Namespace, manifest: Manifest) -> int:
     """Prefill and decode of one prompt: foldline, then each peer, `--rounds` times; medians."""
     if args.prompt_len < 1 or args.new_tokens < 0:
@@ -79,9 +96,15 @@ def run_throughput(args: Namespace, manifest: Manifest) -> int:
     ours = {"bundle": str(args.bundle), "device": args.device, "threads": threads, "cpu": args.cpu, **common}
     label = f"foldline ({args.device}{', ' + args.cpu if args.cpu else ''})"
     runners = {label: lambda: run_foldline("engines", "bench_compiled", ours)}
+    for other in args.also or []:
+        runners.update(_also_runner(other, ours))
     if args.llama_cpp:
         gguf = source_model(manifest, args.llama_cpp)
         runners["llama.cpp"] = lambda: bench_llama_cpp(gguf, ids, args.new_tokens, threads, python=args.llama_python,
+                                                       n_ctx=args.peer_context or manifest.max_context)
+    if args.ort_genai:
+        runners["ORT GenAI"] = lambda: bench_ort_genai(args.ort_genai, ids, args.new_tokens, threads,
+                                                       python=args.genai_python,
                                                        n_ctx=args.peer_context or manifest.max_context)
     if args.hf:
         hf_model = source_model(manifest, args.hf)

@@ -6,6 +6,10 @@
   docs/benchmarks.md). The child script imports nothing from foldline.
 - HF transformers eager on the same GGUF (`from_pretrained(..., gguf_file=...)`,
   dequantized to float32) or HF directory.
+- ONNX Runtime GenAI on the model its own builder made of the same checkpoint
+  (scripts/build_ort_genai_peer.py): its graphs, its fused ops and its KV
+  buffer shared between past and present. Like llama-cpp-python it is not a
+  foldline dependency: `--genai-python` names an interpreter that has it.
 
 Every engine gets the same prompt ids, prefills them at once, then decodes
 greedily one token at a time; wall-clock and process CPU time are taken around
@@ -106,6 +110,41 @@ out.update(load_s=load_s, peak_rss_mib=peak_rss_mib(), threads=threads, version=
 print("BENCH " + json.dumps(out))
 '''
 
+_ORT_GENAI = '''
+from importlib.metadata import version
+
+import onnxruntime_genai as og
+
+ids, new_tokens, threads = args["ids"], args["new_tokens"], args["threads"]
+t0 = time.perf_counter()
+config = og.Config(args["model"])
+# The same thread count as every engine's.
+config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+    "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+model = og.Model(config)
+params = og.GeneratorParams(model)
+# The KV capacity of the bundle's context, as llama.cpp's n_ctx: GenAI allocates max_length slots.
+n_ctx = max(args.get("n_ctx") or 0, len(ids) + new_tokens + 8)
+params.set_search_options(max_length=n_ctx, do_sample=False)
+load_s = time.perf_counter() - t0
+state = {}
+
+def prefill(tokens):
+    state["gen"] = og.Generator(model, params)
+    state["gen"].append_tokens(tokens)
+    return np.asarray(state["gen"].get_logits()).reshape(-1)
+
+def decode(token):
+    state["gen"].append_tokens([token])
+    return np.asarray(state["gen"].get_logits()).reshape(-1)
+
+prefill(ids[:8]); decode(ids[0])
+out = time_engine(prefill, decode, ids, new_tokens)
+out.update(load_s=load_s, peak_rss_mib=peak_rss_mib(), threads=threads, version=version("onnxruntime-genai"),
+           settings={"max_length": n_ctx, "model": args["model"]})
+print("BENCH " + json.dumps(out))
+'''
+
 
 def bench_llama_cpp(gguf: str | Path, ids: list[int], new_tokens: int, threads: int,
                     python: str | None = None, n_ctx: int | None = None) -> dict[str, Any]:
@@ -119,3 +158,13 @@ def bench_llama_cpp(gguf: str | Path, ids: list[int], new_tokens: int, threads: 
 def bench_hf_eager(model: str | Path, ids: list[int], new_tokens: int, threads: int) -> dict[str, Any]:
     return run_script(_HF_EAGER, {"model": str(model), "ids": ids, "new_tokens": new_tokens, "threads": threads},
                       "HF eager", peer=True)
+
+
+def bench_ort_genai(model_dir: str | Path, ids: list[int], new_tokens: int, threads: int,
+                    python: str | None = None, n_ctx: int | None = None) -> dict[str, Any]:
+    """ONNX Runtime GenAI on the folder its model builder wrote (genai_config.json beside model.onnx)."""
+    if not (Path(model_dir) / "genai_config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} has no genai_config.json: build it with "
+                                "scripts/build_ort_genai_peer.py (docs/onnx.md)")
+    return run_script(_ORT_GENAI, {"model": str(model_dir), "ids": ids, "new_tokens": new_tokens,
+                                   "threads": threads, "n_ctx": n_ctx}, "ONNX Runtime GenAI", python, peer=True)

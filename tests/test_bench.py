@@ -46,6 +46,17 @@ def test_rounds_combine_into_medians_and_the_largest_peak_rss():
     assert ratios == {"llama.cpp": [2.0, 1.0, 2.0]}  # round by round, in the order they ran
 
 
+def test_ort_genai_needs_its_builders_folder_and_is_reported_when_not_installed(tmp_path):
+    from foldline.bench.child import PeerUnavailable
+    from foldline.bench.peers import bench_ort_genai
+
+    with pytest.raises(FileNotFoundError, match="build_ort_genai_peer.py"):
+        bench_ort_genai(tmp_path, [1, 2, 3], 2, 1)  # no genai_config.json: not a GenAI model folder
+    (tmp_path / "genai_config.json").write_text("{}")
+    with pytest.raises(PeerUnavailable, match="onnxruntime_genai"):
+        bench_ort_genai(tmp_path, [1, 2, 3], 2, 1)  # this interpreter has no onnxruntime-genai
+
+
 @pytest.mark.slow
 def test_bench_cli_on_a_compiled_bundle(bundle_factory, tmp_path, capsys):
     bundle = bundle_factory("llama-tiny")

@@ -11,6 +11,7 @@ int8 activations too.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -157,3 +158,22 @@ def test_a_changed_graph_is_refused_at_load(onnx_bundles, tmp_path):
         Model.load(copy, device="onnxruntime")
     with pytest.raises(BundleError, match="has no module for device 'cpu'"):
         Model.load(bundle, device="cpu")
+
+
+def test_bench_times_the_onnx_bundle_beside_the_cpu_bundle_in_one_run(onnx_bundles, bundle_factory, tmp_path, capsys):
+    """`foldline bench ONNX --device onnxruntime --also CPU`: both forms of the model, same prompt, one table."""
+    from foldline.tools.cli import main
+
+    _module, onnx_bundle = onnx_bundles("llama-tiny")
+    cpu_bundle = bundle_factory("llama-tiny")
+    out = tmp_path / "bench.json"
+    rc = main(["bench", str(onnx_bundle), "--device", "onnxruntime", "--also", str(cpu_bundle), "--prompt-len", "20",
+               "--new-tokens", "8", "--rounds", "1", "--json", str(out)])
+    assert rc == 0
+    also = f"foldline (cpu) {cpu_bundle.name}"
+    assert f"foldline (onnxruntime) / {also}" in capsys.readouterr().out
+    engines = json.loads(out.read_text())["engines"]
+    assert engines["foldline (onnxruntime)"]["module"] == "onnxruntime"
+    assert engines[also]["module"].startswith("cpu")  # the other bundle ran on its IREE CPU module
+    for figures in engines.values():
+        assert figures["prefill_tok_s"] > 0 and figures["decode_tok_s"] > 0 and figures["threads"] >= 1

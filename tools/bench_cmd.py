@@ -1,6 +1,7 @@
 """foldline bench BUNDLE: the CLI of the bench package (bench/), which holds the engines, modes and tables.
 
     foldline bench BUNDLE [--prompt-len 128] [--new-tokens 128] [--llama-cpp [GGUF]] [--hf [MODEL]] [--rounds 3]
+                          [--ort-genai DIR] [--also BUNDLE]
     foldline bench BUNDLE --held 128,1024,4096 | --streams 1,4,8 | --chat 5
 """
 
@@ -16,6 +17,14 @@ def add_parser(sub) -> None:
                    help="also time llama.cpp (llama-cpp-python) on GGUF (default: the GGUF the bundle came from)")
     p.add_argument("--llama-python", default=None, metavar="PYTHON",
                    help="interpreter that has llama-cpp-python (default: this one)")
+    p.add_argument("--ort-genai", default=None, metavar="DIR",
+                   help="also time ONNX Runtime GenAI on DIR, the model its builder made of the same checkpoint "
+                        "(scripts/build_ort_genai_peer.py)")
+    p.add_argument("--genai-python", default=None, metavar="PYTHON",
+                   help="interpreter that has onnxruntime-genai (default: this one)")
+    p.add_argument("--also", action="append", default=None, metavar="BUNDLE",
+                   help="also time another bundle of the same model in the same run (e.g. its --target onnx "
+                        "bundle beside the CPU one); repeatable")
     p.add_argument("--hf", nargs="?", const="auto", default=None, metavar="MODEL",
                    help="also time HF transformers eager on MODEL, a .gguf or HF directory "
                         "(default: the GGUF the bundle came from)")
