@@ -16,6 +16,9 @@ Where the offset (m + 8 s, or m) is zero in every group (GGUF Q4_0, Q8_0, Q6_K),
 MatMulNBits is the whole product; otherwise the graph adds the offset's term,
 each group's sum of x times its offset (a product 1/group the size of the main
 one).
+
+An embedding table tied to a q8 head is held once: the lookup gathers its rows
+from the head's blocks (u = q + 128) and takes the 128 off the gathered rows.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ class _Rewrite:
         self.inits = {t.name: t for t in self.graph.initializer}
         self.accuracy_level = accuracy_level
         self.new_inits: list[onnx.TensorProto] = []
+        self.q8_blocks: dict[str, tuple[str, int, int]] = {}  # q8 codes -> (their MatMulNBits blocks, N, K)
 
     def array(self, name: str, what: str) -> np.ndarray:
         if name not in self.inits:
@@ -131,6 +135,8 @@ class _Rewrite:
         b = _blocks(fmt, codes, group)
         n, blocks = b.shape[0], b.shape[1]
         base = node.output[0]
+        if fmt == "q8" and codes_name not in self.q8_blocks:
+            self.q8_blocks[codes_name] = (f"{codes_name}.nbits", n, blocks * group)
         out = [helper.make_node(
             "MatMulNBits", [x, self.constant(f"{codes_name}.nbits", b), self.constant(f"{scales_name}.nbits",
                                                                                       scales.reshape(-1))],
@@ -155,6 +161,64 @@ class _Rewrite:
         return out
 
 
+# Ops that move a table's elements without reading their values: the embedding lookup's path from the
+# codes to the Cast that widens the gathered rows (the decomposition of foldline::qembedding).
+_MOVES_ONLY = {"Transpose", "Gather", "GatherND", "Reshape", "Squeeze", "Unsqueeze", "Slice", "Identity"}
+Q8_OFFSET = DEFAULT_ZERO["q8"]  # MatMulNBits' 8-bit blocks hold u = q + Q8_OFFSET
+
+
+def _widening_casts(codes: str, consumers: dict[str, list[onnx.NodeProto]]) -> list[onnx.NodeProto] | None:
+    """The Casts to float32 that every path from `codes` through element moves ends in; None where a path
+    meets any other op (its values would change meaning if the codes were offset)."""
+    casts, front, seen = [], [codes], set()
+    while front:
+        for node in consumers.get(front.pop(), []):
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            if node.op_type == "Cast" and helper.get_attribute_value(node.attribute[0]) == onnx.TensorProto.FLOAT:
+                casts.append(node)
+            elif node.op_type in _MOVES_ONLY:
+                front.append(node.output[0])
+            else:
+                return None
+    return casts
+
+
+def _read_tied_tables_from_blocks(model: onnx.ModelProto, nodes: list[onnx.NodeProto],
+                                  rewrite: _Rewrite) -> list[onnx.NodeProto]:
+    """An embedding table tied to a q8 head, looked up in the head's MatMulNBits blocks: held once.
+
+    The blocks hold u = q + 128 as uint8 [N, K / g, g], the table's codes in order; the lookup reads
+    them reshaped to [N, K] and takes 128 from the rows it gathered, after they are widened to float
+    (exact). The int8 table then has no reader left and leaves the graph.
+    """
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in nodes:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    for codes, (blocks, n, k) in rewrite.q8_blocks.items():
+        casts = _widening_casts(codes, consumers) if codes in consumers else None
+        if not casts:
+            continue
+        rows = f"{codes}.from_blocks"
+        shape = rewrite.constant(f"{rows}.shape", np.array([n, k], np.int64))
+        offset = rewrite.constant(f"{rows}.offset", np.array(Q8_OFFSET, np.float32))
+        for node in consumers[codes]:
+            node.input[:] = [rows if name == codes else name for name in node.input]
+        for cast in casts:
+            widened = cast.output[0]
+            cast.output[0] = widened + ".unsigned"
+            nodes.insert(nodes.index(cast) + 1, helper.make_node("Sub", [cast.output[0], offset], [widened]))
+        nodes.insert(0, helper.make_node("Reshape", [blocks, shape], [rows], name=rows))
+    # The exporter's types of the moved rows said int8; they are uint8 now.
+    moved = {o for node in nodes if node.op_type in _MOVES_ONLY for o in node.output}
+    kept = [v for v in model.graph.value_info if v.name not in moved]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(kept)
+    return nodes
+
+
 def to_matmul_nbits(model: onnx.ModelProto, accuracy_level: int) -> int:
     """Rewrite every `foldline.QLinear` of `model` (in place) into MatMulNBits; the number rewritten.
 
@@ -171,6 +235,7 @@ def to_matmul_nbits(model: onnx.ModelProto, accuracy_level: int) -> int:
             nodes.append(node)
     if not count:
         return 0
+    nodes = _read_tied_tables_from_blocks(model, nodes, rewrite)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     seen = {t.name for t in model.graph.initializer}

@@ -42,7 +42,8 @@ def onnx_bundles(tmp_path_factory):
 
     def get(name: str):
         if name not in cache:
-            loaded = _blocked("qwen35-tiny", "q4") if name == "qwen35-tiny-q4" else load_model(name)
+            blocked = {"qwen35-tiny-q4": ("qwen35-tiny", "q4"), "llama-tiny-q8": ("llama-tiny", "q8")}
+            loaded = _blocked(*blocked[name]) if name in blocked else load_model(name)
             out = tmp_path_factory.mktemp(name) / "bundle"
             options = BuildOptions(targets=[make_target("onnx")], kv_dtype="float32", activations="f32")
             compile_model(loaded, out, options, progress=lambda _m: None, cache=CompileCache())
@@ -52,7 +53,7 @@ def onnx_bundles(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", ["gemma3-tiny", "qwen35-tiny-q4", "llama-tiny", "ripple-tiny"])
+@pytest.mark.parametrize("name", ["gemma3-tiny", "qwen35-tiny-q4", "llama-tiny-q8", "ripple-tiny"])
 def test_onnxruntime_matches_eager(name, onnx_bundles):
     module, bundle = onnx_bundles(name)
     model = Model.load(bundle, device="onnxruntime")
@@ -164,7 +165,7 @@ def test_bench_times_the_onnx_bundle_beside_the_cpu_bundle_in_one_run(onnx_bundl
     """`foldline bench ONNX --device onnxruntime --also CPU`: both forms of the model, same prompt, one table."""
     from foldline.tools.cli import main
 
-    _module, onnx_bundle = onnx_bundles("llama-tiny")
+    _module, onnx_bundle = onnx_bundles("llama-tiny-q8")
     cpu_bundle = bundle_factory("llama-tiny")
     out = tmp_path / "bench.json"
     rc = main(["bench", str(onnx_bundle), "--device", "onnxruntime", "--also", str(cpu_bundle), "--prompt-len", "20",
@@ -177,3 +178,21 @@ def test_bench_times_the_onnx_bundle_beside_the_cpu_bundle_in_one_run(onnx_bundl
     assert engines[also]["module"].startswith("cpu")  # the other bundle ran on its IREE CPU module
     for figures in engines.values():
         assert figures["prefill_tok_s"] > 0 and figures["decode_tok_s"] > 0 and figures["threads"] >= 1
+
+
+def test_a_table_tied_to_a_q8_head_is_held_once(onnx_bundles):
+    """llama-tiny's embedding is its head: the lookup reads the head's MatMulNBits blocks (u = q + 128,
+    reshaped to [N, K]) and the int8 table is gone from both graphs; the parity test above holds the
+    values to eager."""
+    _module, bundle = onnx_bundles("llama-tiny-q8")
+    for graph in sorted(bundle.glob("*.onnx")):
+        model = onnx.load(graph, load_external_data=False)
+        inits = {t.name: t for t in model.graph.initializer}
+        reshapes = [n for n in model.graph.node if n.op_type == "Reshape" and n.name.endswith(".from_blocks")]
+        assert len(reshapes) == 1, graph.name
+        blocks = inits[reshapes[0].input[0]]
+        assert blocks.data_type == onnx.TensorProto.UINT8 and blocks.dims[0] == 512  # the vocabulary's rows
+        heads = [n for n in model.graph.node if n.op_type == "MatMulNBits" and n.input[1] == blocks.name]
+        assert len(heads) == 1, graph.name
+        tables = [t.name for t in inits.values() if t.data_type == onnx.TensorProto.INT8 and t.dims[:1] == [512]]
+        assert tables == [], f"{graph.name} still holds an int8 table: {tables}"
