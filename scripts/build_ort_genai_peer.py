@@ -8,10 +8,14 @@ reads every tensor as a float array (`loaders/gguf.py`), so a Q4_1 or Q4_K_M
 file is not accepted. This script therefore makes the folder first: HF
 transformers dequantizes the GGUF to float32 (as the HF eager peer loads it)
 and saves config, weights and tokenizer to OUT/hf. The builder then quantizes
-those weights itself (`-p int4`: round-to-nearest int4 blocks of 32, every
-linear layer and the head as MatMulNBits) with int8 activations
+those weights itself (`-p int4`, the default here: round-to-nearest int4
+blocks of 32, every linear layer and the head as MatMulNBits) with int8 activations
 (`int4_accuracy_level=4`, as foldline's `--activations int8`) for the CPU
 execution provider, into OUT.
+
+`--precision int8` keeps 8-bit blocks instead: int4 round-to-nearest from the
+dequantized GGUF is far less accurate than the GGUF itself (scripts/ort_genai_accuracy.py
+measures it against HF eager; docs/onnx.md has the figures).
 
 The builder runs in PYTHON, an interpreter with onnxruntime-genai, torch and
 transformers (docs/onnx.md, "Against ONNX Runtime GenAI"); this interpreter
