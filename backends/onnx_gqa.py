@@ -52,23 +52,25 @@ CACHE_ATTENTION = torch.ops.foldline.cache_attention.default
 
 @torch.library.custom_op("foldline::gqa_attention", mutates_args=())
 def gqa_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, start_pos: Tensor,
-                  n_valid: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """A chunk's cache writes and global attention: (output, next k cache, next v cache)."""
+                  n_valid: Tensor, scale: float, window: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """A chunk's cache writes and its attention over the full cache (window > 0: the last `window`
+    positions only): (output, next k cache, next v cache)."""
     k_next = kv_cache_write_impl(k_cache, k_new, start_pos, n_valid)
     v_next = kv_cache_write_impl(v_cache, v_new, start_pos, n_valid)
-    out = cache_attention_impl(q, k_next, v_next, start_pos, 0, scale, "blocked", k_cache.shape[2])
+    out = cache_attention_impl(q, k_next, v_next, start_pos, window, scale, "blocked", k_cache.shape[2])
     return out, k_next, v_next
 
 
 @gqa_attention.register_fake
-def _(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, scale):
+def _(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, scale, window=0):
     return q.new_empty(q.shape), k_cache.new_empty(k_cache.shape), v_cache.new_empty(v_cache.shape)
 
 
 def _fusable(attention: Node) -> tuple[Node, Node] | None:
-    """The two cache writes a one-row global cache_attention reads, if the three can become one GQA."""
-    q, k, v, _pos, window, _scale, kv_mapping, _length = attention.args
-    if window != 0 or kv_mapping != "blocked" or q.meta["val"].shape[0] != 1:
+    """The two cache writes a one-row cache_attention reads, if the three can become one GQA: a global
+    layer's, or a windowed layer's that holds a full cache (a bundle compiled without ring-buffer-swa)."""
+    q, k, v, _pos, _window, _scale, kv_mapping, _length = attention.args
+    if kv_mapping != "blocked" or q.meta["val"].shape[0] != 1:
         return None
     if not all(isinstance(w, Node) and w.target == CACHE_WRITE for w in (k, v)):
         return None
@@ -89,11 +91,11 @@ def fuse_global_attention(gm: GraphModule) -> int:
         if pair is None:
             continue
         k_write, v_write = pair
-        q, _k, _v, pos, _window, scale, _mapping, _length = attention.args
+        q, _k, _v, pos, window, scale, _mapping, _length = attention.args
         with gm.graph.inserting_before(attention):
             fused = gm.graph.call_function(torch.ops.foldline.gqa_attention.default,
                                            (q, k_write.args[1], v_write.args[1], k_write.args[0], v_write.args[0],
-                                            pos, k_write.args[3], scale))
+                                            pos, k_write.args[3], scale, window))
             fused.meta["val"] = (attention.meta["val"], k_write.meta["val"], v_write.meta["val"])
             parts = []
             for i, old in enumerate((attention, k_write, v_write)):
@@ -125,8 +127,18 @@ def register_placeholder() -> None:
         type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("I", ["tensor(int32)"], "")],
         attributes=[OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, ""),
                     OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, ""),
-                    OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "")],
+                    OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, ""),
+                    OpSchema.Attribute("local_window_size", OpSchema.AttrType.INT, "")],
     ))
+
+
+def local_window(window: int) -> int:
+    """GroupQueryAttention's `local_window_size` for foldline's window (-1: none).
+
+    Both count the keys a query sees, its own position included: position p attends to
+    p - W + 1 .. p (HF's sliding_window). W - 1 fails the golden test (tests/test_onnx.py).
+    """
+    return window if window > 0 else -1
 
 
 def translation():
@@ -138,7 +150,7 @@ def translation():
     op = onnxscript.opset20
     int32, f16, f32 = onnx.TensorProto.INT32, onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
 
-    def translate(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, scale: float):
+    def translate(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, scale: float, window: int = 0):
         _b, heads, chunk, dim = q.shape
         kv_heads = k_cache.shape[1]
         half = k_cache.dtype == onnxscript.ir.DataType.FLOAT16
@@ -154,7 +166,8 @@ def translation():
         total = op.Cast(op.Max(op.ReduceMax(end, keepdims=0), op.Constant(value_int=int(chunk))), to=int32)
         out, k_next, v_next = ops.DecodeAttention(bsh(q), bsh(k_new), bsh(v_new), k_cache, v_cache, seqlens, total,
                                                   op.Cast(n_valid, to=int32), num_heads=int(heads),
-                                                  kv_num_heads=int(kv_heads), scale=scale)
+                                                  kv_num_heads=int(kv_heads), scale=scale,
+                                                  local_window_size=local_window(window))
         out = op.Cast(out, to=f32) if half else out
         if int(chunk) > 1:  # padded rows: unspecified by the op, zero here
             rows = op.Range(op.Constant(value_int=0), op.Constant(value_int=int(chunk)), op.Constant(value_int=1))

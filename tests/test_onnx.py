@@ -37,15 +37,21 @@ def onnx_bundles(tmp_path_factory):
     from foldline.backends.compile_cache import CompileCache
     from foldline.backends.targets import make_target
     from foldline.frontend.sources import load_model
+    from foldline.passes.manager import default_pipeline
 
     cache = {}
 
     def get(name: str):
         if name not in cache:
             blocked = {"qwen35-tiny-q4": ("qwen35-tiny", "q4"), "llama-tiny-q8": ("llama-tiny", "q8")}
-            loaded = _blocked(*blocked[name]) if name in blocked else load_model(name)
+            passes = None
+            if name == "gemma3-tiny-full-windows":  # window layers as full caches: GroupQueryAttention's local window
+                loaded = load_model("gemma3-tiny")
+                passes = [p for p in default_pipeline() if p != "ring-buffer-swa"]
+            else:
+                loaded = _blocked(*blocked[name]) if name in blocked else load_model(name)
             out = tmp_path_factory.mktemp(name) / "bundle"
-            options = BuildOptions(targets=[make_target("onnx")], kv_dtype="float32", activations="f32")
+            options = BuildOptions(targets=[make_target("onnx")], kv_dtype="float32", activations="f32", passes=passes)
             compile_model(loaded, out, options, progress=lambda _m: None, cache=CompileCache())
             cache[name] = (loaded.module, out)
         return cache[name]
@@ -53,7 +59,8 @@ def onnx_bundles(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", ["gemma3-tiny", "qwen35-tiny-q4", "llama-tiny-q8", "ripple-tiny"])
+@pytest.mark.parametrize("name", ["gemma3-tiny", "qwen35-tiny-q4", "llama-tiny-q8", "ripple-tiny",
+                                  "gemma3-tiny-full-windows"])
 def test_onnxruntime_matches_eager(name, onnx_bundles):
     module, bundle = onnx_bundles(name)
     model = Model.load(bundle, device="onnxruntime")
@@ -196,3 +203,19 @@ def test_a_table_tied_to_a_q8_head_is_held_once(onnx_bundles):
         assert len(heads) == 1, graph.name
         tables = [t.name for t in inits.values() if t.data_type == onnx.TensorProto.INT8 and t.dims[:1] == [512]]
         assert tables == [], f"{graph.name} still holds an int8 table: {tables}"
+
+
+def test_windowed_layers_holding_full_caches_run_as_group_query_attention(onnx_bundles):
+    """Without ring-buffer-swa, gemma3-tiny's window layers hold full caches: their one-row attention is
+    GroupQueryAttention with a local window of W keys, the global layer's without; the parity test
+    above holds every position to eager, the window crossed several times."""
+    from foldline.backends.onnx_gqa import local_window
+    from foldline.frontend.arch.gemma3 import gemma3_tiny
+
+    cfg = gemma3_tiny()
+    windows = sorted(local_window(cfg.sliding_window if t == "local" else 0) for t in cfg.layer_types)
+    _module, bundle = onnx_bundles("gemma3-tiny-full-windows")
+    model = onnx.load(bundle / "model.decode.onnx", load_external_data=False)
+    gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    got = sorted(next(a.i for a in n.attribute if a.name == "local_window_size") for n in gqa)
+    assert got == windows and -1 in got and cfg.sliding_window in got
