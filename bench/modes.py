@@ -136,10 +136,11 @@ def run_throughput(args: Namespace, manifest: Manifest) -> int:
         print(f"skipped {line}")
     compiled = next(iter(engines.values()))
     print(f"foldline: module {compiled.get('module', '?')}, {compiled.get('threads')} threads")
-    if "llama.cpp" in engines:
-        settings = engines["llama.cpp"].get("settings") or {}
-        print("llama.cpp " + engines["llama.cpp"].get("version", "") + ": "
-              + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    for peer in ("llama.cpp", "ORT GenAI"):
+        if peer in engines:
+            settings = engines[peer].get("settings") or {}
+            print(f"{peer} " + engines[peer].get("version", "") + ": "
+                  + ", ".join(f"{k}={v}" for k, v in settings.items()))
     if args.hadamard_online:
         online = run_foldline("engines", "bench_compiled", {**ours, "bundle": str(args.hadamard_online), "cpu": None})
         fold_ms, online_ms = (1000 * r["decode_s"] / max(args.new_tokens, 1) for r in (compiled, online))
