@@ -42,7 +42,7 @@ from ..frontend import quant  # noqa: F401  (registers foldline::qlinear's decom
 from ..frontend.ops import DECOMPOSITIONS
 from ..passes.graph_edit import copy_graph_module, rebuild
 from .lowering import KEPT_OPS, Lowering
-from .onnx_gqa import fuse_global_attention, to_group_query_attention
+from .onnx_gqa import fuse_cache_attention, to_group_query_attention
 from .onnx_gqa import translation as gqa_translation
 from .onnx_nbits import ACCURACY_LEVEL, fits, placeholder_translation, to_matmul_nbits
 
@@ -86,22 +86,22 @@ def _keeps_product(_name: str, node) -> bool:
     return node.target == QLINEAR and fits(node)
 
 
-def _with_global_attention(program: ExportedProgram) -> ExportedProgram:
-    """A one-row program with its global layers' writes and attention as foldline::gqa_attention."""
+def _with_fused_attention(program: ExportedProgram) -> ExportedProgram:
+    """A one-row program with its full caches' writes and attention as foldline::gqa_attention."""
     gm = copy_graph_module(program)
-    return rebuild(program, gm) if fuse_global_attention(gm) else program
+    return rebuild(program, gm) if fuse_cache_attention(gm) else program
 
 
-def _functional(program: ExportedProgram, n_state: int, global_attention: bool = False) -> ExportedProgram:
+def _functional(program: ExportedProgram, n_state: int, fuse_attention: bool = False) -> ExportedProgram:
     """The program in core aten, its state updates as outputs: (next state..., logits).
 
     An exported entry point writes its state buffers in place (input mutations);
     ONNX has no in-place update, so each mutation becomes an output, in the
-    order of the state inputs. global_attention: a one-row program's global
-    attention becomes GroupQueryAttention (backends/onnx_gqa.py).
+    order of the state inputs. fuse_attention: a one-row program's attention
+    over full caches becomes GroupQueryAttention (backends/onnx_gqa.py).
     """
-    if global_attention:
-        program = _with_global_attention(program)
+    if fuse_attention:
+        program = _with_fused_attention(program)
     program = _lowering().program("", program, keep=_keeps_product)
     left = sorted({str(n.target) for n in program.graph.nodes
                    if n.op == "call_function" and str(n.target).startswith("foldline.")
@@ -126,7 +126,7 @@ def export_function(program: ExportedProgram, function: str, rows: int, state: l
     activations: what MatMulNBits multiplies the codes by, "int8" (per block, ONNX Runtime's
     accuracy level 4) or "f32".
     """
-    functional = _functional(program, len(state), global_attention=rows == 1)
+    functional = _functional(program, len(state), fuse_attention=rows == 1)
     inputs = [*step_inputs(function, rows), *(s.name for s in state)]
     outputs = [*(s.name + NEXT_SUFFIX for s in state), "logits"]
     # The exporter logs a line per torchvision op it cannot register and pytree deprecations: noise to a user.

@@ -1,4 +1,4 @@
-"""Global attention as ONNX Runtime's GroupQueryAttention, its caches updated in place.
+"""Attention over full caches as ONNX Runtime's GroupQueryAttention, its caches updated in place.
 
 Decomposed into standard ONNX ops, a call's cache write makes each full
 cache's next value as a new tensor and the runtime copies it back: a step
@@ -11,9 +11,11 @@ foldline's) and attends causally over the positions up to each. When its
 `present_key` output is bound to the same buffer as `past_key`, it writes
 those slots in place and reads only the positions held.
 
-`fuse_global_attention` rewrites, in a one-row program (prefill or decode),
-each global layer's pair of `kv_cache_write`s and the `cache_attention` that
-reads them into one `foldline::gqa_attention`; the export emits it as a
+`fuse_cache_attention` rewrites, in a one-row program (prefill or decode),
+each layer's pair of `kv_cache_write`s into a full cache and the
+`cache_attention` that reads them (a global layer, or a windowed one holding a
+full cache, whose window becomes `local_window_size`) into one
+`foldline::gqa_attention`; the export emits it as a
 placeholder node that `to_group_query_attention` renames into
 GroupQueryAttention. The graph records which state buffers it updates in
 place (`INPLACE_STATE_KEY` in the model's metadata) so that the runtime binds them
@@ -83,7 +85,7 @@ def _fusable(attention: Node) -> tuple[Node, Node] | None:
     return k, v
 
 
-def fuse_global_attention(gm: GraphModule) -> int:
+def fuse_cache_attention(gm: GraphModule) -> int:
     """Rewrite (in place) each fusable write-write-attend triple of `gm` into foldline::gqa_attention."""
     count = 0
     for attention in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == CACHE_ATTENTION]:

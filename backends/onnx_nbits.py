@@ -167,10 +167,12 @@ _MOVES_ONLY = {"Transpose", "Gather", "GatherND", "Reshape", "Squeeze", "Unsquee
 Q8_OFFSET = DEFAULT_ZERO["q8"]  # MatMulNBits' 8-bit blocks hold u = q + Q8_OFFSET
 
 
-def _widening_casts(codes: str, consumers: dict[str, list[onnx.NodeProto]]) -> list[onnx.NodeProto] | None:
-    """The Casts to float32 that every path from `codes` through element moves ends in; None where a path
-    meets any other op (its values would change meaning if the codes were offset)."""
-    casts, front, seen = [], [codes], set()
+def _widening_casts(codes: str, consumers: dict[str, list[onnx.NodeProto]]
+                    ) -> tuple[list[onnx.NodeProto], set[str]] | None:
+    """The Casts to float32 that every path from `codes` through element moves ends in, and the tensors
+    moved on the way; None where a path meets any other op (its values would change meaning if the
+    codes were offset)."""
+    casts, moved, front, seen = [], set(), [codes], set()
     while front:
         for node in consumers.get(front.pop(), []):
             if id(node) in seen:
@@ -180,9 +182,10 @@ def _widening_casts(codes: str, consumers: dict[str, list[onnx.NodeProto]]) -> l
                 casts.append(node)
             elif node.op_type in _MOVES_ONLY:
                 front.append(node.output[0])
+                moved.add(node.output[0])
             else:
                 return None
-    return casts
+    return (casts, moved) if casts else None
 
 
 def _read_tied_tables_from_blocks(model: onnx.ModelProto, nodes: list[onnx.NodeProto],
@@ -197,10 +200,13 @@ def _read_tied_tables_from_blocks(model: onnx.ModelProto, nodes: list[onnx.NodeP
     for node in nodes:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
+    retyped: set[str] = set()
     for codes, (blocks, n, k) in rewrite.q8_blocks.items():
-        casts = _widening_casts(codes, consumers) if codes in consumers else None
-        if not casts:
+        path = _widening_casts(codes, consumers) if codes in consumers else None
+        if path is None:
             continue
+        casts, moved = path
+        retyped |= moved
         rows = f"{codes}.from_blocks"
         shape = rewrite.constant(f"{rows}.shape", np.array([n, k], np.int64))
         offset = rewrite.constant(f"{rows}.offset", np.array(Q8_OFFSET, np.float32))
@@ -211,11 +217,10 @@ def _read_tied_tables_from_blocks(model: onnx.ModelProto, nodes: list[onnx.NodeP
             cast.output[0] = widened + ".unsigned"
             nodes.insert(nodes.index(cast) + 1, helper.make_node("Sub", [cast.output[0], offset], [widened]))
         nodes.insert(0, helper.make_node("Reshape", [blocks, shape], [rows], name=rows))
-    # The exporter's types of the moved rows said int8; they are uint8 now.
-    moved = {o for node in nodes if node.op_type in _MOVES_ONLY for o in node.output}
-    kept = [v for v in model.graph.value_info if v.name not in moved]
-    del model.graph.value_info[:]
-    model.graph.value_info.extend(kept)
+    if retyped:  # the exporter's types of the moved rows said int8; they are uint8 now
+        kept = [v for v in model.graph.value_info if v.name not in retyped]
+        del model.graph.value_info[:]
+        model.graph.value_info.extend(kept)
     return nodes
 
 

@@ -71,10 +71,12 @@ def also_device(manifest: Manifest) -> str:
     return "cpu" if "cpu" in devices else devices[0]
 
 
-def _also_runner(bundle: str, ours: dict[str, Any]) -> dict[str, Any]:
-    """`--also BUNDLE`: another compiled form of the model (an ONNX bundle beside the IREE one), same prompt."""
+def _also_runner(bundle: str, manifest: Manifest, ours: dict[str, Any]) -> dict[str, Any]:
+    """`--also BUNDLE`: another compiled form of the model (an ONNX bundle beside the IREE one), same prompt.
+
+    manifest: the benched bundle's."""
     other = Manifest.load(bundle)
-    if other.vocab_size != Manifest.load(ours["bundle"]).vocab_size:
+    if other.vocab_size != manifest.vocab_size:
         raise BenchError(f"--also {bundle}: its vocabulary ({other.vocab_size}) is not the benched bundle's")
     device = also_device(other)
     args = {**ours, "bundle": str(bundle), "device": device, "cpu": None}
@@ -97,7 +99,7 @@ def run_throughput(args: Namespace, manifest: Manifest) -> int:
     label = f"foldline ({args.device}{', ' + args.cpu if args.cpu else ''})"
     runners = {label: lambda: run_foldline("engines", "bench_compiled", ours)}
     for other in args.also or []:
-        runners.update(_also_runner(other, ours))
+        runners.update(_also_runner(other, manifest, ours))
     if args.llama_cpp:
         gguf = source_model(manifest, args.llama_cpp)
         runners["llama.cpp"] = lambda: bench_llama_cpp(gguf, ids, args.new_tokens, threads, python=args.llama_python,
