@@ -263,8 +263,10 @@ def compare_units(before: CompileUnit, after: CompileUnit, steps: Sequence[Step]
 
 
 def copy_unit(unit: CompileUnit) -> CompileUnit:
-    """A shallow copy: passes replace programs and specs, they never edit them in place."""
-    return dataclasses.replace(unit, programs=dict(unit.programs), state_specs=list(unit.state_specs))
+    """A shallow copy: passes replace programs and specs, they never edit them in place; the options
+    are the copy's own (a pass records what it did there, as place-on-devices its placement)."""
+    return dataclasses.replace(unit, programs=dict(unit.programs), state_specs=list(unit.state_specs),
+                               options=dict(unit.options))
 
 
 def golden_check(
