@@ -39,8 +39,9 @@ from ..passes.graph_edit import copy_graph_module, fake_mode, rebuild
 from .fused_attention import fused_decompositions, to_sdpa
 
 # Custom ops that reach MLIR as `torch.operator` for a backend rewrite instead of being decomposed
-# (kernels/qlinear.py lowers foldline::qlinear to a fused dequantize-matmul kernel).
-KEPT_OPS = (torch.ops.foldline.qlinear.default,)
+# (kernels/qlinear.py lowers foldline::qlinear to a fused dequantize-matmul kernel;
+# backends/multi_device.py lowers foldline::to_device to a transfer between devices).
+KEPT_OPS = (torch.ops.foldline.qlinear.default, torch.ops.foldline.to_device.default)
 # Kept in decode entry points for targets with a hand-written decode attention kernel
 # (kernels/attention.py) where it covers the shape; expanded elsewhere.
 DECODE_ATTENTION_OPS = (torch.ops.foldline.cache_attention.default, torch.ops.foldline.ring_decode_attention.default)

@@ -493,3 +493,28 @@ def _(q, k, v, log_g, beta, state, n_valid, scale):
 
 register_decomposition(torch.ops.foldline.gdn_chunk.default, gdn_chunk_impl)
 register_decomposition(torch.ops.foldline.gdn_step.default, gdn_step_impl)
+
+
+# ---------------------------------------------------------------------------
+# Placement over several devices (passes/place_devices.py): a value moved to device `device`.
+# The identity in eager; IREE's `flow.tensor.transfer` in a module compiled for several devices
+# (backends/multi_device.py).
+# ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("foldline::to_device", mutates_args=())
+def to_device(x: Tensor, device: int) -> Tensor:
+    return x.clone()
+
+
+@to_device.register_fake
+def _(x, device):
+    return x.new_empty(x.shape)
+
+
+def to_device_impl(x: Tensor, device: int) -> Tensor:
+    """One device's view of a move: the value itself (a target without several devices decomposes it)."""
+    return x.clone()
+
+
+register_decomposition(torch.ops.foldline.to_device.default, to_device_impl)

@@ -18,6 +18,7 @@ from . import (  # noqa: F401  (each registers its pass)
     fold_embedding_scale,
     fuse_hadamard,
     fuse_sibling_qlinears,
+    place_devices,
     quantize_weights,
     ring_buffer_swa,
 )

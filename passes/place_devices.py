@@ -1,0 +1,224 @@
+"""place-on-devices: every node of every entry point placed on one of N devices, layers in pipeline runs.
+
+A model too large for one device is split by layers: device j runs a contiguous
+run of layers with their weights and state, the runs chosen as `foldline plan
+--devices N --scheme pipeline` chooses them (passes/shard_plan.py), so the plan
+and the compiled bundle hold the same bytes per device.
+
+Placement, node by node:
+- a node inside layer i (its module stack names `layers.i`) runs on layer i's device;
+- the token ids, positions and counts arrive on device 0; a state buffer on its layers' device;
+- any other node follows its first input that is computed (not a weight): the
+  embedding lookup runs on device 0 with the token ids, the final norm and the head
+  on the last device with the last layer's output; a node computed from weights and
+  constants alone (a norm's 1 + weight) runs where it is read;
+- a weight lives where it is read; one read on several devices (a head tied to the
+  embedding) gets a copy per device, `<name>@device<j>` (the parameter archive holds it once).
+
+Where a value is read on a device other than its own, a `foldline::to_device` node
+moves it there, once per value and device: the hidden rows at each boundary, plus
+the few small tensors every layer reads (positions, counts, Ripple's embedded rows).
+The op is the identity in eager, so the placed program computes exactly what the
+unplaced one does; backends/multi_device.py turns it into IREE's transfer.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+from torch.fx import GraphModule, Node
+
+from ..contract.manifest import DevicePlacement
+from ..frontend import ops  # noqa: F401  (registers foldline::to_device)
+from ..frontend.config import ConfigError
+from .graph_edit import WEIGHT_KINDS, LiftedInputs, copy_graph_module
+from .registry import CompileUnit, PassResult, register_pass
+from .shard_plan import shard_plan
+
+NAME = "place-on-devices"
+TO_DEVICE = torch.ops.foldline.to_device.default
+PLACED = "placed"  # the unit option holding the Placement once the pass has run
+COPY_SUFFIX = "@device"  # a weight's copy on another device: `<target>@device<j>`
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+@dataclass
+class Placement:
+    """Where everything of a bundle compiled for several devices lives (recorded in its manifest)."""
+
+    devices: int
+    scheme: str
+    layers: list[tuple[int, int]]  # per device: first and last layer it runs
+    state: list[int]  # per state buffer, in the entry points' argument order: its device
+    weights: dict[str, int] = field(default_factory=dict)  # lifted weight target -> device
+    inputs: dict[str, list[int | None]] = field(default_factory=dict)  # entry point -> device per user input
+    result: int = 0  # the device the logits are computed on
+
+    def manifest_entry(self) -> DevicePlacement:
+        """What the manifest records: the runs, the state's devices and the logits' device."""
+        return DevicePlacement(self.devices, self.scheme, list(self.layers), list(self.state), self.result)
+
+
+def layer_in_path(path: str) -> int | None:
+    """The layer index a module path or parameter target names (`model.layers.3.mixer` -> 3)."""
+    found = _LAYER.findall(path)
+    return int(found[-1]) if found else None
+
+
+def _node_layer(node: Node) -> int | None:
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _cls in reversed(list(stack.values())):
+        layer = layer_in_path(path)
+        if layer is not None:
+            return layer
+    return None
+
+
+def _is_tensor(node: object) -> bool:
+    return isinstance(node, Node) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+class _Placer:
+    """Places one program's nodes and inserts the moves between devices."""
+
+    def __init__(self, program: ExportedProgram, placement: Placement, layer_device: list[int]):
+        self.program = program
+        self.placement = placement
+        self.layer_device = layer_device
+        self.gm: GraphModule = copy_graph_module(program)
+        self.lifted = LiftedInputs(program)
+        self.device: dict[Node, int] = {}
+        self.moves = 0
+
+    def run(self) -> tuple[ExportedProgram, list[int | None], int]:
+        user_devices = self._place_inputs()
+        weights = [n for n in self.gm.graph.nodes if n.op == "placeholder" and self._is_weight(n)]
+        free = []
+        for node in self.gm.graph.nodes:
+            if node.op == "call_function":
+                device = self._place_op(node)
+                if device is None:
+                    free.append(node)
+                else:
+                    self.device[node] = device
+        for node in reversed(free):  # computed from weights and constants alone: where it is read
+            readers = [self.device[u] for u in node.users if u in self.device]
+            self.device[node] = min(readers, default=0)
+        self._place_weights(weights)
+        self._insert_moves()
+        self.gm.graph.eliminate_dead_code()
+        return self.lifted.rebuild_with(self.gm), user_devices, self.moves
+
+    def _is_weight(self, node: Node) -> bool:
+        spec = self.lifted.spec_of(node)
+        return spec is not None and spec.kind in WEIGHT_KINDS
+
+    def _place_inputs(self) -> list[int | None]:
+        """User inputs: state buffers on their layers' device, everything else on device 0."""
+        user = [s for s in self.program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+        n_state = len(self.placement.state)
+        by_name = {n.name: n for n in self.gm.graph.nodes if n.op == "placeholder"}
+        devices: list[int | None] = []
+        for i, spec in enumerate(user):
+            node = by_name[spec.arg.name]
+            j = i - (len(user) - n_state)
+            self.device[node] = self.placement.state[j] if j >= 0 else 0
+            devices.append(self.device[node] if _is_tensor(node) else None)
+        return devices
+
+    def _place_op(self, node: Node) -> int | None:
+        """Its layer's device, else its first computed input's; None when it reads only weights and constants."""
+        layer = _node_layer(node)
+        if layer is not None:
+            return self.layer_device[layer]
+        for arg in node.all_input_nodes:
+            if arg in self.device and not (arg.op == "placeholder" and self._is_weight(arg)):
+                return self.device[arg]
+        return None
+
+    def _place_weights(self, weights: list[Node]) -> None:
+        """Each weight on the device of its readers; a copy per further device that reads it."""
+        for node in weights:
+            spec = self.lifted.spec_of(node)
+            readers: dict[int, list[Node]] = {}
+            for user in node.users:
+                readers.setdefault(self.device.get(user, 0), []).append(user)
+            if not readers:
+                continue
+            home, *others = sorted(readers)
+            self.device[node] = home
+            self.placement.weights[spec.target] = home
+            for j in others:
+                value = self.lifted.value_of(spec, materialized=False)
+                copy = self.lifted.add_beside(self.gm, node, f"{spec.target}{COPY_SUFFIX}{j}", value,
+                                              f"_device{j}")
+                self.device[copy] = j
+                self.placement.weights[f"{spec.target}{COPY_SUFFIX}{j}"] = j
+                for user in readers[j]:
+                    user.replace_input_with(node, copy)
+
+    def _insert_moves(self) -> None:
+        moved: dict[tuple[Node, int], Node] = {}
+        for node in list(self.gm.graph.nodes):
+            if node.op != "call_function" or node.target is TO_DEVICE:
+                continue
+            here = self.device[node]
+            for arg in node.all_input_nodes:
+                if not _is_tensor(arg) or self.device.get(arg, here) == here:
+                    continue
+                key = (arg, here)
+                if key not in moved:
+                    with self.gm.graph.inserting_before(node):
+                        move = self.gm.graph.call_function(TO_DEVICE, (arg, here))
+                    move.meta = {"val": arg.meta["val"], "nn_module_stack": node.meta.get("nn_module_stack", {})}
+                    self.device[move] = here
+                    moved[key] = move
+                    self.moves += 1
+                node.replace_input_with(arg, moved[key])
+
+
+def pipeline_runs(unit: CompileUnit, devices: int) -> list[tuple[int, int]]:
+    """The layer runs `foldline plan MODEL --devices N --scheme pipeline` prints for this model."""
+    plan = shard_plan(unit.config, devices, batch=unit.state_specs[0].shape[0], scheme="pipeline")
+    return [d.layers for d in plan.devices]
+
+
+def place(unit: CompileUnit, devices: int) -> tuple[Placement, int]:
+    """Place every entry point of `unit` (in place) on `devices` devices; returns the placement and moves."""
+    runs = pipeline_runs(unit, devices)
+    layer_device = [0] * unit.config.num_layers
+    for j, (first, last) in enumerate(runs):
+        for i in range(first, last + 1):
+            layer_device[i] = j
+    state = []
+    for spec in unit.state_specs:
+        held = {layer_device[i] for i in spec.layers}
+        if len(held) != 1:
+            raise ConfigError(f"state buffer {spec.name} holds layers {list(spec.layers)}, which the pipeline "
+                              f"puts on devices {sorted(held)}: a buffer must live on one device")
+        state.append(held.pop())
+    placement = Placement(devices, "pipeline", runs, state, result=devices - 1)
+    moves = 0
+    for name, program in list(unit.programs.items()):
+        unit.programs[name], placement.inputs[name], count = _Placer(program, placement, layer_device).run()
+        moves += count
+    return placement, moves
+
+
+@register_pass(NAME, "places layers on N devices in pipeline runs, with moves where values cross")
+def place_on_devices(unit: CompileUnit) -> PassResult:
+    devices = int(unit.options.get("devices", 1))
+    if devices <= 1 or unit.options.get(PLACED) is not None:
+        return PassResult(changed=False, notes=["one device" if devices <= 1 else "already placed"])
+    placement, moves = place(unit, devices)
+    unit.options[PLACED] = placement
+    runs = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in placement.layers)
+    copies = sum(COPY_SUFFIX in t for t in placement.weights)
+    notes = [f"{devices} devices, layers {runs}", f"{moves} move(s) over {len(unit.programs)} entry point(s)"]
+    if copies:
+        notes.append(f"{copies} weight(s) copied to a second device")
+    return PassResult(changed=True, sites=moves, notes=notes, details=placement.manifest_entry().to_json())
