@@ -26,6 +26,8 @@ from ..kernels.isa import FLOAT_KERNELS, Int8Kernels
 from ..kernels.qlinear import expand_qlinear_ops
 from ..kernels.select import choose_kernels, cpu_has_int8_dot
 from ..passes.manager import CompileUnit, run_pipeline
+from ..passes.place_devices import NAME as PLACE_PASS
+from ..passes.place_devices import PLACED, Placement
 from .abi_declaration import declare_entry_points
 from .compile_cache import CompileCache
 from .compile_pool import pool_size, run_concurrently
@@ -34,9 +36,10 @@ from .fused_attention import attention_form, count_fused_attention
 from .importer import import_programs, params_to_numpy
 from .inplace_state import ElideReport, elide_inplace_aliases
 from .lowering import Lowering
+from .multi_device import multi_device_flags, place_module
 from .onnx_export import DEVICE as ONNX_DEVICE
 from .onnx_export import export_module as export_onnx_module
-from .options import BuildOptions, Progress, build_cache_key, from_cache, row_counts
+from .options import BuildOptions, Progress, build_cache_key, check_devices, from_cache, row_counts
 from .targets import Target, TargetError
 
 
@@ -271,6 +274,7 @@ def _compile_and_store(loaded: LoadedModel, out_dir: str | Path, options: BuildO
 
 def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, progress: Progress) -> Path:
     activations = [target_activations(t, options.activations, options.batch) for t in options.targets]  # refuse early
+    check_devices(options)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = loaded.config
@@ -289,12 +293,16 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
         entries[name] = export_entry_point(loaded.module, kind, rows, chunk)
         clock.advance(name)
     unit = CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs,
-                       options={"hadamard": options.hadamard, "weights": options.weights, "group": options.group},
+                       options={"hadamard": options.hadamard, "weights": options.weights, "group": options.group,
+                                "devices": options.devices},
                        source_blocks={parameter_target(k): v for k, v in loaded.source_blocks.items()})
 
     del entries  # the unit holds the programs; their first copies can go
     clock.stage("passes", "[2/4] running passes")
     report = run_pipeline(unit, options.passes, dump_after=options.dump_after, progress=progress)
+    if options.devices > 1:  # placement comes last: it moves the values the other passes leave
+        report += run_pipeline(unit, [PLACE_PASS], dump_after=options.dump_after, progress=progress)
+    placement: Placement | None = unit.options.get(PLACED)
 
     modules: dict[str, ModuleEntry] = {}
     if any(t.device == ONNX_DEVICE for t in options.targets):
@@ -328,6 +336,7 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
         source=loaded.source,
         passes=report,
         versions=_versions(),
+        placement=placement.manifest_entry() if placement is not None else None,
     ).write(out)
     progress(clock.summary())
     progress(f"bundle written to {out} in {time.time() - t0:.0f} s")
@@ -364,7 +373,7 @@ def _compile_iree(targets: list[Target], activations: list[str], unit: CompileUn
     del params  # written to params.irpa
     unit.programs.clear()  # what iree-compile needs is in the MLIR text now
     modules.update(_compile_targets(targets, activations, imported, params_sha, out, clock, progress,
-                                    options.attention))
+                                    options.attention, unit.options.get(PLACED)))
     return ParamsEntry(params_file.name, params_sha, params_file.stat().st_size, count=params_count)
 
 
@@ -388,8 +397,12 @@ def import_kind(target: Target, attention: str) -> tuple[bool, bool]:
 
 
 def _compile_targets(targets: list[Target], activations: list[str], imported: dict, params_sha: str, out: Path,
-                     clock: StageClock, progress: Progress, attention: str) -> dict[str, ModuleEntry]:
-    """Stage 4: each target's kernels expanded and its iree-compile run, several at once; the manifest's modules."""
+                     clock: StageClock, progress: Progress, attention: str,
+                     placement: Placement | None = None) -> dict[str, ModuleEntry]:
+    """Stage 4: each target's kernels expanded and its iree-compile run, several at once; the manifest's modules.
+
+    With a placement over several devices, each module is compiled for that many devices of its backend.
+    """
     jobs = list(zip(targets, activations, module_names(targets)))
     size = pool_size(len(jobs))
     clock.stage("iree-compile", f"[4/4] iree-compile for {', '.join(t.description for t in targets)}"
@@ -408,7 +421,11 @@ def _compile_targets(targets: list[Target], activations: list[str], imported: di
         fused = count_fused_attention(target_mlir)
         if fused:
             sites[FUSED_SITE] = fused
-        vmfb, inplace = compile_torch_module(target_mlir, target.flags)
+        flags = target.flags
+        if placement is not None:
+            target_mlir, _moves = place_module(target_mlir, placement)
+            flags = multi_device_flags(flags, placement.devices)
+        vmfb, inplace = compile_torch_module(target_mlir, flags)
         return int8, sites, vmfb, inplace, time.time() - t1
 
     modules: dict[str, ModuleEntry] = {}

@@ -22,6 +22,7 @@ from torch.export import ExportedProgram
 from ..frontend.deferred_weights import materialize
 from ..frontend.types import MLIR_ELEMENTS
 from ..kernels.attention import covers
+from ..passes.place_devices import COPY_SUFFIX
 from .lowering import DECODE_ATTENTION_OPS, KeepRule, Lowering, is_decode_entry
 
 PARAM_SCOPE = "model"
@@ -47,7 +48,8 @@ class _ParameterHooks(FxImporterHooks):
         self.module = module
         self.params = params
         self.externalize = externalize
-        self.by_identity: dict[int, str] = {}
+        self.by_identity: dict[tuple[int, str | None], str] = {}
+        self.globals: set[str] = set()
 
     def resolve_literal(self, gni, literal, info):
         if not self.externalize or not isinstance(literal, torch.Tensor):
@@ -55,12 +57,15 @@ class _ParameterHooks(FxImporterHooks):
         if literal.numel() <= INLINE_LIMIT or literal.dtype not in MLIR_ELEMENTS:
             return None
         name = self._name_for(literal, info)
+        key = name.split(COPY_SUFFIX)[0]  # a weight's copy on another device reads the same archive entry
         shape = "x".join(str(d) for d in literal.shape)
         tensor_type = f"tensor<{shape}x{MLIR_ELEMENTS[literal.dtype]}>"
-        if name not in self.params.tensors:
-            self.params.tensors[name] = materialize(literal).detach().contiguous()
+        if name not in self.globals:
+            self.globals.add(name)
+            if key not in self.params.tensors:
+                self.params.tensors[key] = materialize(literal).detach().contiguous()
             op = ir.Operation.parse(
-                f'util.global private @"{name}" = #flow.parameter.named<"{PARAM_SCOPE}"::"{name}"> : {tensor_type}'
+                f'util.global private @"{name}" = #flow.parameter.named<"{PARAM_SCOPE}"::"{key}"> : {tensor_type}'
             )
             ir.InsertionPoint.at_block_begin(self.module.body).insert(op)
         loaded = ir.Operation.create(
@@ -75,16 +80,15 @@ class _ParameterHooks(FxImporterHooks):
         ).result
 
     def _name_for(self, literal: torch.Tensor, info) -> str:
-        key = id(literal)
+        target = info.input_spec.target if info is not None and info.input_spec.target else None
+        # One tensor may be lifted under two targets: a weight and its copy on another device.
+        key = (id(literal), target if target is not None and COPY_SUFFIX in target else None)
         if key in self.by_identity:
             return self.by_identity[key]
-        if info is not None and info.input_spec.target:
-            name = info.input_spec.target
-        else:
-            name = f"constant_{len(self.by_identity)}"
+        name = target if target is not None else f"constant_{len(self.by_identity)}"
         if name.startswith("model."):
             name = name[len("model.") :]
-        if name in self.params.tensors and self.params.tensors[name] is not literal:
+        if name in self.globals:  # another tensor under the same target
             name = f"{name}_{len(self.by_identity)}"
         self.by_identity[key] = name
         return name

@@ -33,7 +33,7 @@ _FUNC = re.compile(r"^\s*(util\.func|func\.func)\b")
 _IMPORT = re.compile(r"^\s*(%[\w.]+) = hal\.tensor\.import\b.*=> (%[\w.]+) :")
 _SCATTER = re.compile(r"^\s*(%[\w.]+) = iree_linalg_ext\.scatter\b.*\bouts\((%[\w.]+) :")
 _INSERT = re.compile(r"^\s*(%[\w.]+) = tensor\.insert_slice %[\w.]+ into (%[\w.]+)\[")
-_ALIAS = re.compile(r"^\s*(%[\w.]+) = hal\.tensor\.alias wait\(%[\w.]+\) => (%[\w.]+) : .* to (%[\w.]+) :")
+_ALIAS = re.compile(r"^\s*(%[\w.]+) = hal\.tensor\.alias (?:on\([^)]*\) )?wait\(%[\w.]+\) => (%[\w.]+) : .* to (%[\w.]+) :")
 _VALUE = re.compile(r"%[\w.]+")
 
 

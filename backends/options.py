@@ -37,6 +37,7 @@ class BuildOptions:
     dtype: str = "auto"  # compute dtype: auto (build.default_compute_dtype), float32, float16, bfloat16
     activations: str = "auto"  # quantized products: auto (int8 where the CPU has AVX2 or VNNI), int8, f32
     attention: str = "auto"  # prefill attention: auto, fused (one flash-style op), decomposed (backends/fused_attention.py)
+    devices: int = 1  # CPU devices the layers are placed on (passes/place_devices.py, backends/multi_device.py)
 
 
 def row_counts(options: BuildOptions) -> list[int]:
@@ -51,6 +52,16 @@ def row_counts(options: BuildOptions) -> list[int]:
     if bad:
         raise InputError(f"row counts must be between 1 and --batch {options.batch} (exclusive), got {bad}")
     return sorted(set(below)) + [options.batch]
+
+
+def check_devices(options: BuildOptions) -> None:
+    """--devices N: a positive count; several devices are CPU devices of IREE targets (for now)."""
+    if isinstance(options.devices, bool) or not isinstance(options.devices, int) or options.devices < 1:
+        raise InputError(f"--devices must be a positive integer, got {options.devices!r}")
+    others = sorted({t.device for t in options.targets if t.device != "cpu"})
+    if options.devices > 1 and others:
+        raise InputError(f"--devices {options.devices} places layers on several CPU devices; it does not apply to "
+                         f"{', '.join(others)} (compile those targets with one device)")
 
 
 def build_cache_key(fingerprint: dict | None, options: BuildOptions) -> str | None:

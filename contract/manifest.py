@@ -41,9 +41,10 @@ SEAL_KEY = "manifest_sha256"
 # Every key manifest.json uses, at any depth: only this package names them (tests/test_layering.py).
 TOP_FIELDS = ("format", "format_version", "source", "model", "batch", "row_counts", "prefill_chunk",
               "entry_points", "kv_tile", "state", "state_bytes", "params", "modules", "tokenizer",
-              "tokenizer_sha256", "tokenizer_size", "chat_template", "passes", "versions", SEAL_KEY)
+              "tokenizer_sha256", "tokenizer_size", "chat_template", "passes", "versions", "placement", SEAL_KEY)
 STATE_FIELDS = ("name", "shape", "dtype", "nbytes", "layers", "kind")
 PARAMS_FIELDS = ("file", "sha256", "size", "scope", "count")
+PLACEMENT_FIELDS = ("devices", "scheme", "layers", "state", "result")
 MODULE_FIELDS = ("file", "sha256", "size", "params_sha256", "device", "cpu", "flags", "description", "arch",
                  "cpu_flags", "activations", "kernel_isa", "kernels", "executable_formats", "parts")
 
@@ -119,6 +120,31 @@ class ModuleEntry:
 
 
 @dataclass
+class DevicePlacement:
+    """A bundle compiled for several devices (`foldline compile --devices N`): where its layers, state
+    buffers and logits live. The modules' own IR carries the full placement; this is what the runtime needs."""
+
+    devices: int
+    scheme: str  # "pipeline": each device runs a contiguous run of layers
+    layers: list[tuple[int, int]]  # per device: the first and last layer it runs
+    state: list[int]  # per state buffer, in the entry points' argument order: its device
+    result: int  # the device the logits come back from
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DevicePlacement:
+        return cls(int(data["devices"]), str(data["scheme"]), [(int(a), int(b)) for a, b in data["layers"]],
+                   [int(d) for d in data["state"]], int(data["result"]))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"devices": self.devices, "scheme": self.scheme, "layers": [list(r) for r in self.layers],
+                "state": list(self.state), "result": self.result}
+
+    def state_bytes(self, buffers: list[StateBuffer], device: int) -> int:
+        """The bytes of state device `device` holds."""
+        return sum(b.nbytes for b, d in zip(buffers, self.state, strict=True) if d == device)
+
+
+@dataclass
 class Manifest:
     """What a bundle holds and how to call it: the model config, rows, state, files and modules."""
 
@@ -134,6 +160,7 @@ class Manifest:
     source: str = ""  # what was compiled (a preset, a GGUF path, ...)
     passes: list[dict[str, Any]] = field(default_factory=list)  # the pipeline's report
     versions: dict[str, str] = field(default_factory=dict)  # of the packages that built it
+    placement: DevicePlacement | None = None  # several devices; None: one
     root: Path = field(default=Path("."), compare=False)  # the bundle directory
 
     def __post_init__(self) -> None:
@@ -141,6 +168,15 @@ class Manifest:
             self.row_counts = [self.batch]
 
     # ---- derived fields --------------------------------------------------------
+    @property
+    def device_count(self) -> int:
+        """How many devices the modules run on together (1 unless compiled with --devices)."""
+        return self.placement.devices if self.placement else 1
+
+    def state_device(self, index: int) -> int:
+        """The device state buffer `index` lives on."""
+        return self.placement.state[index] if self.placement else 0
+
     @property
     def config(self) -> dict[str, Any]:
         return self.model
@@ -263,6 +299,8 @@ class Manifest:
             "passes": self.passes,
             "versions": self.versions,
         }
+        if self.placement is not None:
+            data["placement"] = self.placement.to_json()
         return seal_manifest(data)
 
     @classmethod
@@ -287,6 +325,7 @@ class Manifest:
             source=data.get("source") or "",
             passes=list(data.get("passes") or []),
             versions=dict(data.get("versions") or {}),
+            placement=DevicePlacement.from_json(data["placement"]) if data.get("placement") else None,
             root=root,
         )
 

@@ -178,6 +178,9 @@ def check_schema(path: Path, data: dict[str, Any]) -> None:
     if "state_bytes" in data and data["state_bytes"] != total:
         raise r.fail("state_bytes", f"{data['state_bytes']!r} is not the sum of the buffers' nbytes, {total}")
 
+    if data.get("placement") is not None:
+        _check_placement(r, r.obj(data["placement"], "placement"), len(state), len(layer_types))
+
     files: dict[str, str] = {}
     for key, entry in data["modules"].items():
         where = f"modules.{key}"
@@ -236,3 +239,21 @@ def check_schema(path: Path, data: dict[str, Any]) -> None:
         r.string(r.key(r.obj(record, f"passes[{i}]"), "name", f"passes[{i}]"), f"passes[{i}].name")
     for package, version in r.obj(data.get("versions") or {}, "versions").items():
         r.string(version, f"versions[{package!r}]", optional=True)
+
+
+def _check_placement(r: _Rules, placement: dict[str, Any], buffers: int, layers: int) -> None:
+    """A bundle for several devices: a device for every state buffer and the logits, layer runs that cover
+    every layer once."""
+    devices = r.integer(r.key(placement, "devices", "placement"), "placement.devices", lo=2)
+    r.string(r.key(placement, "scheme", "placement"), "placement.scheme", {"pipeline": None})
+    state = r.array(r.key(placement, "state", "placement"), "placement.state")
+    if len(state) != buffers:
+        raise r.fail("placement.state", f"places {len(state)} buffers; the bundle has {buffers}")
+    for i, device in enumerate(state):
+        r.integer(device, f"placement.state[{i}]", lo=0, hi=devices - 1)
+    r.integer(r.key(placement, "result", "placement"), "placement.result", lo=0, hi=devices - 1)
+    runs = [r.array(run, f"placement.layers[{j}]") for j, run in enumerate(
+        r.array(r.key(placement, "layers", "placement"), "placement.layers"))]
+    covered = [i for run in runs if len(run) == 2 for i in range(int(run[0]), int(run[1]) + 1)]
+    if len(runs) != devices or covered != list(range(layers)):
+        raise r.fail("placement.layers", f"{runs} must be {devices} contiguous runs covering layers 0-{layers - 1}")

@@ -63,6 +63,9 @@ def add_parser(sub) -> None:
                         "scratch does not grow with the context), decomposed (scores and softmax as separate "
                         "ops), or auto (default: fused on CUDA, decomposed on CPU, where IREE's attention "
                         "codegen is slower; Vulkan and ONNX always decomposed)")
+    p.add_argument("--devices", type=int, default=1, metavar="N",
+                   help="run the model on N CPU devices, each holding a run of layers with their weights and "
+                        "state (the runs `foldline plan MODEL --devices N --scheme pipeline` prints; default 1)")
     p.add_argument("--no-cache", action="store_true",
                    help="compile even when the compile cache ($FOLDLINE_CACHE/compiled) holds this bundle, "
                         "and store nothing in it")
@@ -85,7 +88,13 @@ def run(args) -> int:
     # Only what an unchanged compile needs is imported before the cache is asked: the compiler
     # stages (torch, torch.export) take seconds to import.
     from ..backends.compile_cache import CompileCache
-    from ..backends.options import BuildOptions, build_cache_key, from_cache, row_counts
+    from ..backends.options import (
+        BuildOptions,
+        build_cache_key,
+        check_devices,
+        from_cache,
+        row_counts,
+    )
     from ..backends.targets import default_cpu, make_targets
     from ..frontend.fingerprint import checkpoint_fingerprint
 
@@ -114,8 +123,10 @@ def run(args) -> int:
         dtype="auto" if args.dtype == "auto" else canonical(args.dtype),
         activations=args.activations,
         attention=args.attention,
+        devices=args.devices,
     )
     row_counts(options)  # refuse row counts outside 1..--batch before anything is loaded
+    check_devices(options)
     cache = None if args.no_cache else CompileCache()
     with CompileProgress() as progress:
         key = build_cache_key(checkpoint_fingerprint(args.model, options.max_context), options)

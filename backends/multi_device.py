@@ -1,0 +1,118 @@
+"""A placed program (passes/place_devices.py) as one IREE module over N devices.
+
+IREE compiles one program for several devices when it is told where values
+live; it then schedules each dispatch on the device of its operands and
+lowers the moves between devices to queue transfers. This module tells it:
+
+- each `foldline::to_device` op becomes `flow.tensor.transfer` to that device;
+- each entry point's tensor arguments (token ids and counts on device 0, state
+  buffers on their layers' device) and its logits carry `iree.abi.affinity`;
+- each weight's `util.global` carries `stream.affinity`, so the parameter is
+  loaded into the memory of the device that reads it;
+- the target's `--iree-hal-target-backends` flag becomes one
+  `--iree-hal-target-device` per device, all of the target's backend.
+
+Devices are named `__device_0` .. `__device_{N-1}`; the runtime opens as many,
+in order (runtime/device.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+from iree.compiler import ir
+
+from ..kernels.sites import torch_operators
+from ..passes.place_devices import Placement
+
+TO_DEVICE = "torch.foldline.to_device"
+_BACKENDS_FLAG = "--iree-hal-target-backends="
+_VTENSOR = re.compile(r"!torch\.v?tensor<\[([^\]]*)\],(\w+)>")
+_ELEMENTS = {"f32": "f32", "f16": "f16", "bf16": "bf16", "f64": "f64", "si64": "i64", "si32": "i32", "si16": "i16",
+             "si8": "i8", "ui8": "i8", "i1": "i1"}
+
+
+class PlacementError(RuntimeError):
+    """A placed module that cannot be expressed for several devices (a bug, not a user error)."""
+
+
+def device_symbol(index: int) -> str:
+    return f"__device_{index}"
+
+
+def device_promise(index: int) -> ir.Attribute:
+    return ir.Attribute.parse(f"#hal.device.promise<@{device_symbol(index)}>")
+
+
+def multi_device_flags(flags: list[str], devices: int) -> list[str]:
+    """A target's iree-compile flags for `devices` local devices of its backend."""
+    backends = [f for f in flags if f.startswith(_BACKENDS_FLAG)]
+    if len(backends) != 1:
+        raise PlacementError(f"expected one {_BACKENDS_FLAG} flag, got {backends}")
+    backend = backends[0][len(_BACKENDS_FLAG):]
+    devices_flags = [f"--iree-hal-target-device={device_symbol(j)}=local[{j}]" for j in range(devices)]
+    return ([f for f in flags if not f.startswith(_BACKENDS_FLAG)] + devices_flags
+            + [f"--iree-hal-local-target-device-backends={backend}"])
+
+
+def _builtin_type(torch_type: str) -> str:
+    """`!torch.vtensor<[1,8,64],f32>` -> `tensor<1x8x64xf32>` (static shapes only)."""
+    match = _VTENSOR.fullmatch(torch_type)
+    if match is None or match.group(2) not in _ELEMENTS:
+        raise PlacementError(f"cannot move a value of type {torch_type} between devices")
+    dims = [d.strip() for d in match.group(1).split(",") if d.strip()]
+    if any(not d.isdigit() for d in dims):
+        raise PlacementError(f"cannot move a value of dynamic shape {torch_type} between devices")
+    return f"tensor<{''.join(d + 'x' for d in dims)}{_ELEMENTS[match.group(2)]}>"
+
+
+def _device_of(op: ir.Operation) -> int:
+    const = op.operands[1].owner
+    if const.name != "torch.constant.int":
+        raise PlacementError(f"{TO_DEVICE}'s device is not a constant: {const}")
+    return ir.IntegerAttr(const.attributes["value"]).value
+
+
+def _lower_moves(module: ir.Module) -> int:
+    moves = torch_operators(module, (TO_DEVICE,))
+    for op in moves:
+        source = op.operands[0]
+        builtin = ir.Type.parse(_builtin_type(str(source.type)))
+        with ir.InsertionPoint(op), op.location:
+            value = ir.Operation.create("torch_c.to_builtin_tensor", results=[builtin], operands=[source]).result
+            moved = ir.Operation.create("flow.tensor.transfer", results=[builtin], operands=[value],
+                                        attributes={"target": device_promise(_device_of(op))}).result
+            back = ir.Operation.create("torch_c.from_builtin_tensor", results=[op.results[0].type], operands=[moved])
+        op.results[0].replace_all_uses_with(back.result)
+        op.erase()
+    return len(moves)
+
+
+def _affinities(devices: list[int | None]) -> ir.ArrayAttr:
+    return ir.ArrayAttr.get([ir.DictAttr.get({} if d is None else {"iree.abi.affinity": device_promise(d)})
+                             for d in devices])
+
+
+def place_module(mlir: str, placement: Placement) -> tuple[str, int]:
+    """The torch-dialect module with every placement spelled for IREE; returns (text, moves lowered)."""
+    with ir.Context() as ctx:
+        ctx.allow_unregistered_dialects = True
+        module = ir.Module.parse(mlir)
+        for op in module.body.operations:
+            op = op.operation
+            if op.name == "util.global":
+                name = ir.StringAttr(op.attributes["sym_name"]).value
+                device = placement.weights.get(name, placement.weights.get(f"model.{name}"))
+                if device is not None:
+                    op.attributes["stream.affinity"] = device_promise(device)
+            elif op.name == "func.func":
+                name = ir.StringAttr(op.attributes["sym_name"]).value
+                inputs = placement.inputs.get(name)
+                function_type = ir.FunctionType(ir.TypeAttr(op.attributes["function_type"]).value)
+                if inputs is None or len(inputs) != len(function_type.inputs):
+                    raise PlacementError(f"entry point {name}: {len(function_type.inputs)} arguments, placement "
+                                         f"for {None if inputs is None else len(inputs)}")
+                op.attributes["arg_attrs"] = _affinities(inputs)
+                op.attributes["res_attrs"] = _affinities([placement.result] * len(function_type.results))
+        moves = _lower_moves(module)
+        return str(module), moves
