@@ -82,7 +82,8 @@ class Batch(ClosedOnExit):
         self.model = model  # a runtime Model (not imported: model.py builds batches)
         self.rows = model.batch_size
         layout = model.state_layout()
-        self.buffers = [model.ctx.zeros(s.shape, s.host_dtype) for s in layout]
+        self.buffers = [model.ctx.zeros(s.shape, s.host_dtype, model.manifest.state_device(i))
+                        for i, s in enumerate(layout)]
         self._row_bytes = [s.row_nbytes for s in layout]
         self.positions = [0] * self.rows
         self.tokens: list[list[int]] = [[] for _ in range(self.rows)]

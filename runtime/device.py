@@ -14,7 +14,7 @@ import os
 import platform
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -213,17 +213,26 @@ class DeviceContext:
     device: rt.HalDevice
     module: Any  # the bound VM module (functions as attributes)
     module_key: str = ""  # the manifest's key of the loaded module: `cpu`, `cpu-x86-64-v3`, `vulkan`, ...
+    # A bundle compiled for several devices (--devices N): all of them, `device` first.
+    devices: list[rt.HalDevice] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            self.devices = [self.device]
 
     def upload(self, array: np.ndarray) -> rt.DeviceArray:
         """A device-local copy of `array` (never an import of the host pointer)."""
         return rt.asdevicearray(self.device, np.ascontiguousarray(array))
 
-    def zeros(self, shape: Sequence[int], dtype: Any) -> rt.DeviceArray:
-        """A zero-filled device buffer, filled in place where the device allows (no host copy).
+    def zeros(self, shape: Sequence[int], dtype: Any, device: int = 0) -> rt.DeviceArray:
+        """A zero-filled buffer on device `device` (of a bundle for several), filled in place where the
+        device allows (no host copy).
 
         A long-context bundle's caches are hundreds of MB: staging them through a
         host array would hold them twice at the peak.
         """
+        if device:
+            return DeviceContext(self.name, self.config, self.devices[device], self.module).zeros(shape, dtype)
         dtype = np.dtype(dtype)
         shape = tuple(int(d) for d in shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -241,8 +250,15 @@ class DeviceContext:
             return self.upload(np.zeros(shape, dtype=dtype))
         return rt.DeviceArray(self.device, rt.HalBufferView(buffer, shape, element_type), override_dtype=dtype)
 
+    def _owner(self, array: rt.DeviceArray) -> DeviceContext:
+        """The context of the device `array` lives on (another device of a bundle for several)."""
+        device = getattr(array, "_device", self.device)
+        return self if device is self.device else DeviceContext(self.name, self.config, device, self.module)
+
     def fill_zero(self, array: rt.DeviceArray) -> rt.DeviceArray:
         """Zero `array` in place where possible; otherwise a fresh zero buffer of its shape."""
+        if (owner := self._owner(array)) is not self:
+            return owner.fill_zero(array)
         buffer = array._buffer_view.get_buffer()
         try:
             buffer.fill_zero(0, buffer.byte_length())
@@ -255,6 +271,8 @@ class DeviceContext:
 
         In place where the device allows; otherwise a fresh buffer with that range zeroed.
         """
+        if (owner := self._owner(array)) is not self:
+            return owner.fill_zero_range(array, offset, length)
         buffer = array._buffer_view.get_buffer()
         try:
             buffer.fill_zero(offset, length)
@@ -269,6 +287,8 @@ class DeviceContext:
         buffer), as uint8: only that range crosses, through a host-visible staging buffer."""
         if length == 0:
             return np.zeros(0, np.uint8)
+        if (owner := self._owner(array)) is not self:
+            return owner.read_range(array, offset, length)
         buffer = array._buffer_view.get_buffer()
         try:
             staging = self.device.allocator.allocate_buffer(
@@ -290,6 +310,8 @@ class DeviceContext:
         raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         if raw.size == 0:
             return array
+        if (owner := self._owner(array)) is not self:
+            return owner.write_range(array, offset, data)
         buffer = array._buffer_view.get_buffer()
         try:
             source = self.device.allocator.allocate_buffer_copy(
@@ -319,14 +341,14 @@ class DeviceContext:
             return array
         view = array._buffer_view
         shape = (rows, *array.shape[1:])
-        return rt.DeviceArray(self.device, rt.HalBufferView(view.get_buffer(), shape, view.element_type),
+        return rt.DeviceArray(self._owner(array).device, rt.HalBufferView(view.get_buffer(), shape, view.element_type),
                               override_dtype=array.dtype)
 
     def to_host(self, array: rt.DeviceArray) -> np.ndarray:
         """An owned host copy; safe on drivers that cannot import or map host memory."""
         # DeviceArray.to_host would import a numpy allocation into the device
         # (rejected by lavapipe); the buffer view is the only handle to the data.
-        return copy_to_host(self.device, array._buffer_view)
+        return copy_to_host(self._owner(array).device, array._buffer_view)
 
     def call(self, fn: str, inputs: list[np.ndarray], state: list[rt.DeviceArray]) -> np.ndarray:
         """Run an entry point; the state buffers are updated in place, the logits come back."""
@@ -446,7 +468,15 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
         except Exception as e:
             raise BundleError(f"could not read parameters {params_path}: {e}") from e
         modules.append(rt.create_io_parameters_module(instance, index.create_provider(scope=PARAM_SCOPE)))
-    modules.append(rt.create_hal_module(instance, config.device))
+    devices = [config.device]
+    if manifest.device_count > 1:  # a bundle compiled with --devices N: N devices of the same driver, in order
+        if device != "cpu":
+            raise BundleError(f"bundle {manifest.root} runs on {manifest.device_count} CPU devices, not on {device}")
+        driver = rt.get_driver(_cpu_driver(threads))
+        devices += [driver.create_default_device() for _ in range(manifest.device_count - 1)]
+        config.default_vm_modules = ()  # the HAL module below is the only one, over every device
+    modules.append(rt.create_hal_module(instance, devices=devices) if len(devices) > 1
+                   else rt.create_hal_module(instance, config.device))
     vmfb = manifest.root / entry.file
     try:
         vm_module = rt.VmModule.mmap(instance, str(vmfb))
@@ -458,4 +488,4 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
         loaded = rt.load_vm_modules(*modules, config=config)
     except Exception as e:
         raise BundleError(f"could not load {vmfb} on {device}: {e}") from e
-    return DeviceContext(device, config, config.device, loaded[-1], key)
+    return DeviceContext(device, config, config.device, loaded[-1], key, devices)

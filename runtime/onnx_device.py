@@ -40,7 +40,8 @@ class OnnxContext:
     input_names: dict[str, list[str]] = field(default_factory=dict)
     inplace: dict[str, frozenset[str]] = field(default_factory=dict)  # function -> state inputs it updates in place
 
-    def zeros(self, shape: Sequence[int], dtype: Any) -> np.ndarray:
+    def zeros(self, shape: Sequence[int], dtype: Any, device: int = 0) -> np.ndarray:
+        """Host arrays: ONNX Runtime's CPU session has one device (`device` is always 0)."""
         return np.zeros(tuple(int(d) for d in shape), dtype=np.dtype(dtype))
 
     def upload(self, array: np.ndarray) -> np.ndarray:

@@ -67,7 +67,14 @@ def run(args) -> int:
     print(f"tokenizer {m.tokenizer.file if m.tokenizer else 'none (token ids only)'}")
     print(f"passes   {', '.join(name + ('*' if changed else '') for name, changed in m.pass_names()) or 'none'}"
           "   (* changed the program)")
+    if m.placement:
+        place = m.placement
+        runs = ", ".join(f"device {j} layers {first}-{last} (state {_mib(place.state_bytes(m.state, j))})"
+                         for j, (first, last) in enumerate(place.layers))
+        print(f"devices  {place.devices} CPU devices, {place.scheme}: {runs}; logits on device {place.result}")
     print(f"state    {len(m.state)} buffers, {_mib(sum(s.nbytes for s in m.state))}")
-    for s in m.state:
-        print(f"  {s.name:<16} {s.kind:<14} {str(list(s.shape)):<22} {s.dtype:<8} {_mib(s.nbytes)}")
+    for i, s in enumerate(m.state):
+        where = f"  device {m.state_device(i)}" if m.placement else ""
+        print(f"  {s.name:<16} {s.kind:<14} {str(list(s.shape)):<22} {s.dtype:<8} {_mib(s.nbytes)}{where}")
     return 0
+
