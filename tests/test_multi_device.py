@@ -1,0 +1,194 @@
+"""Bundles compiled for several CPU devices (`foldline compile --devices N`): placement, parity, state.
+
+The tiny presets over 2 `local-task` devices against eager and against the same
+bundle on one device; the placement pass against the plan; the state each
+device holds against `foldline plan`'s figure; snapshots across devices.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from foldline.backends.multi_device import multi_device_flags
+from foldline.backends.options import BuildOptions, check_devices
+from foldline.backends.targets import make_target
+from foldline.contract.errors import BundleError
+from foldline.contract.manifest import SEAL_KEY, Manifest, seal_manifest
+from foldline.errors import InputError
+from foldline.frontend.arch import get_preset
+from foldline.frontend.sources import load_model
+from foldline.passes.manager import run_pipeline
+from foldline.passes.place_devices import COPY_SUFFIX, PLACED, TO_DEVICE, pipeline_runs
+from foldline.passes.shard_plan import shard_plan
+from foldline.runtime import Model
+from foldline.testing.golden import compare_units, copy_unit, make_steps
+from foldline.testing.parity import SCALED_TOL_FP32, run_parity
+
+PRESETS = ["llama-tiny", "gemma3-tiny", "qwen35-tiny", "ripple-tiny"]
+PROMPT = list(range(3, 43))  # 40 tokens: several prefill chunks, windows of 16 wrapped twice
+
+
+def _placed(exported_unit, preset: str, devices: int = 2):
+    unit = copy_unit(exported_unit(get_preset(preset)))
+    run_pipeline(unit, progress=lambda _m: None)
+    placed = copy_unit(unit)
+    placed.options["devices"] = devices
+    run_pipeline(placed, ["place-on-devices"], progress=lambda _m: None)
+    return unit, placed
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_placement_follows_the_plans_pipeline_and_changes_no_value(preset, exported_unit, torch_one_thread):
+    """The placed programs compute exactly what the unplaced ones do; the layer runs are the plan's."""
+    unit, placed = _placed(exported_unit, preset)
+    placement = placed.options[PLACED]
+    cfg = unit.config
+    assert placement.layers == [d.layers for d in shard_plan(cfg, 2, scheme="pipeline").devices]
+    assert placement.layers == pipeline_runs(unit, 2)
+    first, _ = placement.layers[1]
+    assert placement.state == [int(min(s.layers) >= first) for s in unit.state_specs]
+    moves = [n for n in placed.programs["decode"].graph.nodes if n.target == TO_DEVICE]
+    assert moves and all(n.args[1] == 1 for n in moves)  # the pipeline only ever moves forward
+    # Every weight lives on one device; a table read on both (llama-tiny's tied head) has a copy.
+    tied = cfg.tie_word_embeddings and cfg.embed_scale == 1.0
+    assert any(COPY_SUFFIX in t for t in placement.weights) == tied
+    # The moves are the identity in eager: every logit and state value is the unplaced program's, to the bit.
+    report = compare_units(unit, placed, make_steps([40], chunk=8, decode_steps=6, vocab_size=cfg.vocab_size))
+    assert report.steps == 11
+    assert report.worst_logit_error == 0.0 and report.worst_state_error == 0.0, report
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_two_devices_match_eager_and_one_device(preset, bundle_factory):
+    """Greedy decoding through 40 tokens on 2 CPU devices: eager's logits within fp32 tolerance, and the
+    same tokens as the bundle on one device."""
+    loaded = load_model(preset)
+    two = Model.load(bundle_factory(preset, devices=2))
+    assert len(two.ctx.devices) == 2 and two.manifest.device_count == 2
+    report = run_parity(loaded.module, two, PROMPT, steps=40)
+    assert report.worst_scaled_error < SCALED_TOL_FP32, report
+    assert report.compiled_tokens == report.eager_tokens
+    one = Model.load(bundle_factory(preset))
+    assert list(one.session().generate_ids(PROMPT, 24)) == list(two.session().generate_ids(PROMPT, 24))
+
+
+def test_quantized_kernels_on_two_devices_give_the_one_device_logits(bundle_factory):
+    """q4 blocks through the CPU kernels on both devices: the logits of the one-device bundle."""
+    one = Model.load(bundle_factory("gemma3-tiny", weights="int4")).session()
+    two = Model.load(bundle_factory("gemma3-tiny", weights="int4", devices=2)).session()
+    np.testing.assert_allclose(two.prefill(PROMPT), one.prefill(PROMPT), rtol=0, atol=1e-5)
+    token = 7
+    for _ in range(20):
+        a, b = one.decode(token), two.decode(token)
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+        token = int(np.argmax(a))
+
+
+def test_a_batched_bundle_on_two_devices_gives_each_row_the_one_device_logits(bundle_factory):
+    """qwen35-tiny at batch 2 (recurrent and conv state per row): rows of different lengths, prefilled
+    together and alone, then decoded together and alone, give the one-device batched bundle's logits."""
+    batches = [Model.load(bundle_factory("qwen35-tiny", batch=2, devices=d)).batch() for d in (1, 2)]
+    feeds = [{0: PROMPT[:13], 1: PROMPT[20:29]}, {1: PROMPT[29:35]}, {0: [7], 1: [9]}, {0: [11]}, {0: [4], 1: [6]}]
+    for batch in batches:
+        batch.open_row(0), batch.open_row(1)
+    for step in feeds:
+        one, two = (batch.step(dict(step)) for batch in batches)
+        assert one.keys() == two.keys() == step.keys()
+        for row in step:
+            np.testing.assert_allclose(two[row], one[row], rtol=0, atol=1e-5)
+
+
+def test_each_device_holds_the_state_the_plan_gives_it(bundle_factory, capsys):
+    """The runtime allocates each buffer on its device, and per device the bytes `foldline plan` prints;
+    `foldline inspect` names each device's layers and state."""
+    from foldline.tools.cli import main
+
+    bundle = bundle_factory("gemma3-tiny", devices=2)
+    model = Model.load(bundle)
+    session = model.session()
+    session.prefill(PROMPT[:5])
+    buffers = session._batch.buffers
+    held = [0, 0]
+    for i, (spec, buf) in enumerate(zip(model.manifest.state, buffers, strict=True)):
+        device = model.manifest.state_device(i)
+        assert buf._device is model.ctx.devices[device]
+        held[device] += spec.nbytes
+    plan = shard_plan(get_preset("gemma3-tiny"), 2, scheme="pipeline")
+    assert held == [d.state for d in plan.devices]
+    assert main(["inspect", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    (first0, last0), (first1, last1) = (d.layers for d in plan.devices)
+    assert (f"devices  2 CPU devices, pipeline: device 0 layers {first0}-{last0} (state {held[0] / 2**20:,.2f} MiB), "
+            f"device 1 layers {first1}-{last1} (state {held[1] / 2**20:,.2f} MiB); logits on device 1") in out
+    listed = [line.rsplit("device ", 1)[1] for line in out.splitlines() if line.startswith("  ") and "device" in line]
+    assert [int(d) for d in listed] == model.manifest.placement.state
+
+
+def test_a_snapshot_covers_every_device(bundle_factory):
+    """Restoring a snapshot taken mid-stream gives the continuation that followed it, on both devices."""
+    model = Model.load(bundle_factory("gemma3-tiny", devices=2))
+    session = model.session()
+    session.prefill(PROMPT)
+    snap = session.snapshot()
+    first = [int(np.argmax(session.decode(5 + i))) for i in range(12)]
+    session.restore(snap)
+    again = [int(np.argmax(session.decode(5 + i))) for i in range(12)]
+    assert again == first
+    other = model.session()
+    other.restore(snap)
+    assert [int(np.argmax(other.decode(5 + i))) for i in range(12)] == first
+
+
+def test_device_counts_the_compile_refuses():
+    cpu = [make_target("cpu")]
+    for bad in (0, -1, True):
+        with pytest.raises(InputError, match="--devices must be a positive integer"):
+            check_devices(BuildOptions(targets=cpu, devices=bad))
+    with pytest.raises(InputError, match="does not apply to vulkan"):
+        check_devices(BuildOptions(targets=[make_target("vulkan")], devices=2))
+    flags = multi_device_flags(make_target("cpu").flags, 3)
+    assert "--iree-hal-target-device=__device_2=local[2]" in flags
+    assert "--iree-hal-local-target-device-backends=llvm-cpu" in flags
+    assert not any(f.startswith("--iree-hal-target-backends") for f in flags)
+
+
+def test_the_manifest_refuses_a_placement_that_does_not_fit_the_bundle(bundle_factory, tmp_path):
+    import json
+    import shutil
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(bundle_factory("llama-tiny", devices=2), bundle)
+    data = json.loads((bundle / "manifest.json").read_text())
+    data["placement"]["state"][0] = 2  # a third device the bundle was not compiled for
+    data.pop(SEAL_KEY)
+    (bundle / "manifest.json").write_text(json.dumps(seal_manifest(data)))
+    with pytest.raises(BundleError, match=r"placement\.state\[0\]"):
+        Manifest.load(bundle)
+
+
+def test_the_placed_module_tells_iree_where_every_value_lives(exported_unit):
+    """Moves become transfers; state arguments, logits and weights carry the devices the pass chose."""
+    import re
+
+    from foldline.backends.importer import import_programs
+    from foldline.backends.multi_device import place_module
+
+    _unit, placed = _placed(exported_unit, "llama-tiny")
+    placement = placed.options[PLACED]
+    mlir, _params = import_programs(placed.programs.items())
+    text, moves = place_module(mlir, placement)
+    placed_moves = sum(n.target == TO_DEVICE for p in placed.programs.values() for n in p.graph.nodes)
+    assert 0 < moves <= placed_moves  # the lowering may fold a move whose value it computes on both sides
+    assert len(re.findall(r"flow\.tensor\.transfer .* to #hal\.device\.promise<@__device_1>", text)) == moves
+    assert "foldline.to_device" not in text
+    decode = next(line for line in text.splitlines() if "func.func @decode(" in line)
+    state_args = re.findall(r"!torch\.tensor<[^>]*> \{iree\.abi\.affinity = #hal\.device\.promise<@__device_(\d)>\}",
+                            decode)
+    assert [int(d) for d in state_args] == placement.state
+    results = decode.split(") -> (", 1)[1]
+    assert re.match(r"!torch\.vtensor<[^>]*> \{iree\.abi\.affinity = #hal\.device\.promise<@__device_1>\}\)",
+                    results)  # the logits come back from the last device
+    copies = re.findall(r'util\.global private @"([^"]+@device1)" \{stream\.affinity = '
+                        r'#hal\.device\.promise<@__device_1>\} = #flow\.parameter\.named<"model"::"([^"]+)">', text)
+    assert copies and all(name.split("@")[0] == key for name, key in copies)  # the copy reads the same entry
