@@ -421,12 +421,13 @@ def _compile_targets(targets: list[Target], activations: list[str], imported: di
         fused = count_fused_attention(target_mlir)
         if fused:
             sites[FUSED_SITE] = fused
-        flags = target.flags
         if placement is not None:
             target_mlir, _moves = place_module(target_mlir, placement)
-            flags = multi_device_flags(flags, placement.devices)
-        vmfb, inplace = compile_torch_module(target_mlir, flags)
+        vmfb, inplace = compile_torch_module(target_mlir, module_flags(target))
         return int8, sites, vmfb, inplace, time.time() - t1
+
+    def module_flags(target: Target) -> list[str]:
+        return target.flags if placement is None else multi_device_flags(target.flags, placement.devices)
 
     modules: dict[str, ModuleEntry] = {}
     for (target, acts, (key, name)), (int8, sites, vmfb, inplace, seconds) in run_concurrently(
@@ -434,7 +435,7 @@ def _compile_targets(targets: list[Target], activations: list[str], imported: di
         (out / name).write_bytes(vmfb)
         modules[key] = ModuleEntry(
             file=name, sha256=sha256_file(out / name), size=len(vmfb), params_sha256=params_sha,
-            device=target.device, cpu=target.cpu, flags=target.flags, description=target.description,
+            device=target.device, cpu=target.cpu, flags=module_flags(target), description=target.description,
             arch=target.arch, cpu_flags=target.cpu_flags, activations=acts,
             kernel_isa=int8.record(),  # which int8 kernels (or f32) decode and prefill products took
             kernels=dict(sorted(sites.items())),  # how many sites took each kernel (kernels/sites.py)

@@ -27,6 +27,7 @@ from ..passes.place_devices import Placement
 
 TO_DEVICE = "torch.foldline.to_device"
 _BACKENDS_FLAG = "--iree-hal-target-backends="
+_DEVICE_KINDS = {"cuda": "cuda", "vulkan-spirv": "vulkan"}  # an IREE backend -> its HAL device; else local
 _VTENSOR = re.compile(r"!torch\.v?tensor<\[([^\]]*)\],(\w+)>")
 _ELEMENTS = {"f32": "f32", "f16": "f16", "bf16": "bf16", "f64": "f64", "si64": "i64", "si32": "i32", "si16": "i16",
              "si8": "i8", "ui8": "i8", "i1": "i1"}
@@ -50,9 +51,11 @@ def multi_device_flags(flags: list[str], devices: int) -> list[str]:
     if len(backends) != 1:
         raise PlacementError(f"expected one {_BACKENDS_FLAG} flag, got {backends}")
     backend = backends[0][len(_BACKENDS_FLAG):]
-    devices_flags = [f"--iree-hal-target-device={device_symbol(j)}=local[{j}]" for j in range(devices)]
-    return ([f for f in flags if not f.startswith(_BACKENDS_FLAG)] + devices_flags
-            + [f"--iree-hal-local-target-device-backends={backend}"])
+    kind = _DEVICE_KINDS.get(backend, "local")
+    devices_flags = [f"--iree-hal-target-device={device_symbol(j)}={kind}[{j}]" for j in range(devices)]
+    if kind == "local":
+        devices_flags.append(f"--iree-hal-local-target-device-backends={backend}")
+    return [f for f in flags if not f.startswith(_BACKENDS_FLAG)] + devices_flags
 
 
 def _builtin_type(torch_type: str) -> str:

@@ -54,14 +54,17 @@ def row_counts(options: BuildOptions) -> list[int]:
     return sorted(set(below)) + [options.batch]
 
 
+MULTI_DEVICE_TARGETS = ("cpu", "vulkan", "cuda")  # the IREE targets compiled for several devices
+
+
 def check_devices(options: BuildOptions) -> None:
-    """--devices N: a positive count; several devices are CPU devices of IREE targets (for now)."""
+    """--devices N: a positive count; several devices are devices of IREE targets (CPU, Vulkan, CUDA)."""
     if isinstance(options.devices, bool) or not isinstance(options.devices, int) or options.devices < 1:
         raise InputError(f"--devices must be a positive integer, got {options.devices!r}")
-    others = sorted({t.device for t in options.targets if t.device != "cpu"})
+    others = sorted({t.device for t in options.targets if t.device not in MULTI_DEVICE_TARGETS})
     if options.devices > 1 and others:
-        raise InputError(f"--devices {options.devices} places layers on several CPU devices; it does not apply to "
-                         f"{', '.join(others)} (compile those targets with one device)")
+        raise InputError(f"--devices {options.devices} places layers on several devices of an IREE target "
+                         f"({', '.join(MULTI_DEVICE_TARGETS)}); it does not apply to {', '.join(others)}")
 
 
 def build_cache_key(fingerprint: dict | None, options: BuildOptions) -> str | None:

@@ -416,6 +416,24 @@ def _create_config(device: str, threads: int | None = None) -> rt.Config:
         raise BundleError(f"device {device!r} is not available here: {e}") from e
 
 
+def _more_devices(device: str, threads: int | None, count: int) -> list[rt.HalDevice]:
+    """Devices 1..count of a bundle compiled for several: CPU devices with their own worker threads, or
+    the driver's next GPUs in its order, one GPU each (IREE will not make one GPU two devices of a group)."""
+    if device == "cpu":
+        driver = rt.get_driver(_cpu_driver(threads))
+        return [driver.create_default_device() for _ in range(count)]
+    driver = rt.get_driver(DRIVERS[device])
+    found = [d["device_id"] for d in driver.query_available_devices()]
+    if len(found) <= count:
+        raise BundleError(f"the bundle runs on {count + 1} {device} devices, one GPU each; this machine has "
+                          f"{len(found)} ({DRIVERS[device]} driver): run it where there are as many GPUs, or "
+                          f"compile it with fewer --devices")
+    try:
+        return [driver.create_device(found[j + 1]) for j in range(count)]
+    except Exception as e:
+        raise BundleError(f"could not open {count + 1} {device} devices: {e}") from e
+
+
 def _reflection(module: rt.VmModule, name: str) -> dict[str, str] | None:
     """An exported function's reflection attributes, or None when the module lacks the function."""
     function = module.lookup_function(name)
@@ -470,10 +488,7 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
         modules.append(rt.create_io_parameters_module(instance, index.create_provider(scope=PARAM_SCOPE)))
     devices = [config.device]
     if manifest.device_count > 1:  # a bundle compiled with --devices N: N devices of the same driver, in order
-        if device != "cpu":
-            raise BundleError(f"bundle {manifest.root} runs on {manifest.device_count} CPU devices, not on {device}")
-        driver = rt.get_driver(_cpu_driver(threads))
-        devices += [driver.create_default_device() for _ in range(manifest.device_count - 1)]
+        devices += _more_devices(device, threads, manifest.device_count - 1)
         config.default_vm_modules = ()  # the HAL module below is the only one, over every device
     modules.append(rt.create_hal_module(instance, devices=devices) if len(devices) > 1
                    else rt.create_hal_module(instance, config.device))

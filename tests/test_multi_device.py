@@ -145,12 +145,35 @@ def test_device_counts_the_compile_refuses():
     for bad in (0, -1, True):
         with pytest.raises(InputError, match="--devices must be a positive integer"):
             check_devices(BuildOptions(targets=cpu, devices=bad))
-    with pytest.raises(InputError, match="does not apply to vulkan"):
-        check_devices(BuildOptions(targets=[make_target("vulkan")], devices=2))
+    with pytest.raises(InputError, match="does not apply to onnxruntime"):
+        check_devices(BuildOptions(targets=[make_target("cpu"), make_target("onnx")], devices=2))
     flags = multi_device_flags(make_target("cpu").flags, 3)
     assert "--iree-hal-target-device=__device_2=local[2]" in flags
     assert "--iree-hal-local-target-device-backends=llvm-cpu" in flags
     assert not any(f.startswith("--iree-hal-target-backends") for f in flags)
+    flags = multi_device_flags(make_target("cuda").flags, 2)
+    assert [f for f in flags if f.startswith("--iree-hal-target-device")] == [
+        "--iree-hal-target-device=__device_0=cuda[0]", "--iree-hal-target-device=__device_1=cuda[1]"]
+    assert not any("local-target" in f or f.startswith("--iree-hal-target-backends") for f in flags)
+
+
+def test_gpu_bundles_compile_for_two_devices_and_want_two_gpus(bundle_factory, vulkan_device):
+    """CUDA and Vulkan modules are compiled for two devices of their kind; on a machine with one GPU
+    (lavapipe here) loading one is refused, naming the count, not failed inside IREE."""
+    import json
+
+    for target, kind in (("cuda", "cuda"), ("vulkan", "vulkan")):
+        bundle = bundle_factory("llama-tiny", target=target, devices=2)
+        data = json.loads((bundle / "manifest.json").read_text())
+        assert data["placement"]["devices"] == 2
+        (module,) = data["modules"].values()
+        assert [f for f in module["flags"] if f.startswith("--iree-hal-target-device")] == [
+            f"--iree-hal-target-device=__device_{j}={kind}[{j}]" for j in range(2)]
+    from foldline.runtime.device import available_devices
+
+    if len(available_devices("vulkan")) == 1:
+        with pytest.raises(BundleError, match="runs on 2 vulkan devices, one GPU each; this machine has 1"):
+            Model.load(bundle, device="vulkan")
 
 
 def test_the_manifest_refuses_a_placement_that_does_not_fit_the_bundle(bundle_factory, tmp_path):

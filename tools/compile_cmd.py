@@ -64,8 +64,9 @@ def add_parser(sub) -> None:
                         "ops), or auto (default: fused on CUDA, decomposed on CPU, where IREE's attention "
                         "codegen is slower; Vulkan and ONNX always decomposed)")
     p.add_argument("--devices", type=int, default=1, metavar="N",
-                   help="run the model on N CPU devices, each holding a run of layers with their weights and "
-                        "state (the runs `foldline plan MODEL --devices N --scheme pipeline` prints; default 1)")
+                   help="run the model on N devices (CPU devices; for cuda and vulkan, one GPU each), each "
+                        "holding a run of layers with their weights and state (the runs `foldline plan MODEL "
+                        "--devices N --scheme pipeline` prints; default 1)")
     p.add_argument("--no-cache", action="store_true",
                    help="compile even when the compile cache ($FOLDLINE_CACHE/compiled) holds this bundle, "
                         "and store nothing in it")
