@@ -31,6 +31,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
 
 from ..contract.manifest import DevicePlacement
 from ..frontend import ops  # noqa: F401  (registers foldline::to_device)
@@ -43,6 +44,11 @@ NAME = "place-on-devices"
 TO_DEVICE = torch.ops.foldline.to_device.default
 PLACED = "placed"  # the unit option holding the Placement once the pass has run
 COPY_SUFFIX = "@device"  # a weight's copy on another device: `<target>@device<j>`
+# An integer tensor up to this size computed from the entry point's own inputs (positions, counts, slot
+# indices) is computed again on each device that reads it rather than moved: a move is a queue transfer
+# the reading device waits on, the computation a few integer ops.
+RECOMPUTE_MAX_ELEMENTS = 4096
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.bool)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
@@ -93,8 +99,13 @@ class _Placer:
         self.lifted = LiftedInputs(program)
         self.device: dict[Node, int] = {}
         self.moves = 0
+        self.recomputed = 0
+        self._user_inputs: set[Node] = set()
+        self._recomputable: dict[Node, bool] = {}
+        self._on_device: dict[tuple[Node, int], Node] = {}  # (value, device) -> its move or recomputation
+        self._copies: set[Node] = set()  # recomputations (their inputs are already on their device)
 
-    def run(self) -> tuple[ExportedProgram, list[int | None], int]:
+    def run(self) -> tuple[ExportedProgram, list[int | None], int, int]:
         user_devices = self._place_inputs()
         weights = [n for n in self.gm.graph.nodes if n.op == "placeholder" and self._is_weight(n)]
         free = []
@@ -111,7 +122,7 @@ class _Placer:
         self._place_weights(weights)
         self._insert_moves()
         self.gm.graph.eliminate_dead_code()
-        return self.lifted.rebuild_with(self.gm), user_devices, self.moves
+        return self.lifted.rebuild_with(self.gm), user_devices, self.moves, self.recomputed
 
     def _is_weight(self, node: Node) -> bool:
         spec = self.lifted.spec_of(node)
@@ -127,6 +138,8 @@ class _Placer:
             node = by_name[spec.arg.name]
             j = i - (len(user) - n_state)
             self.device[node] = self.placement.state[j] if j >= 0 else 0
+            if j < 0:
+                self._user_inputs.add(node)
             devices.append(self.device[node] if _is_tensor(node) else None)
         return devices
 
@@ -162,23 +175,47 @@ class _Placer:
                     user.replace_input_with(node, copy)
 
     def _insert_moves(self) -> None:
-        moved: dict[tuple[Node, int], Node] = {}
         for node in list(self.gm.graph.nodes):
-            if node.op != "call_function" or node.target is TO_DEVICE:
+            if node.op != "call_function" or node.target is TO_DEVICE or node in self._copies:
                 continue
             here = self.device[node]
             for arg in node.all_input_nodes:
-                if not _is_tensor(arg) or self.device.get(arg, here) == here:
-                    continue
-                key = (arg, here)
-                if key not in moved:
-                    with self.gm.graph.inserting_before(node):
-                        move = self.gm.graph.call_function(TO_DEVICE, (arg, here))
-                    move.meta = {"val": arg.meta["val"], "nn_module_stack": node.meta.get("nn_module_stack", {})}
-                    self.device[move] = here
-                    moved[key] = move
-                    self.moves += 1
-                node.replace_input_with(arg, moved[key])
+                if _is_tensor(arg) and self.device.get(arg, here) != here:
+                    node.replace_input_with(arg, self._value_on(arg, here, node))
+
+    def _value_on(self, value: Node, device: int, before: Node) -> Node:
+        """`value` on `device`, inserted before `before`: computed again there when it is a small integer
+        tensor of the entry point's inputs, else moved; once per value and device."""
+        if self.device.get(value, device) == device:
+            return value
+        key = (value, device)
+        if key not in self._on_device:
+            if self._is_recomputable(value):
+                args, kwargs = map_arg((value.args, value.kwargs), lambda a: self._value_on(a, device, before))
+                with self.gm.graph.inserting_before(before):
+                    copy = self.gm.graph.call_function(value.target, args, kwargs)
+                copy.meta = dict(value.meta)
+                self._copies.add(copy)
+                self.recomputed += 1
+            else:
+                with self.gm.graph.inserting_before(before):
+                    copy = self.gm.graph.call_function(TO_DEVICE, (value, device))
+                copy.meta = {"val": value.meta["val"], "nn_module_stack": before.meta.get("nn_module_stack", {})}
+                self.moves += 1
+            self.device[copy] = device
+            self._on_device[key] = copy
+        return self._on_device[key]
+
+    def _is_recomputable(self, node: Node) -> bool:
+        """A small integer tensor computed from the entry point's own inputs (not state, not weights)."""
+        if node not in self._recomputable:
+            val = node.meta.get("val")
+            numel = val.numel() if isinstance(val, torch.Tensor) else None
+            self._recomputable[node] = (
+                node.op == "call_function" and isinstance(numel, int) and numel <= RECOMPUTE_MAX_ELEMENTS
+                and val.dtype in _INDEX_DTYPES
+                and all(a in self._user_inputs or self._is_recomputable(a) for a in node.all_input_nodes))
+        return self._recomputable[node]
 
 
 def pipeline_runs(unit: CompileUnit, devices: int) -> list[tuple[int, int]]:
@@ -187,8 +224,9 @@ def pipeline_runs(unit: CompileUnit, devices: int) -> list[tuple[int, int]]:
     return [d.layers for d in plan.devices]
 
 
-def place(unit: CompileUnit, devices: int) -> tuple[Placement, int]:
-    """Place every entry point of `unit` (in place) on `devices` devices; returns the placement and moves."""
+def place(unit: CompileUnit, devices: int) -> tuple[Placement, int, int]:
+    """Place every entry point of `unit` (in place) on `devices` devices; returns the placement, the moves
+    and the values computed again on another device instead of moved."""
     runs = pipeline_runs(unit, devices)
     layer_device = [0] * unit.config.num_layers
     for j, (first, last) in enumerate(runs):
@@ -202,11 +240,11 @@ def place(unit: CompileUnit, devices: int) -> tuple[Placement, int]:
                               f"puts on devices {sorted(held)}: a buffer must live on one device")
         state.append(held.pop())
     placement = Placement(devices, "pipeline", runs, state, result=devices - 1)
-    moves = 0
+    moves = recomputed = 0
     for name, program in list(unit.programs.items()):
-        unit.programs[name], placement.inputs[name], count = _Placer(program, placement, layer_device).run()
-        moves += count
-    return placement, moves
+        unit.programs[name], placement.inputs[name], count, again = _Placer(program, placement, layer_device).run()
+        moves, recomputed = moves + count, recomputed + again
+    return placement, moves, recomputed
 
 
 @register_pass(NAME, "places layers on N devices in pipeline runs, with moves where values cross")
@@ -214,11 +252,12 @@ def place_on_devices(unit: CompileUnit) -> PassResult:
     devices = int(unit.options.get("devices", 1))
     if devices <= 1 or unit.options.get(PLACED) is not None:
         return PassResult(changed=False, notes=["one device" if devices <= 1 else "already placed"])
-    placement, moves = place(unit, devices)
+    placement, moves, recomputed = place(unit, devices)
     unit.options[PLACED] = placement
     runs = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in placement.layers)
     copies = sum(COPY_SUFFIX in t for t in placement.weights)
-    notes = [f"{devices} devices, layers {runs}", f"{moves} move(s) over {len(unit.programs)} entry point(s)"]
+    notes = [f"{devices} devices, layers {runs}", f"{moves} move(s) over {len(unit.programs)} entry point(s)",
+             f"{recomputed} index value(s) computed again on the device that reads them"]
     if copies:
         notes.append(f"{copies} weight(s) copied to a second device")
     return PassResult(changed=True, sites=moves, notes=notes, details=placement.manifest_entry().to_json())

@@ -50,6 +50,10 @@ def test_placement_follows_the_plans_pipeline_and_changes_no_value(preset, expor
     assert placement.state == [int(min(s.layers) >= first) for s in unit.state_specs]
     moves = [n for n in placed.programs["decode"].graph.nodes if n.target == TO_DEVICE]
     assert moves and all(n.args[1] == 1 for n in moves)  # the pipeline only ever moves forward
+    # What crosses is the hidden rows (and Ripple's embedded rows) and the position input; the positions,
+    # counts and slot indices computed from it are computed again on device 1, not moved.
+    assert all(n.args[0].op == "placeholder" or n.args[0].meta["val"].is_floating_point() for n in moves)
+    assert sum(n.args[0].op == "placeholder" for n in moves) == 1
     # Every weight lives on one device; a table read on both (llama-tiny's tied head) has a copy.
     tied = cfg.tie_word_embeddings and cfg.embed_scale == 1.0
     assert any(COPY_SUFFIX in t for t in placement.weights) == tied
