@@ -18,17 +18,14 @@ in order (runtime/device.py).
 
 from __future__ import annotations
 
-import re
-
 from iree.compiler import ir
 
-from ..kernels.sites import torch_operators
+from ..kernels.sites import SiteError, shape_and_type, torch_operators
 from ..passes.place_devices import Placement
 
 TO_DEVICE = "torch.foldline.to_device"
 _BACKENDS_FLAG = "--iree-hal-target-backends="
 _DEVICE_KINDS = {"cuda": "cuda", "vulkan-spirv": "vulkan"}  # an IREE backend -> its HAL device; else local
-_VTENSOR = re.compile(r"!torch\.v?tensor<\[([^\]]*)\],(\w+)>")
 _ELEMENTS = {"f32": "f32", "f16": "f16", "bf16": "bf16", "f64": "f64", "si64": "i64", "si32": "i32", "si16": "i16",
              "si8": "i8", "ui8": "i8", "i1": "i1"}
 
@@ -58,15 +55,15 @@ def multi_device_flags(flags: list[str], devices: int) -> list[str]:
     return [f for f in flags if not f.startswith(_BACKENDS_FLAG)] + devices_flags
 
 
-def _builtin_type(torch_type: str) -> str:
-    """`!torch.vtensor<[1,8,64],f32>` -> `tensor<1x8x64xf32>` (static shapes only)."""
-    match = _VTENSOR.fullmatch(torch_type)
-    if match is None or match.group(2) not in _ELEMENTS:
-        raise PlacementError(f"cannot move a value of type {torch_type} between devices")
-    dims = [d.strip() for d in match.group(1).split(",") if d.strip()]
-    if any(not d.isdigit() for d in dims):
-        raise PlacementError(f"cannot move a value of dynamic shape {torch_type} between devices")
-    return f"tensor<{''.join(d + 'x' for d in dims)}{_ELEMENTS[match.group(2)]}>"
+def _builtin_type(value: ir.Value) -> str:
+    """A static `!torch.vtensor<[1,8,64],f32>` value's builtin type, `tensor<1x8x64xf32>`."""
+    try:
+        shape, element = shape_and_type(value)
+    except SiteError as e:
+        raise PlacementError(f"cannot move a value of type {value.type} between devices") from e
+    if element not in _ELEMENTS:
+        raise PlacementError(f"cannot move a value of type {value.type} between devices")
+    return f"tensor<{''.join(f'{d}x' for d in shape)}{_ELEMENTS[element]}>"
 
 
 def _device_of(op: ir.Operation) -> int:
@@ -80,7 +77,7 @@ def _lower_moves(module: ir.Module) -> int:
     moves = torch_operators(module, (TO_DEVICE,))
     for op in moves:
         source = op.operands[0]
-        builtin = ir.Type.parse(_builtin_type(str(source.type)))
+        builtin = ir.Type.parse(_builtin_type(source))
         with ir.InsertionPoint(op), op.location:
             value = ir.Operation.create("torch_c.to_builtin_tensor", results=[builtin], operands=[source]).result
             moved = ir.Operation.create("flow.tensor.transfer", results=[builtin], operands=[value],

@@ -231,8 +231,8 @@ class DeviceContext:
         A long-context bundle's caches are hundreds of MB: staging them through a
         host array would hold them twice at the peak.
         """
-        if device:
-            return DeviceContext(self.name, self.config, self.devices[device], self.module).zeros(shape, dtype)
+        if (owner := self._on(self.devices[device])) is not self:
+            return owner.zeros(shape, dtype)
         dtype = np.dtype(dtype)
         shape = tuple(int(d) for d in shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -252,7 +252,10 @@ class DeviceContext:
 
     def _owner(self, array: rt.DeviceArray) -> DeviceContext:
         """The context of the device `array` lives on (another device of a bundle for several)."""
-        device = getattr(array, "_device", self.device)
+        return self._on(getattr(array, "_device", self.device))
+
+    def _on(self, device: rt.HalDevice) -> DeviceContext:
+        """This context for `device`: itself, or a sibling sharing its module (another device of the bundle)."""
         return self if device is self.device else DeviceContext(self.name, self.config, device, self.module)
 
     def fill_zero(self, array: rt.DeviceArray) -> rt.DeviceArray:
