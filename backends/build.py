@@ -28,6 +28,7 @@ from ..kernels.select import choose_kernels, cpu_has_int8_dot
 from ..passes.manager import CompileUnit, run_pipeline
 from ..passes.place_devices import NAME as PLACE_PASS
 from ..passes.place_devices import PLACED, Placement
+from ..passes.quantize_weights import FIVE_BIT_CODES
 from .abi_declaration import declare_entry_points
 from .compile_cache import CompileCache
 from .compile_pool import pool_size, run_concurrently
@@ -188,6 +189,18 @@ def resolve_dtypes(loaded: LoadedModel, options: BuildOptions) -> tuple[str, str
 ACTIVATIONS = ("auto", "int8", "f32")
 
 
+def keeps_five_bit_codes(targets: list[Target], activations: list[str]) -> bool:
+    """Whether 5-bit checkpoint blocks stay 5-bit (q5) or are widened to bytes (q8) at compile time.
+
+    The int8 kernels of an IREE CPU module read q5's planes as they lie; the float kernels
+    (GPU targets, --activations f32, batched bundles) read them through a widening copy each
+    call (kernels/qlinear._widen_q5), slower than reading bytes. The codes stay 5-bit where
+    some IREE CPU module decodes with int8 activations: a multi-ISA bundle's baseline module
+    then takes the slower read, as its fallback. The ONNX export widens its own copy.
+    """
+    return any(t.device == "cpu" and a == "int8" for t, a in zip(targets, activations))
+
+
 def target_activations(target: Target, activations: str, batch: int = 1) -> str:
     """What a quantized decode product multiplies its codes by on this target: "int8" or "f32".
 
@@ -294,7 +307,8 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
         clock.advance(name)
     unit = CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs,
                        options={"hadamard": options.hadamard, "weights": options.weights, "group": options.group,
-                                "devices": options.devices},
+                                "devices": options.devices, FIVE_BIT_CODES: keeps_five_bit_codes(options.targets,
+                                                                                                  activations)},
                        source_blocks={parameter_target(k): v for k, v in loaded.source_blocks.items()})
 
     del entries  # the unit holds the programs; their first copies can go

@@ -30,7 +30,7 @@ from onnx.defs import OpSchema
 from torch.fx import Node
 
 from ..errors import FoldlineError
-from ..frontend.quant import unpack_q4
+from ..frontend.quant import QuantizedTensor, unpack_q4
 
 PLACEHOLDER_DOMAIN = "foldline"
 ORT_DOMAIN = "com.microsoft"
@@ -126,16 +126,22 @@ class _Rewrite:
     def nodes_for(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         fmt, group = attrs["fmt"].decode() if isinstance(attrs["fmt"], bytes) else attrs["fmt"], attrs["group"]
-        if fmt not in BITS:
-            raise MatMulNBitsError(f"block format {fmt!r} has no MatMulNBits form; expected one of {sorted(BITS)}")
+        if fmt not in (*BITS, "q5"):
+            raise MatMulNBitsError(f"block format {fmt!r} has no MatMulNBits form; expected one of "
+                                   f"{sorted((*BITS, 'q5'))}")
         x, codes_name, scales_name, mins_name = (list(node.input) + [""] * 4)[:4]
         codes = self.array(codes_name, "codes")
         scales = self.array(scales_name, "scales").astype(np.float32)
         mins = self.array(mins_name, "mins").astype(np.float32) if mins_name else None
+        shared = fmt == "q8"  # q8 tables may also be read by an embedding lookup (_read_tied_tables_from_blocks)
+        if fmt == "q5":  # MatMulNBits has no 5-bit blocks: the codes as 8-bit ones, exactly (Q5_0: q - 16)
+            k = codes.shape[1] * 8 // 5
+            wide = QuantizedTensor("q5", (codes.shape[0], k), group, codes.view(np.uint8), scales, mins).as_q8()
+            codes, mins, fmt = wide.codes, wide.mins, "q8"
         b = _blocks(fmt, codes, group)
         n, blocks = b.shape[0], b.shape[1]
         base = node.output[0]
-        if fmt == "q8" and codes_name not in self.q8_blocks:
+        if shared and codes_name not in self.q8_blocks:
             self.q8_blocks[codes_name] = (f"{codes_name}.nbits", n, blocks * group)
         out = [helper.make_node(
             "MatMulNBits", [x, self.constant(f"{codes_name}.nbits", b), self.constant(f"{scales_name}.nbits",

@@ -10,6 +10,14 @@ Two formats cover every GGUF block type foldline reads, each exactly:
   the decode kernel splits a byte into two codes that meet the two halves of
   the activation group, each a contiguous vector (kernels/qlinear.py).
   One scale and one min per group: w = scale * q + min.
+- `q5`: unsigned 5-bit codes [N, K] as two planes in one byte array per row,
+  [N, K/2 + K/8]: the low four bits as q4 lays them out (ggml's nibble order),
+  then the fifth bits, bit t of byte j the fifth bit of code 8j + t in k
+  order. A GGUF Q5 block's qh holds the same bits per block; one plane per
+  row lets a kernel read 64 codes' fifth bits as 8 contiguous bytes beside
+  their 32 nibble bytes. One scale and one min per group, as q4:
+  5.5 bits per code with f16 scales and mins of groups of 32, against the
+  8.5 bits of the same codes as q8.
 
 Scales and mins are float16 where the GGUF block stores them as float16
 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: bytes unchanged) and float32 where the block
@@ -22,10 +30,10 @@ where d < 0 and q = 8, our d * q + (-8 d) is +0.
 | GGUF type | format | codes | group | scale / min |
 | --- | --- | --- | --- | --- |
 | Q8_0 | q8 | q | 32 | d (f16) |
-| Q5_0 | q8 | q - 16 | 32 | d (f16) |
-| Q5_1 | q8 + min | q | 32 | d, m (f16) |
+| Q5_0 | q5 | q | 32 | d, -16 d (f16) |
+| Q5_1 | q5 | q | 32 | d, m (f16) |
 | Q6_K | q8 | q - 32 | 16 | d * sc (f32) |
-| Q5_K | q8 + min | q | 32 | d * sc, -dmin * m (f32) |
+| Q5_K | q5 | q | 32 | d * sc, -dmin * m (f32) |
 | Q4_0 | q4 | q | 32 | d, -8 d (f16) |
 | Q4_1 | q4 | q | 32 | d, m (f16) |
 | Q4_K | q4 | q | 32 | d * sc, -dmin * m (f32) |
@@ -43,9 +51,10 @@ from gguf.quants import Q4_K
 from torch import Tensor
 
 from ..errors import FoldlineError
+from ..kernels.mlir import codes_dims
 from .ops import register_decomposition
 
-FORMATS = ("q8", "q4")
+FORMATS = ("q8", "q4", "q5")
 
 
 class QuantError(FoldlineError, ValueError):
@@ -56,12 +65,12 @@ class QuantError(FoldlineError, ValueError):
 class QuantizedTensor:
     """A [N, K] weight in a foldline block format (numpy arrays, ready for the parameter archive)."""
 
-    format: str  # "q8" or "q4"
+    format: str  # "q8", "q4" or "q5"
     shape: tuple[int, int]  # logical [N, K]
     group: int
-    codes: np.ndarray  # q8: int8 [N, K]; q4: uint8 [N, K // 2] (two codes per byte)
+    codes: np.ndarray  # q8: int8 [N, K]; q4: uint8 [N, K // 2] (two codes per byte); q5: uint8 [N, K // 2 + K // 8]
     scales: np.ndarray  # [N, K // group], float16 or float32
-    mins: np.ndarray | None = None  # same shape and dtype as scales; required for q4
+    mins: np.ndarray | None = None  # same shape and dtype as scales; required for q4 and q5
 
     def __post_init__(self) -> None:
         n, k = self.shape
@@ -69,24 +78,43 @@ class QuantizedTensor:
             raise QuantError(f"unknown block format {self.format!r}; expected one of {FORMATS}")
         if k % self.group:
             raise QuantError(f"row length {k} is not a multiple of the group {self.group}")
-        want = (n, k // 2) if self.format == "q4" else (n, k)
+        if self.format == "q5" and self.group % 16:
+            raise QuantError(f"q5 groups hold whole bytes of fifth bits per half: group {self.group} is not a "
+                             "multiple of 16")
+        want = codes_dims(self.format, n, k)
         if self.codes.shape != want:
             raise QuantError(f"{self.format} codes have shape {self.codes.shape}, expected {want}")
         if self.scales.shape != (n, k // self.group):
             raise QuantError(f"scales have shape {self.scales.shape}, expected {(n, k // self.group)}")
-        if self.format == "q4" and self.mins is None:
-            raise QuantError("q4 needs a min per group")
+        if self.format in ("q4", "q5") and self.mins is None:
+            raise QuantError(f"{self.format} needs a min per group")
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.codes, self.scales, self.mins) if a is not None)
 
     def unpacked_codes(self) -> np.ndarray:
-        """int codes [N, K] as int16 (q4 unpacked from its nibbles)."""
+        """int codes [N, K] as int16 (q4 and q5 unpacked from their planes)."""
         if self.format == "q8":
             return self.codes.astype(np.int16)
         n, k = self.shape
+        if self.format == "q5":
+            return unpack_q5(self.codes, self.group).astype(np.int16)
         return unpack_q4(self.codes, self.group).reshape(n, k).astype(np.int16)
+
+    def as_q8(self) -> QuantizedTensor:
+        """The same weight as q8 blocks, exactly: q5 codes (0..31) fit a signed byte.
+
+        Q5_0's min of -16 d becomes the codes' offset (q - 16, no min), as a Q5_0 block means it:
+        a product with int8 activations then takes the whole weight in its integer sum.
+        """
+        if self.format != "q5":
+            raise QuantError(f"only q5 blocks widen to q8 exactly, not {self.format}")
+        q = self.unpacked_codes()
+        scales = self.scales.astype(np.float32)
+        if np.array_equal(self.mins.astype(np.float32), np.float32(-16) * scales):
+            return QuantizedTensor("q8", self.shape, self.group, (q - 16).astype(np.int8), self.scales)
+        return QuantizedTensor("q8", self.shape, self.group, q.astype(np.int8), self.scales, self.mins)
 
     def dequantize(self) -> np.ndarray:
         """float32 [N, K]: scale * q (+ min), in float32, the formula the compiled kernel uses."""
@@ -144,6 +172,23 @@ def unpack_q4(packed: np.ndarray, group: int) -> np.ndarray:
     return np.concatenate([b & 0x0F, b >> 4], axis=-1)
 
 
+def pack_q5(codes: np.ndarray, group: int) -> np.ndarray:
+    """uint8 codes [N, K] in 0..31 -> [N, K // 2 + K // 8]: the low nibbles as q4, then the fifth bits in k order."""
+    n, k = codes.shape
+    low = _pack_q4((codes & 0x0F).astype(np.uint8), group)
+    high = np.packbits((codes >> 4).astype(np.uint8) & 1, axis=-1, bitorder="little")
+    return np.concatenate([low, high], axis=-1)
+
+
+def unpack_q5(packed: np.ndarray, group: int) -> np.ndarray:
+    """The inverse of `pack_q5`: uint8 codes [N, K]."""
+    n, width = packed.shape
+    k = width * 8 // 5
+    low = unpack_q4(packed[:, : k // 2], group).reshape(n, k)
+    high = np.unpackbits(packed[:, k // 2 :].view(np.uint8), axis=-1, bitorder="little")
+    return low | (high << 4)
+
+
 def _f16(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16)
 
@@ -164,9 +209,16 @@ def repack_gguf(raw: np.ndarray, qtype: int) -> QuantizedTensor:
         m = _f16(blocks[:, 2:4]) if has_min else None
         off = 4 if has_min else 2
         qh, qs = blocks[:, off : off + 4], blocks[:, off + 4 :]
-        q = (unpack_q4(qs, 32)[:, 0] | (_high_bits_32(qh) << 4)).astype(np.int16)  # ggml's nibble order
-        codes = (q if has_min else q - 16).astype(np.int8).reshape(n, k)
-        return QuantizedTensor("q8", (n, k), 32, codes, d.reshape(n, -1), m.reshape(n, -1) if has_min else None)
+        if not has_min:
+            m = (d * np.float16(-16)).astype(np.float16)  # exact: a power-of-two multiple (d * (q - 16) = d q - 16 d)
+        if has_min or np.isfinite(m).all():
+            low = np.ascontiguousarray(qs).reshape(n, k // 2)  # already ggml's order
+            high = np.ascontiguousarray(qh).reshape(n, k // 8)  # bit i of a block's qh: its element i
+            return QuantizedTensor("q5", (n, k), 32, np.concatenate([low, high], axis=-1), d.reshape(n, -1),
+                                   m.reshape(n, -1))
+        # -16 d overflows float16 (|d| > 4095): the codes as q8, q - 16, with no min
+        q = (unpack_q4(qs, 32)[:, 0] | (_high_bits_32(qh) << 4)).astype(np.int16)
+        return QuantizedTensor("q8", (n, k), 32, (q - 16).astype(np.int8).reshape(n, k), d.reshape(n, -1))
     if qtype in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
         d = _f16(blocks[:, :2])
         if qtype == GGMLQuantizationType.Q4_1:
@@ -188,8 +240,8 @@ def repack_gguf(raw: np.ndarray, qtype: int) -> QuantizedTensor:
         qh, qs = blocks[:, 16:48], blocks[:, 48:].reshape(nb, 4, 32)
         ql = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(nb, 8, 32)
         high = ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1).reshape(nb, 8, 32)
-        q = (ql | (high << 4)).astype(np.int8).reshape(n, k)
-        return QuantizedTensor("q8", (n, k), 32, q, scale, minus)
+        q = (ql | (high << 4)).astype(np.uint8).reshape(n, k)
+        return QuantizedTensor("q5", (n, k), 32, pack_q5(q, 32), scale, minus)
     # Q6_K: 256 codes per block in 16 groups of 16, q - 32 in [-32, 31].
     ql, qh = blocks[:, :128], blocks[:, 128:192]
     sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
@@ -207,7 +259,8 @@ def repack_gguf(raw: np.ndarray, qtype: int) -> QuantizedTensor:
 
 
 def quantize(w: np.ndarray, fmt: str, group: int = 32) -> QuantizedTensor:
-    """Groupwise round-to-nearest: q8 symmetric (scale = max|w| / 127), q4 asymmetric (min and 15 steps).
+    """Groupwise round-to-nearest: q8 symmetric (scale = max|w| / 127), q4 and q5 asymmetric (min and 15 or
+    31 steps).
 
     Scales and mins are float16, like GGUF's Q8_0 / Q4_1 blocks.
     """
@@ -223,26 +276,35 @@ def quantize(w: np.ndarray, fmt: str, group: int = 32) -> QuantizedTensor:
         s32 = scale.astype(np.float32)[..., None]
         q = np.where(s32 > 0, np.rint(g / np.where(s32 > 0, s32, 1)), 0).clip(-127, 127)
         return QuantizedTensor("q8", (n, k), group, q.astype(np.int8).reshape(n, k), scale)
-    if fmt == "q4":
+    if fmt in ("q4", "q5"):
+        top = 15 if fmt == "q4" else 31
         lo, hi = g.min(-1), g.max(-1)
-        scale = ((hi - lo) / 15).astype(np.float16)
+        scale = ((hi - lo) / top).astype(np.float16)
         mins = lo.astype(np.float16)
         s32, m32 = scale.astype(np.float32)[..., None], mins.astype(np.float32)[..., None]
-        q = np.where(s32 > 0, np.rint((g - m32) / np.where(s32 > 0, s32, 1)), 0).clip(0, 15)
-        return QuantizedTensor("q4", (n, k), group, _pack_q4(q.astype(np.uint8).reshape(n, k), group), scale, mins)
+        q = np.where(s32 > 0, np.rint((g - m32) / np.where(s32 > 0, s32, 1)), 0).clip(0, top)
+        q = q.astype(np.uint8).reshape(n, k)
+        codes = _pack_q4(q, group) if fmt == "q4" else pack_q5(q, group)
+        return QuantizedTensor(fmt, (n, k), group, codes, scale, mins)
     raise QuantError(f"unknown block format {fmt!r}; expected one of {FORMATS}")
 
 
 def dequantize_torch(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, fmt: str,
                      group: int) -> torch.Tensor:
     """The eager reference of the compiled dequantization: float32 [N, K]."""
-    if fmt == "q4":  # ggml's order: byte b of a group holds elements b and b + group / 2
+    if fmt in ("q4", "q5"):  # ggml's order: byte b of a group holds elements b and b + group / 2
         n = codes.shape[0]
+        k = codes.shape[1] * 2 if fmt == "q4" else codes.shape[1] * 8 // 5
         # The nibbles in float32 arithmetic, exact for bytes 0..255: it exports to plain ONNX ops
         # that ONNX Runtime folds at load (aten's uint8 shift exports to a mistyped emulation).
-        b = codes.reshape(n, -1, group // 2).float()
+        b = codes[:, : k // 2].reshape(n, -1, group // 2).float()
         high = torch.floor(b / 16)
         q = torch.cat([b - 16 * high, high], dim=-1).reshape(n, -1)
+        if fmt == "q5":  # bit t of fifth-bit byte j: code 8j + t
+            weights = torch.exp2(torch.arange(8, dtype=torch.float32, device=codes.device))
+            bits = codes[:, k // 2 :].float()[..., None] / weights
+            fifth = torch.floor(bits) - 2 * torch.floor(bits / 2)
+            q = q + 16 * fifth.reshape(n, k)
     else:
         q = codes
     n, k = q.shape
@@ -288,7 +350,7 @@ def qembedding(codes: Tensor, scales: Tensor, mins: Tensor | None, ids: Tensor, 
 
 @qembedding.register_fake
 def _(codes, scales, mins, ids, fmt, group):
-    width = codes.shape[1] * (2 if fmt == "q4" else 1)
+    width = {"q4": codes.shape[1] * 2, "q5": codes.shape[1] * 8 // 5}.get(fmt, codes.shape[1])
     return torch.empty((*ids.shape, width), dtype=torch.float32, device=codes.device)
 
 

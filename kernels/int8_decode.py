@@ -11,8 +11,10 @@ in float:
 
     y[n] = sum_g s[n, g] * dx[g] * sum_k q[n, g, k] * xq[g, k]   (+ m[n, g] * dx[g] * sum_k xq[g, k])
 
-q4 codes are unsigned (0..15) and meet the signed activation directly; q8
-codes are signed and take each ISA's signed form. The dot-product lines come
+q4 and q5 codes are unsigned (0..15, 0..31) and meet the signed activation
+directly; q8 codes are signed and take each ISA's signed form. A q5 step reads
+the 32 nibble bytes of its 64 codes and their 8 bytes of fifth bits
+(`fifth_bit_lines`): 40 bytes where the same codes as q8 take 64. The dot-product lines come
 from kernels/isa.py (the shape's `isa`): on CPUs without VNNI the same
 kernel runs each 64-code step as two 256-bit `vpmaddubsw` + `vpmaddwd`, and
 each form (kernels/x86/) says why it is exact in int32.
@@ -84,7 +86,7 @@ class Int8DotShape:
     output (y = r + W x). Each saves the decode step a dispatch or two.
     """
 
-    fmt: str  # "q4" or "q8"
+    fmt: str  # "q4", "q5" or "q8"
     group: int
     scale_type: str  # "f16" or "f32"
     has_min: bool
@@ -141,7 +143,7 @@ class Int8DotShape:
 
 def supports(shape: Int8DotShape) -> bool:
     """Whether these kernels take this shape: groups of 16, 32 or 64, whole vectors of codes, whole row steps."""
-    return (shape.fmt in ("q4", "q8") and shape.group in (16, 32, 64) and shape.k % CODES_PER_STEP == 0
+    return (shape.fmt in ("q4", "q5", "q8") and shape.group in (16, 32, 64) and shape.k % CODES_PER_STEP == 0
             and shape.n % 16 == 0 and shape.scale_type in ("f16", "f32")
             and (shape.fmt == "q8" or shape.has_min) and (shape.gate is None or shape.gate in GATES))
 
@@ -172,6 +174,25 @@ def _nibble_mask(shape: Int8DotShape) -> list[int]:
     for j in range(CODES_PER_STEP // shape.group):
         mask += [j * half + b for b in range(half)] + [32 + j * half + b for b in range(half)]
     return mask
+
+
+def fifth_bit_constants(codes: int) -> list[str]:
+    """The constants `fifth_bit_lines` uses for runs of `codes` codes (once per function)."""
+    v = f"vector<{codes}xi8>"
+    return [f"%q5_zero{codes} = arith.constant dense<0> : {v}", f"%q5_16_{codes} = arith.constant dense<16> : {v}"]
+
+
+def fifth_bit_lines(out: str, packed: str, codes: int) -> list[str]:
+    """Lines making `out` (vector<codes x i8>: 16 or 0 per code) from `packed` (vector<codes/8 x i8>), the
+    q5 fifth bits of `codes` consecutive codes, bit t of byte j belonging to code 8j + t (frontend/quant.py).
+
+    The bytes are read as a vector of codes bits, the order LLVM gives a bitcast to i1 elements; on
+    AVX-512 that is a mask register, and the select one masked move (`vpmovm2b`-like). Or-ed into the
+    codes' nibbles this gives the 5-bit codes.
+    """
+    v = f"vector<{codes}xi8>"
+    return [f"{out}_m = vector.bitcast {packed} : vector<{codes // 8}xi8> to vector<{codes}xi1>",
+            f"{out} = arith.select {out}_m, %q5_16_{codes}, %q5_zero{codes} : vector<{codes}xi1>, {v}"]
 
 
 def quantize_group_lines(g: int) -> list[str]:
@@ -326,14 +347,19 @@ def _step(s: Int8DotShape, i: int, acc: str) -> list[str]:
     per = CODES_PER_STEP // s.group  # groups per step
     st = s.scale_type
     lines = [f"%xs{i} = vector.load %xq[%k{i}] : memref<{s.k}xi8>, vector<64xi8>"]
-    if s.fmt == "q4":
+    if s.fmt in ("q4", "q5"):
+        nibbles = "%q" if s.fmt == "q4" else "%ql"
         lines += [
             f"%b{i} = vector.load %codes[%row, %h{i}] : {_codes_memref(s)}, vector<32xi8>",
             f"%lo{i} = arith.andi %b{i}, %m15 : vector<32xi8>",
             f"%hi{i} = arith.shrui %b{i}, %s4 : vector<32xi8>",
-            f"%q{i} = vector.shuffle %lo{i}, %hi{i} {_nibble_mask(s)} : vector<32xi8>, vector<32xi8>",
-            *s.isa.dot_unsigned(f"%d{i}", "%isa_zi", f"%q{i}", f"%xs{i}"),
+            f"{nibbles}{i} = vector.shuffle %lo{i}, %hi{i} {_nibble_mask(s)} : vector<32xi8>, vector<32xi8>",
         ]
+        if s.fmt == "q5":
+            lines += [f"%fb{i} = vector.load %codes[%row, %fi{i}] : {_codes_memref(s)}, vector<8xi8>",
+                      *fifth_bit_lines(f"%fx{i}", f"%fb{i}", CODES_PER_STEP),
+                      f"%q{i} = arith.ori %ql{i}, %fx{i} : vector<64xi8>"]
+        lines += s.isa.dot_unsigned(f"%d{i}", "%isa_zi", f"%q{i}", f"%xs{i}")
     else:
         lines += [
             f"%q{i} = vector.load %codes[%row, %k{i}] : {_codes_memref(s)}, vector<64xi8>",
@@ -366,8 +392,10 @@ def _row(s: Int8DotShape) -> list[str]:
         lines += [f"%k{i} = arith.constant {i * CODES_PER_STEP} : index",
                   f"%l{i} = arith.constant {i * CODES_PER_STEP // 4} : index",
                   f"%g{i} = arith.constant {i * per} : index"]
-        if s.fmt == "q4":
+        if s.fmt in ("q4", "q5"):
             lines.append(f"%h{i} = arith.constant {i * CODES_PER_STEP // 2} : index")
+        if s.fmt == "q5":  # the fifth bits follow the K/2 nibble bytes of the row
+            lines.append(f"%fi{i} = arith.constant {s.k // 2 + i * CODES_PER_STEP // 8} : index")
     last: dict[int, str] = {}  # chain -> its latest accumulator
     for i in range(steps):
         c = i % CHAINS
@@ -432,6 +460,7 @@ def int8_dot_executable(s: Int8DotShape) -> str:
         "%zf = arith.constant dense<0.0> : vector<16xf32>",
         "%m15 = arith.constant dense<15> : vector<32xi8>",
         "%s4 = arith.constant dense<4> : vector<32xi8>",
+        *(fifth_bit_constants(CODES_PER_STEP) if s.fmt == "q5" else []),
         f"%nrows = arith.constant {rows} : index",
         "%rowbase = arith.muli %wg, %nrows : index",
         "%rowend = arith.addi %rowbase, %nrows : index",

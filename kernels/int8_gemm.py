@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .int8_decode import quantize_group_lines
+from .int8_decode import fifth_bit_constants, fifth_bit_lines, quantize_group_lines
 from .isa import Int8Isa
 from .mlir import as_tensor, codes_dims, memref_type, stream_executable
 from .x86 import AVX512_VNNI
@@ -64,7 +64,7 @@ MAX_CHUNK = 256
 class Int8GemmShape:
     """What shapes one kernel: codes format, group, scale dtype, mins, M (rows), K, N."""
 
-    fmt: str  # "q4" or "q8"
+    fmt: str  # "q4", "q5" or "q8"
     group: int
     scale_type: str  # "f16" or "f32"
     has_min: bool
@@ -119,7 +119,7 @@ class Int8GemmShape:
 
 def supports(s: Int8GemmShape) -> bool:
     """Whether these kernels take this shape: whole row vectors, whole channel blocks, a tile that fits."""
-    return (s.fmt in ("q4", "q8") and s.group in (16, 32, 64) and s.k % s.group == 0 and s.m % 16 == 0
+    return (s.fmt in ("q4", "q5", "q8") and s.group in (16, 32, 64) and s.k % s.group == 0 and s.m % 16 == 0
             and s.n % CHANNELS == 0 and s.scale_type in ("f16", "f32") and (s.fmt == "q8" or s.has_min)
             and s.n % s.tile_channels == 0 and s.stack_bytes(s.tile_channels) <= STACK_BYTES)
 
@@ -198,7 +198,7 @@ def _unpack_codes(s: Int8GemmShape) -> list[str]:
         "    %gi = arith.addi %g0, %gl : index",
         "    %q0 = arith.muli %gl, %nq : index",
     ]
-    if s.fmt == "q4":  # a group's g/2 bytes: byte b holds code b (low nibble) and b + g/2 (high)
+    if s.fmt in ("q4", "q5"):  # a group's g/2 bytes: byte b holds code b (low nibble) and b + g/2 (high)
         half, words = g // 2, g // 8
         lines += [
             f"    %nb = arith.constant {half} : index",
@@ -209,12 +209,28 @@ def _unpack_codes(s: Int8GemmShape) -> list[str]:
             f"    %s4 = arith.constant dense<4> : vector<{half}xi8>",
             f"    %lo = arith.andi %b, %m15 : vector<{half}xi8>",
             f"    %hi = arith.shrui %b, %s4 : vector<{half}xi8>",
-            f"    %lo32 = vector.bitcast %lo : vector<{half}xi8> to vector<{words}xi32>",
-            f"    %hi32 = vector.bitcast %hi : vector<{half}xi8> to vector<{words}xi32>",
-            "    %q1 = arith.addi %q0, %nw : index",
-            f"    vector.store %lo32, %w[%t, %q0] : {w_t}, vector<{words}xi32>",
-            f"    vector.store %hi32, %w[%t, %q1] : {w_t}, vector<{words}xi32>",
         ]
+        if s.fmt == "q5":  # the group's g codes in k order with their fifth bits (g/8 bytes after the nibbles)
+            lines += [
+                f"    %fbase = arith.constant {s.k // 2} : index",
+                f"    %nf = arith.constant {g // 8} : index",
+                "    %fg = arith.muli %gi, %nf : index",
+                "    %foff = arith.addi %fbase, %fg : index",
+                f"    %fb = vector.load %codes[%cn, %foff] : {_codes_memref(s)}, vector<{g // 8}xi8>",
+                *[f"    {line}" for line in fifth_bit_lines("%fx", "%fb", g)],
+                f"    %q4k = vector.shuffle %lo, %hi {list(range(g))} : vector<{half}xi8>, vector<{half}xi8>",
+                f"    %q5k = arith.ori %q4k, %fx : vector<{g}xi8>",
+                f"    %q5w = vector.bitcast %q5k : vector<{g}xi8> to vector<{g // 4}xi32>",
+                f"    vector.store %q5w, %w[%t, %q0] : {w_t}, vector<{g // 4}xi32>",
+            ]
+        else:
+            lines += [
+                f"    %lo32 = vector.bitcast %lo : vector<{half}xi8> to vector<{words}xi32>",
+                f"    %hi32 = vector.bitcast %hi : vector<{half}xi8> to vector<{words}xi32>",
+                "    %q1 = arith.addi %q0, %nw : index",
+                f"    vector.store %lo32, %w[%t, %q0] : {w_t}, vector<{words}xi32>",
+                f"    vector.store %hi32, %w[%t, %q1] : {w_t}, vector<{words}xi32>",
+            ]
     elif s.signed_codes:  # q8 codes as they are, met by the form's signed product
         lines += [
             f"    %ng = arith.constant {g} : index",
@@ -329,6 +345,7 @@ def gemm_executable(s: Int8GemmShape) -> str:
         f"%nGc = arith.constant {s.chunk // g} : index",
         f"%nG = arith.constant {s.groups} : index",
         *s.isa.constants(),
+        *(fifth_bit_constants(g) if s.fmt == "q5" else []),
         "%zf = arith.constant dense<0.0> : vector<16xf32>",
         f"%cJ = arith.constant {J} : index",
         f"%cM = arith.constant {s.m} : index",

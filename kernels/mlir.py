@@ -27,8 +27,9 @@ def as_tensor(memref: str) -> str:
 
 
 def codes_dims(fmt: str, n: int, k: int) -> tuple[int, int]:
-    """The codes array of an [N, K] weight in a block format: q4 packs two codes per byte."""
-    return (n, k // 2 if fmt == "q4" else k)
+    """The codes array of an [N, K] weight in a block format (frontend/quant.py): q4 packs two codes
+    per byte, q5 adds a plane of fifth bits (one bit per code) after its nibbles."""
+    return (n, {"q4": k // 2, "q5": k // 2 + k // 8}.get(fmt, k))
 
 
 def f32_bits(value: float) -> str:

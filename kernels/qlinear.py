@@ -85,7 +85,7 @@ class QuantKernelError(SiteError):
 class QLinearSpec:
     """Everything that shapes one generated kernel."""
 
-    fmt: str  # "q8" or "q4"
+    fmt: str  # "q8", "q4" or "q5" (the float kernels read q5 widened to q8's layout)
     group: int
     scale_type: str  # "f16" or "f32"
     has_min: bool
@@ -133,11 +133,11 @@ def _half_lanes(spec: QLinearSpec) -> int | None:
 
 
 def _rows_per_step(spec: QLinearSpec) -> int:
-    """Output rows per vector step of the half-group kernel: four for long or q8 rows, else two.
+    """Output rows per vector step of the half-group kernel: four for long or byte-code rows, else two.
 
     Capped so that all activation rows times these rows stay within four chains' registers.
     """
-    long = spec.fmt == "q8" or spec.groups >= LONG_ROW_GROUPS
+    long = spec.fmt in ("q8", "q5") or spec.groups >= LONG_ROW_GROUPS  # q5 is read as q8 (_widen_q5)
     for rows in ((ROWS_PER_STEP_LONG, ROWS_PER_STEP) if long else (ROWS_PER_STEP,)):
         if spec.n % rows == 0 and spec.m * rows <= 4:
             return rows
@@ -194,8 +194,63 @@ def _reshape(op: str, src: str, src_t: str, dst_t: str, groups: list[list[int]],
 
 
 
-def _codes_t(spec: QLinearSpec) -> str:
+def _stored_codes_t(spec: QLinearSpec) -> str:
+    """The codes as the bundle stores them: what a kernel's util.func takes."""
     return tensor_type(codes_dims(spec.fmt, spec.n, spec.k), "i8")
+
+
+def _codes_t(spec: QLinearSpec) -> str:
+    """%codes as the float kernels read it: q5 widened to one byte per code (`_widen_q5`), else as stored."""
+    return tensor_type(codes_dims("q8" if spec.fmt == "q5" else spec.fmt, spec.n, spec.k), "i8")
+
+
+def _widen_q5(spec: QLinearSpec) -> list[str]:
+    """Lines making %codes [N, K] (one byte per code, 0..31, in k order) from %codes_q5, the stored planes.
+
+    The float kernels then read q5 codes as they read q8 ones: the portable form, which copies
+    the planes apart and writes the widened codes each call (IREE 3.13 fuses neither into the
+    kernel's dispatch; reading the planes in place crashes the compiler). The int8 kernels read
+    the planes as they lie; where a bundle would run the float kernels at every step, the
+    quantize-weights pass widens the codes once instead (docs/quantization.md). Code
+    h * g/2 + c * 8 + t of group g is nibble h of byte c * 8 + t of the group's nibble bytes,
+    plus bit t of byte g * g/8 + h * g/16 + c of the fifth bits: with the code index split as
+    (h, c, t), every read is an affine map without a division.
+    """
+    n, k, g, half = spec.n, spec.k, spec.groups, spec.group // 2
+    lo_t, hi_t = tensor_type((n, k // 2), "i8"), tensor_type((n, k // 8), "i8")
+    lo4_t, hi4_t = tensor_type((n, g, half // 8, 8), "i8"), tensor_type((n, g, 2, half // 8), "i8")
+    out_t = tensor_type((n, g, 2, half // 8, 8), "i8")
+    dims = "n, g, h, c, t"
+    return [
+        f"%q5lo = tensor.extract_slice %codes_q5[0, 0] [{n}, {k // 2}] [1, 1] : {_stored_codes_t(spec)} to {lo_t}",
+        f"%q5hi = tensor.extract_slice %codes_q5[0, {k // 2}] [{n}, {k // 8}] [1, 1] "
+        f": {_stored_codes_t(spec)} to {hi_t}",
+        "%q5lo4 = " + _reshape("expand", "%q5lo", lo_t, lo4_t, [[0], [1, 2, 3]], [n, g, half // 8, 8]),
+        "%q5hi4 = " + _reshape("expand", "%q5hi", hi_t, hi4_t, [[0], [1, 2, 3]], [n, g, 2, half // 8]),
+        f"%q5empty = tensor.empty() : {out_t}",
+        f"%q5w = linalg.generic {{indexing_maps = [affine_map<({dims}) -> (n, g, c, t)>, "
+        f"affine_map<({dims}) -> (n, g, h, c)>, affine_map<({dims}) -> ({dims})>], "
+        'iterator_types = ["parallel", "parallel", "parallel", "parallel", "parallel"]}',
+        f"    ins(%q5lo4, %q5hi4 : {lo4_t}, {hi4_t}) outs(%q5empty : {out_t}) {{",
+        "  ^bb0(%nb: i8, %fb: i8, %o: i8):",
+        "      %h = linalg.index 2 : index",
+        "      %t = linalg.index 4 : index",
+        "      %h8 = arith.index_cast %h : index to i8",
+        "      %t8 = arith.index_cast %t : index to i8",
+        "      %c4 = arith.constant 4 : i8",
+        "      %c1 = arith.constant 1 : i8",
+        "      %c15 = arith.constant 15 : i8",
+        "      %sh = arith.muli %h8, %c4 : i8",
+        "      %nib0 = arith.shrui %nb, %sh : i8",
+        "      %nib = arith.andi %nib0, %c15 : i8",
+        "      %bit0 = arith.shrui %fb, %t8 : i8",
+        "      %bit = arith.andi %bit0, %c1 : i8",
+        "      %fifth = arith.shli %bit, %c4 : i8",
+        "      %q = arith.ori %nib, %fifth : i8",
+        "      linalg.yield %q : i8",
+        f"}} -> {out_t}",
+        "%codes = " + _reshape("collapse", "%q5w", out_t, _codes_t(spec), [[0], [1, 2, 3, 4]], []),
+    ]
 
 
 def _scales_t(spec: QLinearSpec) -> str:
@@ -246,12 +301,19 @@ def _rows_as_y(spec: QLinearSpec) -> str:
     return "%y = " + _reshape("expand", "%y2", y2_t, y_t, [list(range(lead)), [lead]], y_shape)
 
 
+def _params(spec: QLinearSpec, codes: str = "%codes") -> list[str]:
+    """(x, codes, scales[, mins]): the util.func parameters of a site, the codes as stored."""
+    params = [f"%x: {tensor_type(spec.x_shape, 'f32')}", f"{codes}: {_stored_codes_t(spec)}",
+              f"%scales: {_scales_t(spec)}"]
+    return params + ([f"%mins: {_scales_t(spec)}"] if spec.has_min else [])
+
+
 def _function(spec: QLinearSpec, lines: list[str], params: list[str] | None = None, name: str | None = None) -> str:
     """The util.func @name (default spec.name) returning %y; params default to (x, codes, scales[, mins])."""
-    if params is None:
-        params = [f"%x: {tensor_type(spec.x_shape, 'f32')}", f"%codes: {_codes_t(spec)}", f"%scales: {_scales_t(spec)}"]
-        if spec.has_min:
-            params.append(f"%mins: {_scales_t(spec)}")
+    if params is None:  # a float kernel: q5 codes are widened on the way in
+        params = _params(spec, "%codes_q5" if spec.fmt == "q5" else "%codes")
+        if spec.fmt == "q5":
+            lines = _widen_q5(spec) + lines
     y_t = tensor_type((*spec.x_shape[:-1], spec.n), "f32")
     body = "\n  ".join(lines)
     return (f"util.func private @{name or spec.name}({', '.join(params)}) -> {y_t} {{\n  {body}\n"
@@ -532,10 +594,12 @@ def _spec_of(op: ir.Operation) -> QLinearSpec:
     (n, _), _ = shape_and_type(codes)
     _, s_type = shape_and_type(scales)
     spec = QLinearSpec(str(constant(fmt)), int(constant(group)), s_type, not is_constant(mins, "none"), x_shape, n)
-    if spec.fmt not in ("q8", "q4") or spec.scale_type not in ("f16", "f32") or spec.k % spec.group:
+    if spec.fmt not in ("q8", "q4", "q5") or spec.scale_type not in ("f16", "f32") or spec.k % spec.group:
         raise QuantKernelError(f"no kernel for {spec}")
-    if spec.fmt == "q4" and not spec.has_min:
-        raise QuantKernelError("q4 qlinear needs mins")
+    if spec.fmt in ("q4", "q5") and not spec.has_min:
+        raise QuantKernelError(f"{spec.fmt} qlinear needs mins")
+    if spec.fmt == "q5" and spec.group % 16:
+        raise QuantKernelError(f"q5 groups are multiples of 16, got {spec.group}")
     return spec
 
 
@@ -586,7 +650,7 @@ def int8_dot_mlir(spec: QLinearSpec, shape: Int8DotShape | None = None) -> list[
         _rows_as_y(spec),
     ]
     params = [f"%x: {tensor_type(x_shape, 'f32')}"] + ([f"%w: {tensor_type((k,), 'f32')}"] if shape.norm else [])
-    params += [f"%codes: {_codes_t(spec)}", f"%scales: {_scales_t(spec)}"]
+    params += [f"%codes: {_stored_codes_t(spec)}", f"%scales: {_scales_t(spec)}"]
     params += ([f"%mins: {_scales_t(spec)}"] if spec.has_min else [])
     params += [f"%r: {tensor_type(y_shape, 'f32')}"] if shape.residual else []
     return [int8_dot_executable(shape), _function(spec, lines, params, int8_dot_function_name(spec, shape))]
@@ -617,7 +681,7 @@ def int8_gemm_mlir(spec: QLinearSpec, isa: Int8Isa = AVX512_VNNI) -> list[str]:
         *int8_gemm_dispatches(shape, "%x2", "%codes", "%scales", "%mins" if spec.has_min else None, "%y2"),
         _rows_as_y(spec),
     ]
-    return [quantize_executable(shape), gemm_executable(shape), _function(spec, lines)]
+    return [quantize_executable(shape), gemm_executable(shape), _function(spec, lines, _params(spec))]
 
 
 def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8: Int8Kernels = FLOAT_KERNELS) -> tuple[str, Counter[str]]:
@@ -649,7 +713,7 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8: Int8Kernels = FLOAT_KER
             made = [builtin_tensor(row, tensor_type((*rows, dot.x_len if dot else spec.k), "f32"))]
             if norm:
                 made.append(builtin_tensor(norm.weight, tensor_type((spec.k,), "f32")))
-            made += [builtin_tensor(codes, _codes_t(spec)), builtin_tensor(scales, _scales_t(spec))]
+            made += [builtin_tensor(codes, _stored_codes_t(spec)), builtin_tensor(scales, _scales_t(spec))]
             if spec.has_min:
                 made.append(builtin_tensor(mins, _scales_t(spec)))
             if residual:

@@ -10,9 +10,11 @@ Where the blocks come from, per `CompileUnit.options["weights"]`:
 
 - `auto` (default): the checkpoint's own blocks (`CompileUnit.source_blocks`,
   repacked exactly from GGUF by the loader); weights stored as floats stay floats.
+  5-bit blocks are widened exactly to q8 where the unit's `five_bit_codes`
+  option is false: no module of the bundle has kernels that read them as they lie.
 - `int8` / `int4`: every 2-D weight in that format, the checkpoint's blocks
-  where they already are in it, else groupwise round-to-nearest from the float
-  weight (`options["group"]`, default 32); the error of each is reported.
+  where they already are in it (5-bit blocks widened exactly for `int8`), else
+  groupwise round-to-nearest from the float weight (`options["group"]`, default 32); the error of each is reported.
 - `f32`: nothing changes.
 
 A weight read by several nodes (a head tied to the embedding table) or by
@@ -21,6 +23,7 @@ several entry points is quantized once and stored once.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +39,7 @@ from .graph_edit import LiftedInputs, copy_graph_module, remove_dead_code
 from .registry import CompileUnit, PassResult, register_pass
 
 NAME = "quantize-weights"
+FIVE_BIT_CODES = "five_bit_codes"  # unit option: False widens q5 checkpoint blocks to q8 (backends/build.py)
 MODES = ("auto", "f32", "int8", "int4")
 FORMAT_OF_MODE = {"int8": "q8", "int4": "q4"}
 DEFAULT_GROUP = 32
@@ -76,6 +80,7 @@ class _Report:
     embeddings: int = 0
     float_bytes: int = 0
     quant_bytes: int = 0
+    widened: int = 0  # 5-bit checkpoint blocks stored as q8
     notes: list[str] = field(default_factory=list)
 
 
@@ -83,6 +88,7 @@ class _Quantizer:
     def __init__(self, unit: CompileUnit):
         self.mode, self.group = weights_mode(unit)
         self.sources = unit.source_blocks
+        self.five_bit = unit.options.get(FIVE_BIT_CODES, True)
         self.chosen: dict[str, _Choice | None] = {}
         # One Parameter per lifted array, shared by every entry point (the importer writes it once).
         self.tensors: dict[str, torch.nn.Parameter] = {}
@@ -94,10 +100,15 @@ class _Quantizer:
             return self.chosen[target]
         choice = None
         source = self.sources.get(target)
+        if source is not None and source.format == "q5" and not self.five_bit:
+            source = source.as_q8()
+            self.report.widened += 1
         wanted = FORMAT_OF_MODE.get(self.mode)
         if weight.dim() == 2 and weight.is_floating_point():
             if source is not None and (self.mode == "auto" or source.format == wanted):
                 choice = _Choice(source, "checkpoint")
+            elif source is not None and wanted == "q8" and source.format == "q5":
+                choice = _Choice(source.as_q8(), "checkpoint")
             elif wanted is not None and weight.shape[1] % self.group == 0:
                 w = materialize(weight).detach().to(torch.float32).numpy()
                 blocks = quant.quantize(w, wanted, self.group)
@@ -184,6 +195,12 @@ def quantize_weights(unit: CompileUnit) -> PassResult:
     if requantized:
         worst = max(requantized.items(), key=lambda kv: kv[1].rel_rms_error)
         notes.append(f"worst requantization: {worst[0]} relative RMS error {worst[1].rel_rms_error:.3g}")
+    formats = Counter(c.blocks.format for c in chosen.values())
+    if formats:
+        notes.append("formats: " + ", ".join(f"{count} {fmt}" for fmt, count in sorted(formats.items())))
+    if r.widened:
+        notes.append(f"{r.widened} weight(s) of 5-bit blocks widened to q8: no module of this bundle reads "
+                     "5-bit codes with int8 activations")
     notes += r.notes
     details = {
         "mode": q.mode,

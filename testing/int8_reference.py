@@ -46,7 +46,8 @@ def random_blocks(fmt: str, group: int, scale_type: str, n: int, k: int, rng: np
     """Random codes in the bundle layout and their scales and mins, as the kernels read them.
 
     Returns (codes, q, scales, mins, weight): codes as stored (q4: [N, K/2] bytes in ggml's
-    nibble order, byte b of a group holding codes b and b + g/2; q8: [N, K] int8), q the
+    nibble order, byte b of a group holding codes b and b + g/2; q5: those nibbles, then the
+    [N, K/8] fifth bits; q8: [N, K] int8), q the
     codes as int64 [N, K], and weight the float64 [N, G, g] w = scale * q (the caller adds the
     mins where the format has them).
     """
@@ -57,6 +58,12 @@ def random_blocks(fmt: str, group: int, scale_type: str, n: int, k: int, rng: np
         q = rng.integers(0, 16, (n, k)).astype(np.int64)
         halves = q.astype(np.uint8).reshape(n, k // group, 2, group // 2)
         codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).view(np.int8)
+    elif fmt == "q5":
+        from ..frontend.quant import pack_q5
+
+        q = rng.integers(0, 32, (n, k)).astype(np.int64)
+        q[:, ::5] = 31  # the largest code, and every fifth bit set somewhere
+        codes = pack_q5(q.astype(np.uint8), group).view(np.int8)
     else:
         codes = rng.integers(-128, 128, (n, k)).astype(np.int8)
         codes[:, ::7] = -128  # the edge of the products' exactness (kernels/isa.py): |-128| is 128

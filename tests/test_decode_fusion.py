@@ -182,11 +182,13 @@ def _logits(bundle) -> np.ndarray:
 @pytest.mark.parametrize("preset,fmt,intermediate,fusions", [
     ("llama-tiny", "q4", 128, {"_rms", "_swiglu", "_res"}),
     ("gemma3-tiny", "q8", None, {"_rms", "_geglu"}),
+    ("gemma3-tiny", "q5", None, {"_rms", "_geglu"}),  # 5-bit codes read as they lie (kernels/int8_decode.py)
 ])
 def test_fused_decode_matches_the_unfused_kernels(preset, fmt, intermediate, fusions, tmp_path, monkeypatch):
     fused = _compile(preset, fmt, intermediate, tmp_path / "fused", True, monkeypatch)
     plain = _compile(preset, fmt, intermediate, tmp_path / "plain", False, monkeypatch)
     fused_kernels, plain_kernels = _int8_dot_kernels(fused), _int8_dot_kernels(plain)
+    assert all(k.startswith(f"foldline_i8dot_{fmt}") for k in fused_kernels | plain_kernels), fused_kernels
     for marker in ("_rms", "_swiglu", "_geglu", "_res"):
         assert any(marker in k for k in fused_kernels) == (marker in fusions), marker
         assert not any(marker in k for k in plain_kernels), marker
@@ -202,9 +204,12 @@ def test_fused_decode_matches_the_unfused_kernels(preset, fmt, intermediate, fus
     # here and there, so each bundle is held to the float32 eager reference of the same weights,
     # and the fused one must be no further from it.
     eager = _eager_logits(preset, fmt, intermediate)
-    err_fused = (np.abs(a - eager).max(axis=1) / np.abs(eager).max(axis=1)).max()
-    err_plain = (np.abs(b - eager).max(axis=1) / np.abs(eager).max(axis=1)).max()
-    assert err_fused < 3e-2 and err_fused <= 1.1 * err_plain, (err_fused, err_plain)
+    err_fused = np.abs(a - eager).max(axis=1) / np.abs(eager).max(axis=1)
+    err_plain = np.abs(b - eager).max(axis=1) / np.abs(eager).max(axis=1)
+    # The worst step within the int8 bound, and over all steps about as close to eager: the two
+    # bundles round different activations to int8, so each error is one draw of that rounding
+    # (a fused kernel that computed the activation wrong would be off by several times).
+    assert err_fused.max() < 3e-2 and err_fused.mean() <= 1.2 * err_plain.mean(), (err_fused, err_plain)
     assert (a.argmax(axis=1) == eager.argmax(axis=1)).mean() >= (b.argmax(axis=1) == eager.argmax(axis=1)).mean()
 
 

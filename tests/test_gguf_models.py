@@ -73,8 +73,9 @@ def test_tokenizer_matches_hf(name, gguf_models, hf_tokenizers):
 
 
 # params.irpa against the file's tensor bytes: SmolLM2 (Q4_1, Q8_0) repacks byte for byte; Gemma's Q5_0
-# codes take a byte each and its K-quant sub-block scales become float32 (docs/quantization.md).
-PARAMS_VS_GGUF = {"smollm2-135m": (0.99, 1.03), "gemma3-270m": (1.0, 1.15)}
+# blocks keep their 5-bit codes and gain a float16 min, its K-quant sub-block scales become float32
+# (docs/quantization.md). With Q5_0's codes as bytes the ratio was 1.13.
+PARAMS_VS_GGUF = {"smollm2-135m": (0.99, 1.03), "gemma3-270m": (1.0, 1.08)}
 
 
 @pytest.mark.parametrize("name", MODELS)

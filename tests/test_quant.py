@@ -61,12 +61,12 @@ def test_repacked_blocks_dequantize_bit_exactly_like_gguf(qtype):
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
                                    GGMLQuantizationType.Q5_0], ids=lambda q: q.name)
 def test_legacy_formats_keep_the_files_bytes(qtype):
-    """Q8_0 / Q4_x / Q5_0 repack losslessly in size too: codes + float16 scales, no growth beyond the
-    byte per code that Q5_0's fifth bit costs."""
+    """Q8_0 / Q4_x / Q5_0 repack losslessly in size too: codes at their own width + float16 scales (and
+    mins: Q4_0's -8 d and Q5_0's -16 d cost 2 bytes per 32 codes)."""
     raw = random_blocks(qtype, rows=4, blocks_per_row=4, seed=1)
     packed = repack_gguf(raw, qtype)
     assert packed.scales.dtype == np.float16
-    bits = {GGMLQuantizationType.Q8_0: 8, GGMLQuantizationType.Q5_0: 8}.get(qtype, 4)
+    bits = {GGMLQuantizationType.Q8_0: 8, GGMLQuantizationType.Q5_0: 5}.get(qtype, 4)
     n, k = packed.shape
     mins = 0 if packed.mins is None else packed.mins.nbytes
     assert packed.nbytes == n * k * bits // 8 + packed.scales.nbytes + mins
@@ -84,6 +84,40 @@ def test_q4_codes_keep_ggml_nibble_order():
     assert np.array_equal(packed.codes.reshape(2, 3, 16), raw.reshape(2, 3, 20)[:, :, 4:]), "the block's bytes as they are"
 
 
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_K],
+                         ids=lambda q: q.name)
+def test_q5_keeps_five_bits_per_code(qtype):
+    """GGUF's 5-bit blocks stay 5-bit: a nibble plane in ggml's order, then the fifth bits in k order."""
+    raw = random_blocks(qtype, rows=3, blocks_per_row=8, seed=5)
+    packed = repack_gguf(raw, qtype)
+    n, k = packed.shape
+    assert packed.format == "q5" and packed.codes.shape == (n, k // 2 + k // 8)
+    codes = packed.unpacked_codes()
+    assert codes.min() >= 0 and codes.max() <= 31
+    assert np.array_equal(packed.codes[:, : k // 2], _pack_q4_reference(codes & 15, packed.group))
+    assert packed.codes[1, k // 2 + 5] == sum(((codes[1, 40 + t] >> 4) & 1) << t for t in range(8))
+    if qtype == GGMLQuantizationType.Q5_0:  # the block's own bytes: qh, then qs
+        blocks = raw.reshape(n, -1, 22)
+        assert np.array_equal(packed.codes[:, : k // 2].reshape(n, -1, 16), blocks[:, :, 6:])
+        assert np.array_equal(packed.codes[:, k // 2 :].reshape(n, -1, 4), blocks[:, :, 2:6])
+    widened = packed.as_q8()
+    assert widened.format == "q8" and np.array_equal(widened.dequantize(), packed.dequantize())
+    # Q5_0 widens to the signed codes q - 16 with no min, as its block means them
+    assert (widened.mins is None) == (qtype == GGMLQuantizationType.Q5_0)
+
+
+def test_q5_needs_whole_bytes_of_fifth_bits_per_half_group():
+    with pytest.raises(QuantError, match="multiple of 16"):
+        QuantizedTensor("q5", (2, 64), 8, np.zeros((2, 40), np.uint8), np.ones((2, 8), np.float16),
+                        np.ones((2, 8), np.float16))
+
+
+def _pack_q4_reference(codes: np.ndarray, group: int) -> np.ndarray:
+    n, k = codes.shape
+    halves = codes.reshape(n, k // group, 2, group // 2).astype(np.uint8)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
+
+
 def test_q4_packing_round_trips_for_any_group():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((6, 256)).astype(np.float32)
@@ -97,7 +131,7 @@ def test_q4_packing_round_trips_for_any_group():
         assert np.array_equal(torch_w.numpy(), q.dequantize())
 
 
-@pytest.mark.parametrize("fmt,bound", [("q8", 1 / 254), ("q4", 1 / 30)])
+@pytest.mark.parametrize("fmt,bound", [("q8", 1 / 254), ("q4", 1 / 30), ("q5", 1 / 62)])
 def test_groupwise_quantization_error_is_within_half_a_step(fmt, bound):
     rng = np.random.default_rng(0)
     w = rng.standard_normal((64, 128)).astype(np.float32)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -51,7 +54,9 @@ def blocked_bundles(tmp_path_factory):
 
 
 # llama: untied head; gemma3: a q8 table tied to the head, sliding windows; qwen35: GDN projections.
-@pytest.mark.parametrize("preset,fmt", [("llama-tiny", "q4"), ("gemma3-tiny", "q8"), ("qwen35-tiny", "q4")])
+# gemma3 in 5-bit blocks: float activations, so the codes are widened to bytes at compile time.
+@pytest.mark.parametrize("preset,fmt", [("llama-tiny", "q4"), ("gemma3-tiny", "q8"), ("qwen35-tiny", "q4"),
+                                        ("gemma3-tiny", "q5")])
 def test_lossless_blocks_compile_and_match_eager(preset, fmt, blocked_bundles):
     from foldline.runtime import Model
     from foldline.testing.parity import SCALED_TOL_FP32, run_parity
@@ -60,6 +65,16 @@ def test_lossless_blocks_compile_and_match_eager(preset, fmt, blocked_bundles):
     report = run_parity(loaded.module, Model.load(bundle), list(range(3, 43)), steps=24)
     assert report.ok(SCALED_TOL_FP32), report.summary()
     assert report.tokens_agree
+    notes = _quantize_notes(bundle)
+    assert "(0 requantized)" in notes
+    stored = "q8" if fmt == "q5" else fmt
+    assert re.search(rf"formats: \d+ {stored}\b", notes) and len(re.findall(r"\d+ q\d\b", notes)) == 1, notes
+    assert ("widened to q8" in notes) == (fmt == "q5"), notes
+
+
+def _quantize_notes(bundle) -> str:
+    passes = json.loads((bundle / "manifest.json").read_text())["passes"]
+    return " ".join(next(p for p in passes if p["name"] == "quantize-weights")["notes"])
 
 
 def test_decode_reads_only_codes_and_no_float_weight_outlives_a_prefill_call(blocked_bundles, tmp_path):

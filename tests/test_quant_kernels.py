@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 from foldline.backends.targets import cpu_target
+from foldline.frontend.quant import pack_q5
 from foldline.kernels import qlinear as qk
 
 
 def _module(spec: qk.QLinearSpec, kernel: str) -> str:
-    params = [f"%x: {qk.tensor_type(spec.x_shape, 'f32')}", f"%codes: {qk._codes_t(spec)}", f"%scales: {qk._scales_t(spec)}"]
+    params = [f"%x: {qk.tensor_type(spec.x_shape, 'f32')}", f"%codes: {qk._stored_codes_t(spec)}", f"%scales: {qk._scales_t(spec)}"]
     if spec.has_min:
         params.append(f"%mins: {qk._scales_t(spec)}")
     names = ", ".join(p.split(":")[0] for p in params)
@@ -28,6 +29,9 @@ def _inputs(spec: qk.QLinearSpec, rng: np.random.Generator):
         q = rng.integers(0, 16, (n, k)).astype(np.uint8)
         halves = q.reshape(n, k // g, 2, g // 2)  # ggml's order: byte b holds codes b and b + g/2 of its group
         codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).view(np.int8)
+    elif spec.fmt == "q5":  # the nibbles as q4, then the fifth bits (frontend/quant.py)
+        q = rng.integers(0, 32, (n, k)).astype(np.uint8)
+        codes = pack_q5(q, g).view(np.int8)
     else:
         q = codes = rng.integers(-128, 128, (n, k)).astype(np.int8)
     scales = (rng.standard_normal((n, k // g)) * 0.02).astype(sdt)
@@ -69,6 +73,9 @@ CASES = [
     qk.QLinearSpec("q8", 32, "f32", True, (1, 32), 48),  # one group: the horizontal form
     qk.QLinearSpec("q4", 32, "f16", True, (1, 32), 48),  # one group, q4: the horizontal form in ggml's order
     qk.QLinearSpec("q4", 32, "f16", True, (1, 1024), 64),  # a long row (32 groups): four rows per step
+    qk.QLinearSpec("q5", 32, "f16", True, (1, 1, 256), 96),  # Q5_0 / Q5_1, read widened to bytes
+    qk.QLinearSpec("q5", 16, "f32", True, (1, 32), 48),  # groups of 16, two groups
+    qk.QLinearSpec("q5", 32, "f32", True, (1, 32), 48),  # one group: the horizontal form
 ]
 
 
@@ -96,7 +103,8 @@ def test_rows_per_step_follow_row_length_format_and_activation_rows():
 
 
 @pytest.mark.parametrize("spec", [qk.QLinearSpec("q4", 32, "f16", True, (4, 256), 96),
-                                  qk.QLinearSpec("q8", 16, "f32", False, (3, 96), 64)], ids=lambda s: s.name)
+                                  qk.QLinearSpec("q8", 16, "f32", False, (3, 96), 64),
+                                  qk.QLinearSpec("q5", 32, "f16", True, (4, 256), 96)], ids=lambda s: s.name)
 def test_prefill_dequantize_matmul_matches_numpy(spec, tmp_path):
     """The prefill form reads the same layouts (q4 in ggml's nibble order) through its own maps."""
     assert not qk.fuses_rows(qk.QLinearSpec(spec.fmt, spec.group, spec.scale_type, spec.has_min, (64, spec.k),
@@ -109,6 +117,7 @@ MULTIROW_CASES = [
     qk.QLinearSpec("q4", 32, "f16", True, (8, 1, 256), 96),  # batch-8 decode, Q4_1 blocks
     qk.QLinearSpec("q8", 32, "f16", False, (2, 128), 160),  # batch-2 decode, Q8_0
     qk.QLinearSpec("q8", 16, "f32", False, (3, 96), 64),  # Q6_K: groups of 16, 8 lanes
+    qk.QLinearSpec("q5", 32, "f16", True, (4, 1, 256), 96),  # batch-4 decode, Q5_0 blocks
 ]
 
 

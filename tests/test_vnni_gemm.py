@@ -56,7 +56,9 @@ SHAPES = [
     vg.Int8GemmShape("q4", 32, "f16", True, 64, 576, 192),  # Q4_0 / Q4_1 (SmolLM2, K = 576: chunks of 192)
     vg.Int8GemmShape("q4", 32, "f32", True, 32, 640, 48),  # Q4_K; 48 channels: tiles of 16, 3 workgroups
     vg.Int8GemmShape("q4", 64, "f16", True, 16, 512, 32),  # compile-time int4, group 64; one row vector
-    vg.Int8GemmShape("q8", 32, "f16", False, 64, 640, 320),  # Q8_0 / Q5_0
+    vg.Int8GemmShape("q8", 32, "f16", False, 64, 640, 320),  # Q8_0
+    vg.Int8GemmShape("q5", 32, "f16", True, 64, 640, 320),  # Q5_0 / Q5_1
+    vg.Int8GemmShape("q5", 16, "f32", True, 16, 256, 32),  # groups of 16: one byte of fifth bits per half
     vg.Int8GemmShape("q8", 16, "f32", False, 48, 2048, 8),  # Q6_K (groups of 16); 8 chains of K; tiles of 8
     vg.Int8GemmShape("q8", 32, "f32", True, 32, 256, 64),  # Q5_K (mins)
 ]

@@ -89,7 +89,10 @@ SHAPES = [
     vk.Int8DotShape("q4", 32, "f16", True, 576, 192),  # Q4_0 / Q4_1 (SmolLM2's projections, K = 576)
     vk.Int8DotShape("q4", 32, "f32", True, 640, 64),  # Q4_K
     vk.Int8DotShape("q4", 64, "f16", True, 256, 32),  # compile-time int4, group 64
-    vk.Int8DotShape("q8", 32, "f16", False, 640, 320),  # Q8_0 / Q5_0 (Gemma's head and projections, K = 640)
+    vk.Int8DotShape("q8", 32, "f16", False, 640, 320),  # Q8_0 (Gemma's head, K = 640)
+    vk.Int8DotShape("q5", 32, "f16", True, 640, 320),  # Q5_0 / Q5_1 (Gemma's projections)
+    vk.Int8DotShape("q5", 32, "f32", True, 1024, 64),  # Q5_K
+    vk.Int8DotShape("q5", 16, "f16", True, 128, 32),  # groups of 16: one byte of fifth bits per half
     vk.Int8DotShape("q8", 16, "f32", False, 128, 16),  # Q6_K: groups of 16
     vk.Int8DotShape("q8", 32, "f32", True, 1024, 16384),  # Q5_K (mins); large N: 1024 rows per workgroup
     # fused into the decode step: the RMSNorm in front (SmolLM2's eps, no offset; Gemma's offset 1), the residual add behind
@@ -102,6 +105,8 @@ SHAPES = [
     vk.Int8DotShape("q8", 16, "f32", False, 2048, 640, gate="gelu_tanh"),
     vk.Int8DotShape("q4", 32, "f32", True, 2048, 640, gate="gelu_tanh"),
     vk.Int8DotShape("q8", 32, "f16", False, 256, 64, gate="silu"),
+    vk.Int8DotShape("q5", 32, "f16", True, 640, 64, norm=vk.RowNorm(1e-6, 1.0), residual=True),
+    vk.Int8DotShape("q5", 32, "f16", True, 2048, 640, gate="gelu_tanh"),
     vk.Int8DotShape("q8", 16, "f32", False, 128, 16, norm=vk.RowNorm(1e-6, 1.0), residual=True),
 ]
 
