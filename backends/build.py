@@ -330,7 +330,7 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
     params_entry = None
     if iree_targets:
         params_entry = _compile_iree([t for t, _ in iree_targets], [a for _, a in iree_targets], unit, out, clock,
-                                     options, progress, modules)
+                                     options, progress, modules, placement)
     modules = {key: modules[key] for key in module_order(options.targets)}
 
     tokenizer = None
@@ -358,7 +358,8 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
 
 
 def _compile_iree(targets: list[Target], activations: list[str], unit: CompileUnit, out: Path, clock: StageClock,
-                  options: BuildOptions, progress: Progress, modules: dict[str, ModuleEntry]) -> ParamsEntry:
+                  options: BuildOptions, progress: Progress, modules: dict[str, ModuleEntry],
+                  placement: Placement | None) -> ParamsEntry:
     """Stages 3-4 for the IREE targets: import to MLIR, weights to params.irpa, iree-compile; adds their modules."""
     # CPU targets keep the decode attention ops for their hand-written kernel; GPU targets
     # import the decomposed form; targets whose prefill attention is fused import it so
@@ -387,7 +388,7 @@ def _compile_iree(targets: list[Target], activations: list[str], unit: CompileUn
     del params  # written to params.irpa
     unit.programs.clear()  # what iree-compile needs is in the MLIR text now
     modules.update(_compile_targets(targets, activations, imported, params_sha, out, clock, progress,
-                                    options.attention, unit.options.get(PLACED)))
+                                    options.attention, placement))
     return ParamsEntry(params_file.name, params_sha, params_file.stat().st_size, count=params_count)
 
 

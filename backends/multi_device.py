@@ -23,7 +23,7 @@ from iree.compiler import ir
 from ..kernels.sites import SiteError, shape_and_type, torch_operators
 from ..passes.place_devices import Placement
 
-TO_DEVICE = "torch.foldline.to_device"
+TO_DEVICE_OPERATOR = "torch.foldline.to_device"
 _BACKENDS_FLAG = "--iree-hal-target-backends="
 _DEVICE_KINDS = {"cuda": "cuda", "vulkan-spirv": "vulkan"}  # an IREE backend -> its HAL device; else local
 _ELEMENTS = {"f32": "f32", "f16": "f16", "bf16": "bf16", "f64": "f64", "si64": "i64", "si32": "i32", "si16": "i16",
@@ -69,12 +69,12 @@ def _builtin_type(value: ir.Value) -> str:
 def _device_of(op: ir.Operation) -> int:
     const = op.operands[1].owner
     if const.name != "torch.constant.int":
-        raise PlacementError(f"{TO_DEVICE}'s device is not a constant: {const}")
+        raise PlacementError(f"{TO_DEVICE_OPERATOR}'s device is not a constant: {const}")
     return ir.IntegerAttr(const.attributes["value"]).value
 
 
 def _lower_moves(module: ir.Module) -> int:
-    moves = torch_operators(module, (TO_DEVICE,))
+    moves = torch_operators(module, (TO_DEVICE_OPERATOR,))
     for op in moves:
         source = op.operands[0]
         builtin = ir.Type.parse(_builtin_type(source))
