@@ -72,6 +72,30 @@ def test_lossless_blocks_compile_and_match_eager(preset, fmt, blocked_bundles):
     assert ("widened to q8" in notes) == (fmt == "q5"), notes
 
 
+def test_a_float_module_beside_an_int8_one_reads_5_bit_codes_widened(tmp_path):
+    """A bundle with an int8 CPU module keeps 5-bit codes; its baseline module (x86-64-v2: float kernels)
+    reads them through the widening copy (kernels/qlinear._widen_q5) and matches eager in fp32."""
+    from foldline.backends.build import BuildOptions, compile_model
+    from foldline.backends.targets import cpu_target, make_target
+    from foldline.kernels.select import cpu_has_int8_dot
+    from foldline.runtime import Model
+    from foldline.runtime.device import host_cpu_features
+    from foldline.testing.parity import SCALED_TOL_FP32, run_parity
+
+    if not cpu_has_int8_dot(host_cpu_features() or set()):
+        pytest.skip("this CPU runs no int8 module")
+    loaded = _blocked("gemma3-tiny", "q5")
+    targets = [make_target("cpu", cpu="x86-64-v2"), make_target("cpu", cpu="host")]
+    compile_model(loaded, tmp_path, BuildOptions(targets=targets, kv_dtype="float32"), progress=lambda _m: None)
+    notes = _quantize_notes(tmp_path)
+    assert re.search(r"formats: \d+ q5\b", notes) and "widened" not in notes, notes
+    model = Model.load(tmp_path, cpu_features=cpu_target("x86-64-v2").cpu_flags)
+    assert model.module_key == "cpu-x86-64-v2" and model.manifest.modules[model.module_key].activations == "f32"
+    report = run_parity(loaded.module, model, list(range(3, 43)), steps=24)
+    assert report.ok(SCALED_TOL_FP32), report.summary()
+    assert report.tokens_agree
+
+
 def _quantize_notes(bundle) -> str:
     passes = json.loads((bundle / "manifest.json").read_text())["passes"]
     return " ".join(next(p for p in passes if p["name"] == "quantize-weights")["notes"])
