@@ -37,7 +37,13 @@ from .fused_attention import attention_form, count_fused_attention
 from .importer import import_programs, params_to_numpy
 from .inplace_state import ElideReport, elide_inplace_aliases
 from .lowering import Lowering
-from .multi_device import multi_device_flags, place_module
+from .multi_device import (
+    device_scope,
+    multi_device_flags,
+    parameters_by_device,
+    params_file,
+    place_module,
+)
 from .onnx_export import DEVICE as ONNX_DEVICE
 from .onnx_export import export_module as export_onnx_module
 from .options import BuildOptions, Progress, build_cache_key, check_devices, from_cache, row_counts
@@ -327,9 +333,9 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
             {name: (program, rows[name]) for name, program in unit.programs.items()}, unit.state_specs, out, progress,
             onnx_activations)
     iree_targets = [(t, a) for t, a in zip(options.targets, activations) if t.device != ONNX_DEVICE]
-    params_entry = None
+    archives: list[ParamsEntry] = []
     if iree_targets:
-        params_entry = _compile_iree([t for t, _ in iree_targets], [a for _, a in iree_targets], unit, out, clock,
+        archives = _compile_iree([t for t, _ in iree_targets], [a for _, a in iree_targets], unit, out, clock,
                                      options, progress, modules, placement)
     modules = {key: modules[key] for key in module_order(options.targets)}
 
@@ -344,13 +350,13 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
         state=list(unit.state_specs),
         modules=modules,
         row_counts=row_counts(options),
-        params=params_entry,
+        params=archives[0] if archives else None,
         tokenizer=tokenizer,
         chat_template=loaded.chat_template,
         source=loaded.source,
         passes=report,
         versions=_versions(),
-        placement=placement.manifest_entry() if placement is not None else None,
+        placement=placement.manifest_entry(archives[1:]) if placement is not None else None,
     ).write(out)
     progress(clock.summary())
     progress(f"bundle written to {out} in {time.time() - t0:.0f} s")
@@ -359,7 +365,7 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
 
 def _compile_iree(targets: list[Target], activations: list[str], unit: CompileUnit, out: Path, clock: StageClock,
                   options: BuildOptions, progress: Progress, modules: dict[str, ModuleEntry],
-                  placement: Placement | None) -> ParamsEntry:
+                  placement: Placement | None) -> list[ParamsEntry]:
     """Stages 3-4 for the IREE targets: import to MLIR, weights to params.irpa, iree-compile; adds their modules."""
     # CPU targets keep the decode attention ops for their hand-written kernel; GPU targets
     # import the decomposed form; targets whose prefill attention is fused import it so
@@ -377,19 +383,26 @@ def _compile_iree(targets: list[Target], activations: list[str], unit: CompileUn
     mlir, params = imported[kinds[0]]
     if options.keep_mlir:
         (out / "model.mlir").write_text(mlir)
-    index = rt.ParameterIndex()
-    for name, tensor in params.tensors.items():
-        index.add_buffer(name, params_to_numpy(tensor))
-    params_file = out / "params.irpa"
-    index.create_archive_file(str(params_file))
-    params_sha = sha256_file(params_file)
-
-    params_count = len(params.tensors)
-    del params  # written to params.irpa
+    # One archive per device of a placed bundle (multi_device.device_scope), else params.irpa alone.
+    per_device = (parameters_by_device(params.keys, placement) if placement is not None
+                  else [set(params.tensors)])
+    archives = [_write_archive(out / params_file(j), {k: t for k, t in params.tensors.items() if k in keys},
+                               device_scope(j)) for j, keys in enumerate(per_device)]
+    params_sha = archives[0].sha256
+    del params  # written to the archives
     unit.programs.clear()  # what iree-compile needs is in the MLIR text now
     modules.update(_compile_targets(targets, activations, imported, params_sha, out, clock, progress,
                                     options.attention, placement))
-    return ParamsEntry(params_file.name, params_sha, params_file.stat().st_size, count=params_count)
+    return archives
+
+
+def _write_archive(path: Path, tensors: dict, scope: str) -> ParamsEntry:
+    """An IRPA file of `tensors` (name -> tensor), and its manifest entry."""
+    index = rt.ParameterIndex()
+    for name, tensor in tensors.items():
+        index.add_buffer(name, params_to_numpy(tensor))
+    index.create_archive_file(str(path))
+    return ParamsEntry(path.name, sha256_file(path), path.stat().st_size, scope=scope, count=len(tensors))
 
 
 def module_order(targets: list[Target]) -> list[str]:

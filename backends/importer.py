@@ -35,6 +35,7 @@ class ExternalParams:
     """Weights lifted out of the program, by parameter name."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)  # util.global name -> the parameter it reads
 
     @property
     def nbytes(self) -> int:
@@ -62,6 +63,7 @@ class _ParameterHooks(FxImporterHooks):
         tensor_type = f"tensor<{shape}x{MLIR_ELEMENTS[literal.dtype]}>"
         if name not in self.globals:
             self.globals.add(name)
+            self.params.keys[name] = key
             if key not in self.params.tensors:
                 self.params.tensors[key] = materialize(literal).detach().contiguous()
             op = ir.Operation.parse(

@@ -8,7 +8,10 @@ lowers the moves between devices to queue transfers. This module tells it:
 - each entry point's tensor arguments (token ids and counts on device 0, state
   buffers on their layers' device) and its logits carry `iree.abi.affinity`;
 - each weight's `util.global` carries `stream.affinity`, so the parameter is
-  loaded into the memory of the device that reads it;
+  loaded into the memory of the device that reads it, and reads it from that
+  device's parameter scope: device 0's weights are `params.irpa` (scope
+  `model`), device j's `params.device<j>.irpa` (scope `device<j>`), so each
+  device's weights can be shipped and opened on their own;
 - the target's `--iree-hal-target-backends` flag becomes one
   `--iree-hal-target-device` per device, all of the target's backend.
 
@@ -40,6 +43,30 @@ def device_symbol(index: int) -> str:
 
 def device_promise(index: int) -> ir.Attribute:
     return ir.Attribute.parse(f"#hal.device.promise<@{device_symbol(index)}>")
+
+
+def device_scope(index: int) -> str:
+    """The parameter scope (and file) of a device's weights: device 0 keeps the one-device `model`."""
+    return "model" if index == 0 else f"device{index}"
+
+
+def params_file(index: int) -> str:
+    return "params.irpa" if index == 0 else f"params.{device_scope(index)}.irpa"
+
+
+def weight_device(global_name: str, placement: Placement) -> int | None:
+    """The device a weight's util.global lives on (the importer drops the `model.` of a target); None for
+    a constant the placement does not name, which IREE places by its uses (its parameter: device 0's)."""
+    return placement.weights.get(global_name, placement.weights.get(f"model.{global_name}"))
+
+
+def parameters_by_device(keys: dict[str, str], placement: Placement) -> list[set[str]]:
+    """Per device, the parameters its weights read (`keys`: util.global name -> parameter). A table read
+    on two devices (a tied head's copy) is in both."""
+    found: list[set[str]] = [set() for _ in range(placement.devices)]
+    for name, key in keys.items():
+        found[weight_device(name, placement) or 0].add(key)
+    return found
 
 
 def multi_device_flags(flags: list[str], devices: int) -> list[str]:
@@ -102,9 +129,14 @@ def place_module(mlir: str, placement: Placement) -> tuple[str, int]:
             op = op.operation
             if op.name == "util.global":
                 name = ir.StringAttr(op.attributes["sym_name"]).value
-                device = placement.weights.get(name, placement.weights.get(f"model.{name}"))
-                if device is not None:
-                    op.attributes["stream.affinity"] = device_promise(device)
+                device = weight_device(name, placement)
+                if device is None:
+                    continue
+                op.attributes["stream.affinity"] = device_promise(device)
+                initial = op.attributes["initial_value"] if "initial_value" in op.attributes else None
+                if device and initial is not None and str(initial).startswith("#flow.parameter.named<"):
+                    op.attributes["initial_value"] = ir.Attribute.parse(
+                        str(initial).replace(f'<"{device_scope(0)}"::', f'<"{device_scope(device)}"::', 1))
             elif op.name == "func.func":
                 name = ir.StringAttr(op.attributes["sym_name"]).value
                 inputs = placement.inputs.get(name)

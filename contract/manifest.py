@@ -78,6 +78,14 @@ class ParamsEntry(FileEntry):
     scope: str = "model"
     count: int | None = None  # parameters in the archive
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ParamsEntry:
+        return cls(data["file"], data["sha256"], data.get("size"), data.get("scope") or "model", data.get("count"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "sha256": self.sha256, "size": self.size, "scope": self.scope,
+                "count": self.count}
+
 
 @dataclass
 class ModuleEntry:
@@ -129,15 +137,21 @@ class DevicePlacement:
     layers: list[tuple[int, int]]  # per device: the first and last layer it runs
     state: list[int]  # per state buffer, in the entry points' argument order: its device
     result: int  # the device the logits come back from
+    # devices 1 .. N-1: the weights each reads, a file and IRPA scope of its own (device 0's: `params`)
+    params: list[ParamsEntry] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> DevicePlacement:
         return cls(int(data["devices"]), str(data["scheme"]), [(int(a), int(b)) for a, b in data["layers"]],
-                   [int(d) for d in data["state"]], int(data["result"]))
+                   [int(d) for d in data["state"]], int(data["result"]),
+                   [ParamsEntry.from_json(p) for p in data.get("params") or []])
 
     def to_json(self) -> dict[str, Any]:
-        return {"devices": self.devices, "scheme": self.scheme, "layers": [list(r) for r in self.layers],
+        data = {"devices": self.devices, "scheme": self.scheme, "layers": [list(r) for r in self.layers],
                 "state": list(self.state), "result": self.result}
+        if self.params:
+            data["params"] = [p.to_json() for p in self.params]
+        return data
 
     def state_bytes(self, buffers: list[StateBuffer], device: int) -> int:
         """The bytes of state device `device` holds."""
@@ -225,9 +239,14 @@ class Manifest:
     def devices(self) -> list[str]:
         return sorted({self.device_of(key) for key in self.modules})
 
+    @property
+    def params_files(self) -> list[ParamsEntry]:
+        """Every parameter archive: `params`, then devices 1 .. N-1's of a bundle for several devices."""
+        return ([self.params] if self.params else []) + (self.placement.params if self.placement else [])
+
     def files(self) -> list[str]:
         names = [e.file for m in self.modules.values() for e in m.file_entries()]
-        names += [e.file for e in (self.params, self.tokenizer) if e is not None]
+        names += [e.file for e in (*self.params_files, self.tokenizer) if e is not None]
         return names
 
     # ---- entry points ----------------------------------------------------------
@@ -288,9 +307,7 @@ class Manifest:
             "state": [{"name": s.name, "shape": list(s.shape), "dtype": s.dtype, "nbytes": s.nbytes,
                        "layers": list(s.layers), "kind": s.kind} for s in self.state],
             "state_bytes": self.state_bytes,
-            "params": None if self.params is None else {
-                "file": self.params.file, "sha256": self.params.sha256, "size": self.params.size,
-                "scope": self.params.scope, "count": self.params.count},
+            "params": None if self.params is None else self.params.to_json(),
             "modules": {key: m.to_json() for key, m in self.modules.items()},
             "tokenizer": self.tokenizer.file if self.tokenizer else None,
             "tokenizer_sha256": self.tokenizer.sha256 if self.tokenizer else None,
@@ -316,9 +333,7 @@ class Manifest:
                    for s in data["state"]],
             modules={key: ModuleEntry.from_json(entry) for key, entry in data["modules"].items()},
             row_counts=[int(k) for k in data.get("row_counts") or [data["batch"]]],
-            params=None if params is None else ParamsEntry(
-                params["file"], params["sha256"], params.get("size"), params.get("scope") or "model",
-                params.get("count")),
+            params=None if params is None else ParamsEntry.from_json(params),
             tokenizer=None if not tokenizer else FileEntry(tokenizer, data["tokenizer_sha256"],
                                                            data.get("tokenizer_size")),
             chat_template=data.get("chat_template"),
@@ -379,9 +394,7 @@ class Manifest:
         IREE mmaps the .irpa: a truncated archive would otherwise end in SIGBUS
         on first use of a parameter past the end instead of an error here.
         """
-        for entry in (*self.modules[key].file_entries(), self.params):
-            if entry is None:
-                continue
+        for entry in (*self.modules[key].file_entries(), *self.params_files):
             path = self.root / entry.file
             size = path.stat().st_size
             if entry.size is not None and size != entry.size:
@@ -412,9 +425,9 @@ class Manifest:
             self.verify_file(self.tokenizer)
 
     def verify_params(self) -> None:
-        """params.irpa is complete and unchanged since the build (sha256)."""
-        if self.params:
-            self.verify_file(self.params)
+        """params.irpa (and each device's archive) is complete and unchanged since the build (sha256)."""
+        for entry in self.params_files:
+            self.verify_file(entry)
 
 
 def manifest_digest(data: dict[str, Any]) -> str:

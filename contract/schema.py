@@ -223,11 +223,7 @@ def check_schema(path: Path, data: dict[str, Any]) -> None:
             r.integer(value.get("size"), f"{there}.size", optional=True)
     params = data.get("params")
     if params is not None:
-        r.filename(params["file"], "params.file")
-        r.sha256(params["sha256"], "params.sha256")
-        r.integer(params.get("size"), "params.size", optional=True)
-        r.string(params.get("scope"), "params.scope", optional=True)
-        r.integer(params.get("count"), "params.count", lo=0, optional=True)
+        _check_params_entry(r, r.obj(params, "params"), "params")
     tokenizer = data.get("tokenizer")
     if tokenizer is not None:
         r.filename(tokenizer, "tokenizer")
@@ -239,6 +235,14 @@ def check_schema(path: Path, data: dict[str, Any]) -> None:
         r.string(r.key(r.obj(record, f"passes[{i}]"), "name", f"passes[{i}]"), f"passes[{i}].name")
     for package, version in r.obj(data.get("versions") or {}, "versions").items():
         r.string(version, f"versions[{package!r}]", optional=True)
+
+
+def _check_params_entry(r: _Rules, params: dict[str, Any], where: str) -> None:
+    r.filename(r.key(params, "file", where), f"{where}.file")
+    r.sha256(r.key(params, "sha256", where), f"{where}.sha256")
+    r.integer(params.get("size"), f"{where}.size", optional=True)
+    r.string(params.get("scope"), f"{where}.scope", optional=True)
+    r.integer(params.get("count"), f"{where}.count", lo=0, optional=True)
 
 
 def _check_placement(r: _Rules, placement: dict[str, Any], buffers: int, layers: int) -> None:
@@ -257,3 +261,8 @@ def _check_placement(r: _Rules, placement: dict[str, Any], buffers: int, layers:
     covered = [i for run in runs if len(run) == 2 for i in range(int(run[0]), int(run[1]) + 1)]
     if len(runs) != devices or covered != list(range(layers)):
         raise r.fail("placement.layers", f"{runs} must be {devices} contiguous runs covering layers 0-{layers - 1}")
+    archives = r.array(placement.get("params") or [], "placement.params")
+    if archives and len(archives) != devices - 1:
+        raise r.fail("placement.params", f"{len(archives)} archives; devices 1 to {devices - 1} have one each")
+    for j, entry in enumerate(archives):
+        _check_params_entry(r, r.obj(entry, f"placement.params[{j}]"), f"placement.params[{j}]")

@@ -33,7 +33,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
-from ..contract.manifest import DevicePlacement
+from ..contract.manifest import DevicePlacement, ParamsEntry
 from ..frontend import ops  # noqa: F401  (registers foldline::to_device)
 from ..frontend.config import ConfigError
 from .graph_edit import WEIGHT_KINDS, LiftedInputs, copy_graph_module
@@ -64,9 +64,11 @@ class Placement:
     inputs: dict[str, list[int | None]] = field(default_factory=dict)  # entry point -> device per user input
     result: int = 0  # the device the logits are computed on
 
-    def manifest_entry(self) -> DevicePlacement:
-        """What the manifest records: the runs, the state's devices and the logits' device."""
-        return DevicePlacement(self.devices, self.scheme, list(self.layers), list(self.state), self.result)
+    def manifest_entry(self, archives: list[ParamsEntry] | None = None) -> DevicePlacement:
+        """What the manifest records: the runs, the state's devices, the logits' device, and the parameter
+        archives of devices 1 .. N-1."""
+        return DevicePlacement(self.devices, self.scheme, list(self.layers), list(self.state), self.result,
+                               list(archives or []))
 
 
 def layer_in_path(path: str) -> int | None:

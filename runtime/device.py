@@ -481,14 +481,17 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
     config = _create_config(device, threads)
     instance = config.vm_instance
     modules = []
-    params_path = manifest.params_path
-    if params_path is not None:
+    providers = []
+    for archive in manifest.params_files:  # params.irpa, then each further device's own archive
+        path = manifest.root / archive.file
         index = rt.ParameterIndex()
         try:
-            index.load(str(params_path))  # mmapped
+            index.load(str(path))  # mmapped
         except Exception as e:
-            raise BundleError(f"could not read parameters {params_path}: {e}") from e
-        modules.append(rt.create_io_parameters_module(instance, index.create_provider(scope=PARAM_SCOPE)))
+            raise BundleError(f"could not read parameters {path}: {e}") from e
+        providers.append(index.create_provider(scope=archive.scope or PARAM_SCOPE))
+    if providers:
+        modules.append(rt.create_io_parameters_module(instance, *providers))
     devices = [config.device]
     if manifest.device_count > 1:  # a bundle compiled with --devices N: N devices of the same driver, in order
         devices += _more_devices(device, threads, manifest.device_count - 1)

@@ -127,8 +127,44 @@ def test_each_device_holds_the_state_the_plan_gives_it(bundle_factory, capsys):
     (first0, last0), (first1, last1) = (d.layers for d in plan.devices)
     assert (f"devices  2 CPU devices, pipeline: device 0 layers {first0}-{last0} (state {held[0] / 2**20:,.2f} MiB), "
             f"device 1 layers {first1}-{last1} (state {held[1] / 2**20:,.2f} MiB); logits on device 1") in out
-    listed = [line.rsplit("device ", 1)[1] for line in out.splitlines() if line.startswith("  ") and "device" in line]
+    archive = model.manifest.placement.params[0]
+    assert f"{archive.file} (device 1, scope device1): {archive.count} tensors" in out
+    listed = [line.rsplit("device ", 1)[1] for line in out.splitlines()
+              if line.startswith("  ") and "device" in line and "scope" not in line]
     assert [int(d) for d in listed] == model.manifest.placement.state
+
+
+def test_each_device_reads_its_own_parameter_archive(bundle_factory):
+    """Device 1's weights are an IRPA file and scope of their own: each layer's parameters are in the
+    archive of the device that runs it, and only there; the table tied to the head is in both."""
+    import iree.runtime as rt
+
+    from foldline.passes.place_devices import layer_in_path
+
+    bundle = bundle_factory("llama-tiny", devices=2)
+    manifest = Manifest.load(bundle)
+    manifest.verify_params()
+    assert [(a.file, a.scope) for a in manifest.params_files] == [("params.irpa", "model"),
+                                                                   ("params.device1.irpa", "device1")]
+    held = []
+    for archive in manifest.params_files:
+        index = rt.ParameterIndex()
+        index.load(str(bundle / archive.file))
+        held.append({key for key, _entry in index.items()})
+        assert len(held[-1]) == archive.count
+    runs = manifest.placement.layers
+    for key in held[0] | held[1]:
+        layer = layer_in_path(key)
+        if layer is None:
+            continue
+        owner = next(j for j, (first, last) in enumerate(runs) if first <= layer <= last)
+        assert key in held[owner] and key not in held[1 - owner], key
+    shared = held[0] & held[1]
+    assert shared and all(layer_in_path(key) is None for key in shared), shared  # the tied table
+    one = Manifest.load(bundle_factory("llama-tiny"))
+    index = rt.ParameterIndex()
+    index.load(str(one.root / one.params.file))
+    assert {key for key, _ in index.items()} == held[0] | held[1]
 
 
 def test_a_snapshot_covers_every_device(bundle_factory):
@@ -194,6 +230,20 @@ def test_the_manifest_refuses_a_placement_that_does_not_fit_the_bundle(bundle_fa
     (bundle / "manifest.json").write_text(json.dumps(seal_manifest(data)))
     with pytest.raises(BundleError, match=r"placement\.state\[0\]"):
         Manifest.load(bundle)
+    data["placement"]["state"][0] = 0
+    data["placement"]["params"].append(dict(data["placement"]["params"][0]))  # an archive for a third device
+    (bundle / "manifest.json").write_text(json.dumps(seal_manifest(data)))
+    with pytest.raises(BundleError, match=r"placement\.params: 2 archives; devices 1 to 1 have one each"):
+        Manifest.load(bundle)
+    data["placement"]["params"].pop()
+    data.pop(SEAL_KEY)
+    (bundle / "manifest.json").write_text(json.dumps(seal_manifest(data)))
+    archive = bundle / "params.device1.irpa"
+    raw = bytearray(archive.read_bytes())
+    raw[-1] ^= 1
+    archive.write_bytes(bytes(raw))  # device 1's weights changed after the build
+    with pytest.raises(BundleError, match=r"params\.device1\.irpa does not match the manifest's sha256"):
+        Model.load(bundle)
 
 
 def test_the_placed_module_tells_iree_where_every_value_lives(exported_unit):
@@ -219,5 +269,9 @@ def test_the_placed_module_tells_iree_where_every_value_lives(exported_unit):
     assert re.match(r"!torch\.vtensor<[^>]*> \{iree\.abi\.affinity = #hal\.device\.promise<@__device_1>\}\)",
                     results)  # the logits come back from the last device
     copies = re.findall(r'util\.global private @"([^"]+@device1)" \{stream\.affinity = '
-                        r'#hal\.device\.promise<@__device_1>\} = #flow\.parameter\.named<"model"::"([^"]+)">', text)
+                        r'#hal\.device\.promise<@__device_1>\} = #flow\.parameter\.named<"device1"::"([^"]+)">', text)
     assert copies and all(name.split("@")[0] == key for name, key in copies)  # the copy reads the same entry
+    # every weight reads its device's scope: device 1's from its own archive
+    for scope, affinity in re.findall(r'\{stream\.affinity = #hal\.device\.promise<@__device_(\d)>\} = '
+                                      r'#flow\.parameter\.named<"(\w+)"::', text):
+        assert (scope, affinity) in (("0", "model"), ("1", "device1")), (scope, affinity)

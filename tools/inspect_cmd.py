@@ -51,6 +51,9 @@ def run(args) -> int:
     params = m.params
     if params:
         print(f"params   {params.file}: {params.count} tensors, {_mib(params.size or 0)}")
+    for j, archive in enumerate(m.placement.params if m.placement else [], start=1):
+        print(f"         {archive.file} (device {j}, scope {archive.scope}): {archive.count} tensors, "
+              f"{_mib(archive.size or 0)}")
     for key, mod in m.modules.items():
         acts = f", {mod.activations} activations in quantized decode" if mod.activations else ""
         isa = mod.kernel_isa
