@@ -50,11 +50,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K
 from torch import Tensor
 
+from ..contract.block_formats import FORMATS, codes_dims
 from ..errors import FoldlineError
-from ..kernels.mlir import codes_dims
 from .ops import register_decomposition
-
-FORMATS = ("q8", "q4", "q5")
 
 
 class QuantError(FoldlineError, ValueError):

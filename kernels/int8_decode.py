@@ -39,8 +39,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..contract.block_formats import codes_dims
 from .isa import Int8Isa
-from .mlir import as_tensor, codes_dims, f32_bits, f32_const, memref_type, stream_executable
+from .mlir import as_tensor, f32_bits, f32_const, memref_type, stream_executable
 from .x86 import AVX512_VNNI
 
 # Workgroups per call below LARGE_N rows: every workgroup quantizes (and normalizes) the whole

@@ -46,12 +46,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..contract.block_formats import codes_dims
 from .int8_decode import fifth_bit_constants, fifth_bit_lines, quantize_group_lines
 from .isa import Int8Isa
-from .mlir import as_tensor, codes_dims, memref_type, stream_executable
+from .mlir import as_tensor, memref_type, stream_executable
 from .x86 import AVX512_VNNI
 
 ROW_VECTORS = 2  # row vectors of 16 per register block (on 512-bit registers)
+MAX_CODE = {"q4": 15, "q5": 31, "q8": 255}  # the largest unsigned byte the unpacked codes of a format hold
 CHANNELS = 4  # output channels per register block
 MAX_TILE_CHANNELS = 32
 STACK_BYTES = 24576  # a workgroup's float tile and unpacked codes (IREE's stack limit is 32 KiB)
@@ -266,7 +268,8 @@ def _group_step(s: Int8GemmShape) -> list[str]:
         if offset:
             lines.append(f"%init{r} = vector.load %ofs[%gi, %mr{r}] : {_per_group_memref(s, 'i32')}, vector<16xi32>")
     acc = {(r, j): (f"%init{r}" if offset else "%isa_zi") for r in range(R) for j in range(J)}
-    for q in range(g // 4):
+    quads = g // 4
+    for q in range(quads):
         lines += [f"%kq{q} = arith.addi %q0, %cq{q} : index", f"%wk{q} = arith.addi %wq0, %cq{q} : index"]
         for r in range(R):
             lines.append(f"%a{q}_{r} = vector.load %xq[%kq{q}, %mb4_{r}] : {_xq_memref(s)}, vector<64xi8>")
@@ -276,12 +279,17 @@ def _group_step(s: Int8GemmShape) -> list[str]:
                 f"%wv{q}_{j} = vector.broadcast %wi{q}_{j} : i32 to vector<16xi32>",
                 f"%wb{q}_{j} = vector.bitcast %wv{q}_{j} : vector<16xi32> to vector<64xi8>",
             ]
-            for r in range(R):
-                new = f"%d{q}_{r}_{j}"
+    # Products per sum: several where the form adds them narrow before widening (AVX2's int16, q4/q5 codes).
+    per = 1 if s.signed_codes else s.isa.unsigned_products_per_sum(MAX_CODE[s.fmt])
+    for j in range(J):
+        for r in range(R):
+            for first in range(0, quads, per):
+                new = f"%d{first}_{r}_{j}"
                 if s.signed_codes:
-                    lines += s.isa.dot_signed(new, acc[r, j], f"%a{q}_{r}", f"%wb{q}_{j}")
+                    lines += s.isa.dot_signed(new, acc[r, j], f"%a{first}_{r}", f"%wb{first}_{j}")
                 else:
-                    lines += s.isa.dot_unsigned(new, acc[r, j], f"%wb{q}_{j}", f"%a{q}_{r}")
+                    pairs = [(f"%wb{q}_{j}", f"%a{q}_{r}") for q in range(first, min(first + per, quads))]
+                    lines += s.isa.dot_unsigned_sum(new, acc[r, j], pairs)
                 acc[r, j] = new
     for r in range(R):
         lines.append(f"%dxv{r} = vector.load %dx[%gi, %mr{r}] : {_per_group_memref(s, 'f32')}, vector<16xf32>")

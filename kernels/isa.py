@@ -57,6 +57,23 @@ class Int8Isa(ABC):
         Exact while every pair 2 * u * |s| stays below 2^15: q4 codes against activations.
         """
 
+    def unsigned_products_per_sum(self, max_code: int) -> int:
+        """How many products `dot_unsigned_sum` may add before widening, for codes up to `max_code`."""
+        return 1
+
+    def dot_unsigned_sum(self, out: str, acc: str, pairs: list[tuple[str, str]]) -> list[str]:
+        """`out` = `acc` + the lane sums of every u * s of `pairs` (at most unsigned_products_per_sum).
+
+        By default one dot_unsigned after another; a form whose products meet in a narrow sum
+        (AVX2's int16 pairs) adds several there and widens once.
+        """
+        lines, current = [], acc
+        for i, (u, s) in enumerate(pairs):
+            step = out if i == len(pairs) - 1 else f"{out}_s{i}"
+            lines += self.dot_unsigned(step, current, u, s)
+            current = step
+        return lines
+
     @abstractmethod
     def dot_signed(self, out: str, acc: str, x: str, q: str) -> list[str]:
         """Lines making `out` = `acc` + the lane sums of x * q, both signed (x in [-127, 127], q any int8)."""
@@ -74,19 +91,31 @@ def lane_pieces(out: str, acc: str, a: str, b: str, pieces: int, zero_piece: str
     product (`zero_piece`: its zero accumulator, used when `acc` is %isa_zi);
     the pieces are joined pairwise.
     """
+    return lane_pieces_of_pairs(out, acc, [(a, b)], pieces, zero_piece,
+                                lambda o, c, pairs: instruction(o, c, *pairs[0]))
+
+
+def lane_pieces_of_pairs(out: str, acc: str, pairs: list[tuple[str, str]], pieces: int, zero_piece: str,
+                         instruction: Callable[[str, str, list[tuple[str, str]]], list[str]]) -> list[str]:
+    """`lane_pieces` for the sum of several products: `instruction(out, acc, pairs)` gets each
+    pair's bytes of one piece."""
     width, lanes = 64 // pieces, LANES // pieces
     lines, parts = [], []
     for h in range(pieces):
         p = f"{out}_p{h}"
-        for name, whole in (("a", a), ("b", b)):
-            lines.append(f"{p}_{name} = vector.shuffle {whole}, {whole} {list(range(h * width, (h + 1) * width))} "
-                         f": {VECTOR}, {VECTOR}")
+        piece_pairs = []
+        for i, (a, b) in enumerate(pairs):
+            suffix = "" if len(pairs) == 1 else str(i)
+            for name, whole in (("a", a), ("b", b)):
+                lines.append(f"{p}_{name}{suffix} = vector.shuffle {whole}, {whole} "
+                             f"{list(range(h * width, (h + 1) * width))} : {VECTOR}, {VECTOR}")
+            piece_pairs.append((f"{p}_a{suffix}", f"{p}_b{suffix}"))
         start = zero_piece
         if acc != "%isa_zi":
             start = f"{p}_c"
             lines.append(f"{start} = vector.shuffle {acc}, {acc} {list(range(h * lanes, (h + 1) * lanes))} "
                          f": vector<{LANES}xi32>, vector<{LANES}xi32>")
-        lines += instruction(f"{p}_d", start, f"{p}_a", f"{p}_b")
+        lines += instruction(f"{p}_d", start, piece_pairs)
         parts.append(f"{p}_d")
     level = 0
     while len(parts) > 1:

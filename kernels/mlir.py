@@ -26,12 +26,6 @@ def as_tensor(memref: str) -> str:
     return memref.replace("memref", "tensor")
 
 
-def codes_dims(fmt: str, n: int, k: int) -> tuple[int, int]:
-    """The codes array of an [N, K] weight in a block format (frontend/quant.py): q4 packs two codes
-    per byte, q5 adds a plane of fifth bits (one bit per code) after its nibbles."""
-    return (n, {"q4": k // 2, "q5": k // 2 + k // 8}.get(fmt, k))
-
-
 def f32_bits(value: float) -> str:
     """A float32's bits in hex: a symbol-safe name and an exact MLIR constant."""
     return f"{struct.unpack('<I', struct.pack('<f', value))[0]:08x}"

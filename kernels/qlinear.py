@@ -56,13 +56,14 @@ from dataclasses import dataclass
 
 from iree.compiler import ir
 
+from ..contract.block_formats import codes_dims
 from .fusion import match_gate, match_norm, match_residual
 from .int8_decode import Int8DotShape, RowNorm, int8_dot_dispatch, int8_dot_executable
 from .int8_decode import supports as supports_int8_dot
 from .int8_gemm import Int8GemmShape, gemm_executable, int8_gemm_dispatches, quantize_executable
 from .int8_gemm import supports as supports_int8_gemm
 from .isa import FLOAT, FLOAT_KERNELS, Int8Isa, Int8Kernels
-from .mlir import codes_dims, tensor_type
+from .mlir import tensor_type
 from .sites import (
     KernelCall,
     SiteError,

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..isa import LANES, Int8Isa, lane_pieces
+from ..isa import LANES, Int8Isa, lane_pieces, lane_pieces_of_pairs
+
+INT16_MAX = 32767
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,30 @@ class Avx2(Int8Isa):
 
     def dot_unsigned(self, out: str, acc: str, u: str, s: str) -> list[str]:
         return lane_pieces(out, acc, u, s, self._pieces, "%isa_zh", self._madd)
+
+    def unsigned_products_per_sum(self, max_code: int) -> int:
+        """Pair sums of `vpmaddubsw` reach 2 * max_code * 127; that many of them stay within int16."""
+        return max(1, INT16_MAX // (2 * max_code * 127))
+
+    def dot_unsigned_sum(self, out: str, acc: str, pairs: list[tuple[str, str]]) -> list[str]:
+        """Each product's `vpmaddubsw`, added in int16 (exact: unsigned_products_per_sum bounds the sum),
+        then one `vpmaddwd` against ones: two instructions per product fewer than dot_unsigned's."""
+        if len(pairs) == 1:
+            return self.dot_unsigned(out, acc, *pairs[0])
+        return lane_pieces_of_pairs(out, acc, pairs, self._pieces, "%isa_zh", self._madd_sum)
+
+    def _madd_sum(self, out: str, acc: str, pairs: list[tuple[str, str]]) -> list[str]:
+        vb = self.vector_bytes
+        v, v16, v32 = f"vector<{vb}xi8>", f"vector<{vb // 2}xi16>", f"vector<{vb // 4}xi32>"
+        lines, total = [], None
+        for i, (u, s) in enumerate(pairs):
+            lines.append(f'{out}_w{i} = llvm.call_intrinsic "llvm.x86.avx2.pmadd.ub.sw"({u}, {s}) : ({v}, {v}) -> {v16}')
+            if total is not None:
+                lines.append(f"{out}_t{i} = arith.addi {total}, {out}_w{i} : {v16}")
+            total = f"{out}_t{i}" if total is not None else f"{out}_w{i}"
+        return lines + [
+            f'{out}_m = llvm.call_intrinsic "llvm.x86.avx2.pmadd.wd"({total}, %isa_ones) : ({v16}, {v16}) -> {v32}',
+            f"{out} = arith.addi {acc}, {out}_m : {v32}"]
 
     def dot_signed(self, out: str, acc: str, x: str, q: str) -> list[str]:
         v = f"vector<{self.vector_bytes}xi8>"
