@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from foldline.frontend.quant import pack_q5
 from foldline.kernels import int8_gemm as vg
 from foldline.kernels import qlinear as qk
 from foldline.kernels.x86 import AVX2, AVX512_VNNI, AVX_VNNI
@@ -60,8 +61,30 @@ SHAPES = [
     vg.Int8GemmShape("q5", 32, "f16", True, 64, 640, 320),  # Q5_0 / Q5_1
     vg.Int8GemmShape("q5", 16, "f32", True, 16, 256, 32),  # groups of 16: one byte of fifth bits per half
     vg.Int8GemmShape("q8", 16, "f32", False, 48, 2048, 8),  # Q6_K (groups of 16); 8 chains of K; tiles of 8
-    vg.Int8GemmShape("q8", 32, "f32", True, 32, 256, 64),  # Q5_K (mins)
+    vg.Int8GemmShape("q8", 32, "f32", True, 32, 256, 64),  # codes with mins (Q5_1 / Q5_K widened by --weights int8)
 ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa,cpu", ISAS)
+@pytest.mark.parametrize("fmt", ["q4", "q5"])
+def test_the_largest_codes_against_the_largest_activations_stay_exact(fmt, isa, cpu, tmp_path):
+    """Every code at its largest against activations that quantize to +127 and -127: the sums AVX2 adds
+    in int16 before widening (4 q5 or 8 q4 products, kernels/x86/avx2.py) reach their bound, 31496 and
+    30480, and must not wrap."""
+    if not isa.available(host_cpu_features() or set()):
+        pytest.skip(f"this CPU cannot run {isa.name}")
+    shape = vg.Int8GemmShape(fmt, 32, "f32", True, 16, 256, 8, isa)
+    module, _ = compile_on_host(_module(shape), tmp_path / "dump", cpu)
+    top = 15 if fmt == "q4" else 31
+    q = np.full((shape.n, shape.k), top, dtype=np.uint8)
+    codes = (pack_q5(q, 32) if fmt == "q5" else np.full((shape.n, shape.k // 2), 0xFF, np.uint8)).view(np.int8)
+    scales, mins = np.full((shape.n, shape.k // 32), 0.5, np.float32), np.zeros((shape.n, shape.k // 32), np.float32)
+    x = np.ones((shape.m, shape.k), np.float32)
+    x[1::2] = -1  # every other row at the negative end
+    y = module.main(x, codes, scales, mins).to_host()
+    want = int8_product(x, q.astype(np.int64), scales, mins, 32)
+    assert np.array_equal(y, want.astype(np.float32)), (y[:2, :2], want[:2, :2])
 
 
 @pytest.mark.slow
