@@ -25,6 +25,7 @@ from iree.compiler import ir
 
 from ..kernels.sites import SiteError, shape_and_type, torch_operators
 from ..passes.place_devices import Placement
+from .importer import PARAM_SCOPE
 
 TO_DEVICE_OPERATOR = "torch.foldline.to_device"
 _BACKENDS_FLAG = "--iree-hal-target-backends="
@@ -47,7 +48,7 @@ def device_promise(index: int) -> ir.Attribute:
 
 def device_scope(index: int) -> str:
     """The parameter scope (and file) of a device's weights: device 0 keeps the one-device `model`."""
-    return "model" if index == 0 else f"device{index}"
+    return PARAM_SCOPE if index == 0 else f"device{index}"
 
 
 def params_file(index: int) -> str:

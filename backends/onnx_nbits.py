@@ -29,6 +29,7 @@ from onnx import helper, numpy_helper
 from onnx.defs import OpSchema
 from torch.fx import Node
 
+from ..contract.block_formats import row_length
 from ..errors import FoldlineError
 from ..frontend.quant import QuantizedTensor, unpack_q4
 
@@ -135,7 +136,7 @@ class _Rewrite:
         mins = self.array(mins_name, "mins").astype(np.float32) if mins_name else None
         shared = fmt == "q8"  # q8 tables may also be read by an embedding lookup (_read_tied_tables_from_blocks)
         if fmt == "q5":  # MatMulNBits has no 5-bit blocks: the codes as 8-bit ones, exactly (Q5_0: q - 16)
-            k = codes.shape[1] * 8 // 5
+            k = row_length("q5", codes.shape[1])
             wide = QuantizedTensor("q5", (codes.shape[0], k), group, codes.view(np.uint8), scales, mins).as_q8()
             codes, mins, fmt = wide.codes, wide.mins, "q8"
         b = _blocks(fmt, codes, group)

@@ -220,9 +220,6 @@ class Manifest:
     def tokenizer_path(self) -> Path | None:
         return self.root / self.tokenizer.file if self.tokenizer else None
 
-    @property
-    def params_path(self) -> Path | None:
-        return self.root / self.params.file if self.params else None
 
     def pass_names(self) -> list[tuple[str, bool]]:
         """(pass, whether it changed the program) for each pass the pipeline ran."""

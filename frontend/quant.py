@@ -16,8 +16,8 @@ Two formats cover every GGUF block type foldline reads, each exactly:
   order. A GGUF Q5 block's qh holds the same bits per block; one plane per
   row lets a kernel read 64 codes' fifth bits as 8 contiguous bytes beside
   their 32 nibble bytes. One scale and one min per group, as q4:
-  5.5 bits per code with f16 scales and mins of groups of 32, against the
-  8.5 bits of the same codes as q8.
+  6 bits per code with f16 scales and mins of groups of 32, against the
+  8.5 bits of the same codes as q8 (5.5 in a GGUF Q5_0 block).
 
 Scales and mins are float16 where the GGUF block stores them as float16
 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: bytes unchanged) and float32 where the block
@@ -50,7 +50,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K
 from torch import Tensor
 
-from ..contract.block_formats import FORMATS, codes_dims
+from ..contract.block_formats import FORMATS, codes_dims, row_length
 from ..errors import FoldlineError
 from .ops import register_decomposition
 
@@ -181,7 +181,7 @@ def pack_q5(codes: np.ndarray, group: int) -> np.ndarray:
 def unpack_q5(packed: np.ndarray, group: int) -> np.ndarray:
     """The inverse of `pack_q5`: uint8 codes [N, K]."""
     n, width = packed.shape
-    k = width * 8 // 5
+    k = row_length("q5", width)
     low = unpack_q4(packed[:, : k // 2], group).reshape(n, k)
     high = np.unpackbits(packed[:, k // 2 :].view(np.uint8), axis=-1, bitorder="little")
     return low | (high << 4)
@@ -292,7 +292,7 @@ def dequantize_torch(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
     """The eager reference of the compiled dequantization: float32 [N, K]."""
     if fmt in ("q4", "q5"):  # ggml's order: byte b of a group holds elements b and b + group / 2
         n = codes.shape[0]
-        k = codes.shape[1] * 2 if fmt == "q4" else codes.shape[1] * 8 // 5
+        k = row_length(fmt, codes.shape[1])
         # The nibbles in float32 arithmetic, exact for bytes 0..255: it exports to plain ONNX ops
         # that ONNX Runtime folds at load (aten's uint8 shift exports to a mistyped emulation).
         b = codes[:, : k // 2].reshape(n, -1, group // 2).float()
@@ -348,7 +348,7 @@ def qembedding(codes: Tensor, scales: Tensor, mins: Tensor | None, ids: Tensor, 
 
 @qembedding.register_fake
 def _(codes, scales, mins, ids, fmt, group):
-    width = {"q4": codes.shape[1] * 2, "q5": codes.shape[1] * 8 // 5}.get(fmt, codes.shape[1])
+    width = row_length(fmt, codes.shape[1])
     return torch.empty((*ids.shape, width), dtype=torch.float32, device=codes.device)
 
 

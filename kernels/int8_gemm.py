@@ -204,7 +204,6 @@ def _unpack_codes(s: Int8GemmShape) -> list[str]:
         half, words = g // 2, g // 8
         lines += [
             f"    %nb = arith.constant {half} : index",
-            f"    %nw = arith.constant {words} : index",
             "    %boff = arith.muli %gi, %nb : index",
             f"    %b = vector.load %codes[%cn, %boff] : {_codes_memref(s)}, vector<{half}xi8>",
             f"    %m15 = arith.constant dense<15> : vector<{half}xi8>",
@@ -229,6 +228,7 @@ def _unpack_codes(s: Int8GemmShape) -> list[str]:
             lines += [
                 f"    %lo32 = vector.bitcast %lo : vector<{half}xi8> to vector<{words}xi32>",
                 f"    %hi32 = vector.bitcast %hi : vector<{half}xi8> to vector<{words}xi32>",
+                f"    %nw = arith.constant {words} : index",
                 "    %q1 = arith.addi %q0, %nw : index",
                 f"    vector.store %lo32, %w[%t, %q0] : {w_t}, vector<{words}xi32>",
                 f"    vector.store %hi32, %w[%t, %q1] : {w_t}, vector<{words}xi32>",

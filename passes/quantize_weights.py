@@ -100,15 +100,14 @@ class _Quantizer:
             return self.chosen[target]
         choice = None
         source = self.sources.get(target)
-        if source is not None and source.format == "q5" and not self.five_bit:
-            source = source.as_q8()
-            self.report.widened += 1
         wanted = FORMAT_OF_MODE.get(self.mode)
+        if source is not None and source.format == "q5" and (not self.five_bit or wanted == "q8"):
+            source = source.as_q8()  # exact; with --weights int8 it is then the checkpoint's q8
+            if not self.five_bit:
+                self.report.widened += 1
         if weight.dim() == 2 and weight.is_floating_point():
             if source is not None and (self.mode == "auto" or source.format == wanted):
                 choice = _Choice(source, "checkpoint")
-            elif source is not None and wanted == "q8" and source.format == "q5":
-                choice = _Choice(source.as_q8(), "checkpoint")
             elif wanted is not None and weight.shape[1] % self.group == 0:
                 w = materialize(weight).detach().to(torch.float32).numpy()
                 blocks = quant.quantize(w, wanted, self.group)

@@ -31,7 +31,6 @@ from .onnx_device import OnnxContext, open_onnx
 
 # foldline device name -> IREE HAL driver
 DRIVERS = {"cpu": "local-task", "vulkan": "vulkan", "cuda": "cuda"}
-PARAM_SCOPE = "model"
 _ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
 # Pretend the CPU has only these flags (cpuinfo spelling, comma- or space-separated): which CPU
 # module a multi-ISA bundle loads, and which modules are refused, follow them.
@@ -489,7 +488,7 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
             index.load(str(path))  # mmapped
         except Exception as e:
             raise BundleError(f"could not read parameters {path}: {e}") from e
-        providers.append(index.create_provider(scope=archive.scope or PARAM_SCOPE))
+        providers.append(index.create_provider(scope=archive.scope))
     if providers:
         modules.append(rt.create_io_parameters_module(instance, *providers))
     devices = [config.device]
