@@ -138,16 +138,21 @@ def default_chunk(loaded: LoadedModel, weights: str) -> int:
     return QUANTIZED_CHUNK if holds_quantized_weights(loaded, weights) else FLOAT_CHUNK
 
 
-def default_kv_dtype(loaded: LoadedModel, weights: str, dtype: str | None = None) -> str:
+def default_kv_dtype(loaded: LoadedModel, weights: str, dtype: str | None = None,
+                     targets: list[Target] | None = None) -> str:
     """The K/V cache type for --kv-dtype auto: float16 beside quantized weights, else the compute
     dtype (`dtype`; None: the model's).
 
     Half the cache bytes at no measurable cost in decode speed (docs/models.md, "bf16 and f16
     checkpoints"), as llama.cpp does by default; the rounding (2^-11
     relative) is far below the weights' own. Float bundles keep their dtype, so they stay
-    within fp32 tolerance of the eager reference.
+    within fp32 tolerance of the eager reference. A bundle for ONNX Runtime alone keeps the
+    compute dtype: its CPU GroupQueryAttention computes in float32 and, over float16 caches,
+    casts q, k and v every call (docs/onnx.md: decode 1.16x faster over float32 caches).
     """
     cfg = loaded.config if dtype is None else loaded.config.replace(dtype=dtype)
+    if targets and all(t.device == ONNX_DEVICE for t in targets):
+        return cfg.auto_cache_dtype(False)
     return cfg.auto_cache_dtype(holds_quantized_weights(loaded, weights))
 
 
@@ -183,7 +188,8 @@ def resolve_dtypes(loaded: LoadedModel, options: BuildOptions) -> tuple[str, str
     why = unsupported_compute_dtype(dtype, options.targets)
     if why is not None:
         raise DTypeError(f"compute dtype {dtype} is not available for this target: {why}")
-    kv_dtype = default_kv_dtype(loaded, options.weights, dtype) if options.kv_dtype == "auto" else options.kv_dtype
+    kv_dtype = (default_kv_dtype(loaded, options.weights, dtype, options.targets) if options.kv_dtype == "auto"
+                else options.kv_dtype)
     if kv_dtype not in KV_DTYPES:
         raise DTypeError(f"K/V cache dtype {kv_dtype!r} is not supported; choose one of {', '.join(KV_DTYPES)}")
     if kv_dtype == "bfloat16" and any(t.device == ONNX_DEVICE for t in options.targets):
@@ -330,8 +336,8 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
         rows = {name: n for name, _kind, n in entry_point_variants(options)}
         onnx_activations = next(a for t, a in zip(options.targets, activations) if t.device == ONNX_DEVICE)
         modules[ONNX_DEVICE] = export_onnx_module(
-            {name: (program, rows[name]) for name, program in unit.programs.items()}, unit.state_specs, out, progress,
-            onnx_activations)
+            {name: (program, rows[name]) for name, program in unit.programs.items()}, unit.state_specs, out,
+            unit.config.max_context, progress, onnx_activations)
     iree_targets = [(t, a) for t, a in zip(options.targets, activations) if t.device != ONNX_DEVICE]
     archives: list[ParamsEntry] = []
     if iree_targets:

@@ -42,9 +42,17 @@ from ..frontend import quant  # noqa: F401  (registers foldline::qlinear's decom
 from ..frontend.ops import DECOMPOSITIONS
 from ..passes.graph_edit import copy_graph_module, rebuild
 from .lowering import KEPT_OPS, Lowering
-from .onnx_gqa import fuse_cache_attention, to_group_query_attention
+from .onnx_gqa import (
+    GQA_ATTENTION,
+    GQA_ROPE_ATTENTION,
+    RING_OPS,
+    WINDOW_ORDER,
+    fuse_cache_attention,
+    to_group_query_attention,
+)
 from .onnx_gqa import translation as gqa_translation
 from .onnx_nbits import ACCURACY_LEVEL, fits, placeholder_translation, to_matmul_nbits
+from .onnx_norms import fuse_rms_norms
 
 DEVICE = "onnxruntime"  # the runtime device that runs an ONNX module (runtime/onnx_device.py)
 DATA_FILE = "model.onnx.data"
@@ -70,7 +78,6 @@ def step_inputs(function: str, rows: int) -> tuple[str, ...]:
 
 
 QLINEAR = torch.ops.foldline.qlinear.default
-GQA_ATTENTION = torch.ops.foldline.gqa_attention.default
 
 
 def _lowering() -> Lowering:
@@ -86,26 +93,34 @@ def _keeps_product(_name: str, node) -> bool:
     return node.target == QLINEAR and fits(node)
 
 
-def _with_fused_attention(program: ExportedProgram) -> ExportedProgram:
-    """A one-row program with its full caches' writes and attention as foldline::gqa_attention."""
+def _with_fused_attention(program: ExportedProgram, max_positions: int, window_caches: bool) -> ExportedProgram:
+    """A one-row program with its caches' writes and attention as foldline::gqa_attention (the
+    rings' too, with window_caches: then none may be left, since the graphs share their state)."""
     gm = copy_graph_module(program)
-    return rebuild(program, gm) if fuse_cache_attention(gm) else program
+    fused = fuse_cache_attention(gm, max_positions, window_caches)
+    left = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function" and n.target in RING_OPS})
+    if window_caches and left:
+        raise OnnxExportError(f"{', '.join(left)} left beside window-ordered caches: a ring would be read in "
+                              "the wrong order")
+    return rebuild(program, gm) if fused else program
 
 
-def _functional(program: ExportedProgram, n_state: int, fuse_attention: bool = False) -> ExportedProgram:
+def _functional(program: ExportedProgram, n_state: int, max_positions: int, fuse_attention: bool = False,
+                window_caches: bool = False) -> ExportedProgram:
     """The program in core aten, its state updates as outputs: (next state..., logits).
 
     An exported entry point writes its state buffers in place (input mutations);
     ONNX has no in-place update, so each mutation becomes an output, in the
     order of the state inputs. fuse_attention: a one-row program's attention
-    over full caches becomes GroupQueryAttention (backends/onnx_gqa.py).
+    over full caches (and with window_caches, over rings) becomes GroupQueryAttention
+    (backends/onnx_gqa.py); max_positions bounds the positions its rotation tables cover.
     """
     if fuse_attention:
-        program = _with_fused_attention(program)
+        program = _with_fused_attention(program, max_positions, window_caches)
     program = _lowering().program("", program, keep=_keeps_product)
     left = sorted({str(n.target) for n in program.graph.nodes
                    if n.op == "call_function" and str(n.target).startswith("foldline.")
-                   and n.target not in (QLINEAR, GQA_ATTENTION)})
+                   and n.target not in (QLINEAR, GQA_ATTENTION, GQA_ROPE_ATTENTION)})
     if left:
         raise OnnxExportError(f"no decomposition for {', '.join(left)}: ONNX has no form of these ops")
     sig = program.graph_signature
@@ -119,14 +134,17 @@ def _functional(program: ExportedProgram, n_state: int, fuse_attention: bool = F
     return program
 
 
-def export_function(program: ExportedProgram, function: str, rows: int, state: list[StateBuffer],
-                    activations: str = "f32") -> onnx.ModelProto:
+def export_function(program: ExportedProgram, function: str, rows: int, state: list[StateBuffer], max_positions: int,
+                    activations: str = "f32", window_caches: bool = False) -> onnx.ModelProto:
     """One function as an ONNX model, its inputs and outputs named as the module's contract names them.
 
-    activations: what MatMulNBits multiplies the codes by, "int8" (per block, ONNX Runtime's
-    accuracy level 4) or "f32".
+    max_positions: the context (the rotation tables' length). activations: what MatMulNBits
+    multiplies the codes by, "int8" (per block, ONNX Runtime's accuracy level 4) or "f32".
+    window_caches: the windowed layers' rings become GroupQueryAttention's window-ordered caches
+    (every function of the module must agree: they share the state).
     """
-    functional = _functional(program, len(state), fuse_attention=rows == 1)
+    functional = _functional(program, len(state), max_positions, fuse_attention=rows == 1,
+                             window_caches=window_caches)
     inputs = [*step_inputs(function, rows), *(s.name for s in state)]
     outputs = [*(s.name + NEXT_SUFFIX for s in state), "logits"]
     # The exporter logs a line per torchvision op it cannot register and pytree deprecations: noise to a user.
@@ -136,10 +154,11 @@ def export_function(program: ExportedProgram, function: str, rows: int, state: l
         exported = torch.onnx.export(functional, dynamo=True, verbose=False, input_names=inputs,
                                      output_names=outputs, optimize=False,
                                      custom_translation_table={QLINEAR: placeholder_translation(),
-                                                               GQA_ATTENTION: gqa_translation()})
+                                                               **gqa_translation()})
     model = exported.model_proto
     to_group_query_attention(model)
     to_matmul_nbits(model, ACCURACY_LEVEL[activations])
+    fuse_rms_norms(model)
     for node in model.graph.node:  # the exporter's per-node Python stack traces: most of the graph's bytes
         node.ClearField("metadata_props")
         node.ClearField("doc_string")
@@ -179,19 +198,27 @@ class SharedWeights:
 
 
 def export_module(programs: dict[str, tuple[ExportedProgram, int]], state: list[StateBuffer], out: Path,
-                  progress: Callable[[str], None] = print, activations: str = "f32") -> ModuleEntry:
+                  max_positions: int, progress: Callable[[str], None] = print,
+                  activations: str = "f32") -> ModuleEntry:
     """Every function as `model.<function>.onnx` over one shared `model.onnx.data`; the manifest's entry.
 
-    programs: function name -> (post-pass program, rows it computes).
+    programs: function name -> (post-pass program, rows it computes). max_positions: the context.
     activations: "int8" or "f32", for the quantized products (export_function).
+
+    A bundle whose functions all compute one row keeps its windowed layers' caches in window order,
+    as GroupQueryAttention's `sliding_window_cache` does (docs/onnx.md); a batched one keeps rings,
+    which its batched functions attend over decomposed. The entry's `window_order` records it.
     """
+    window_caches = all(rows == 1 for _program, rows in programs.values()) and any(
+        n.op == "call_function" and n.target in RING_OPS for program, _rows in programs.values()
+        for n in program.graph.nodes)
     weights = SharedWeights(out / DATA_FILE)
     parts: dict[str, FileEntry] = {}
     opsets: set[int] = set()
     try:
         for function, (program, rows) in programs.items():
             t0 = time.time()
-            model = export_function(program, function, rows, state, activations)
+            model = export_function(program, function, rows, state, max_positions, activations, window_caches)
             weights.externalize(model)
             path = out / graph_file(function)
             onnx.save_model(model, path)
@@ -205,4 +232,4 @@ def export_module(programs: dict[str, tuple[ExportedProgram, int]], state: list[
     entry = FileEntry.of(out / DATA_FILE)
     return ModuleEntry(entry.file, entry.sha256, entry.size, device=DEVICE,
                        description=f"ONNX opset {max(opsets)} for ONNX Runtime", executable_formats=["onnx"],
-                       activations=activations, parts=parts)
+                       activations=activations, parts=parts, window_order=WINDOW_ORDER if window_caches else None)

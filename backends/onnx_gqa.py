@@ -31,6 +31,7 @@ requires), interleaved head mappings.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import onnx
 import torch
@@ -41,78 +42,243 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.tools_common import legalize_graph
 
 from ..contract.entry_points import INPLACE_STATE_KEY, NEXT_SUFFIX
-from ..frontend.ops import cache_attention_impl, kv_cache_write_impl
+from ..contract.state import RECENT_WINDOW_ORDER
+from ..frontend.ops import _attend, cache_attention_impl, kv_cache_write_impl
+from ..passes.graph_edit import remove_dead_code
+from .onnx_rope import Rotated, match_rotated, normed_source, rope_tables, rotate_heads
 
 PLACEHOLDER_DOMAIN = "foldline"
 PLACEHOLDER = "DecodeAttention"
+ROPE_PLACEHOLDER = "RopeAttention"  # DecodeAttention that also norms and rotates q and k
 ORT_DOMAIN = "com.microsoft"
-QUERY_SEQLENS_INPUT = 16  # GroupQueryAttention's input index of query_seqlens (ONNX Runtime 1.32)
+# GroupQueryAttention's input indices (ONNX Runtime 1.32)
+COS_CACHE_INPUT, QUERY_SEQLENS_INPUT = 7, 16
 
 CACHE_WRITE = torch.ops.foldline.kv_cache_write.default
 CACHE_ATTENTION = torch.ops.foldline.cache_attention.default
+RING_WRITE = torch.ops.foldline.ring_write.default
+RING_WRITE_TOKEN = torch.ops.foldline.ring_write_token.default
+RING_ATTENTION = torch.ops.foldline.ring_attention.default
+RING_DECODE_ATTENTION = torch.ops.foldline.ring_decode_attention.default
+ATTENTION_OPS = (CACHE_ATTENTION, RING_ATTENTION, RING_DECODE_ATTENTION)
+WINDOW_ORDER = RECENT_WINDOW_ORDER  # the window_order of a module whose rings became window-ordered caches
+RING_OPS = (RING_WRITE, RING_WRITE_TOKEN, RING_ATTENTION, RING_DECODE_ATTENTION)
 
 
-@torch.library.custom_op("foldline::gqa_attention", mutates_args=())
-def gqa_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, start_pos: Tensor,
-                  n_valid: Tensor, scale: float, window: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """A chunk's cache writes and its attention over the full cache (window > 0: the last `window`
-    positions only): (output, next k cache, next v cache)."""
+def window_rows_held(total: int, capacity: int, window: int) -> int:
+    """How many positions a window-ordered cache holds after `total` tokens: GroupQueryAttention's
+    L(T) for `sliding_window_cache` (it frees capacity - window + 1 rows at once)."""
+    if total <= capacity:
+        return total
+    freed = capacity - window + 1
+    return total - freed * -(-(total - capacity) // freed)
+
+
+def _window_cache_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
+                            start_pos: Tensor, n_valid: Tensor, scale: float,
+                            window: int) -> tuple[Tensor, Tensor, Tensor]:
+    """gqa_attention over window-ordered caches (one row): rows [0, L) hold the L most recent positions
+    in order, L = window_rows_held(position); padded query rows give zeros."""
+    start, valid, capacity = int(start_pos[0]), int(n_valid[0]), k_cache.shape[2]
+    held = window_rows_held(start, capacity, window)
+    keys = torch.cat([k_cache[:, :, :held], k_new[:, :, :valid].to(k_cache.dtype)], dim=2)
+    values = torch.cat([v_cache[:, :, :held], v_new[:, :, :valid].to(v_cache.dtype)], dim=2)
+    kpos = torch.arange(start - held, start + valid)[None, None, :]
+    qpos = (start + torch.arange(q.shape[2]))[None, :, None]
+    allowed = (kpos <= qpos) & (qpos - kpos < window)
+    out = _attend(q, keys, values, allowed, scale, "blocked")
+    out = torch.where((torch.arange(q.shape[2]) < valid)[None, None, :, None], out, torch.zeros_like(out))
+    kept = window_rows_held(start + valid, capacity, window)
+
+    def following(cache: Tensor, joined: Tensor) -> Tensor:
+        rows = torch.zeros_like(cache)
+        rows[:, :, :kept] = joined[:, :, joined.shape[2] - kept:]
+        return rows
+
+    return out, following(k_cache, keys), following(v_cache, values)
+
+
+def _gqa_attention_impl(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
+                        start_pos: Tensor, n_valid: Tensor, scale: float, window: int,
+                        window_cache: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    if window_cache:
+        return _window_cache_attention(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, scale, window)
     k_next = kv_cache_write_impl(k_cache, k_new, start_pos, n_valid)
     v_next = kv_cache_write_impl(v_cache, v_new, start_pos, n_valid)
     out = cache_attention_impl(q, k_next, v_next, start_pos, window, scale, "blocked", k_cache.shape[2])
     return out, k_next, v_next
 
 
+@torch.library.custom_op("foldline::gqa_attention", mutates_args=())
+def gqa_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, start_pos: Tensor,
+                  n_valid: Tensor, scale: float, window: int = 0,
+                  window_cache: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """A chunk's cache writes and its attention over the full cache (window > 0: the last `window`
+    positions only; window_cache: caches of `window` rows in window order, a windowed layer's):
+    (output, next k cache, next v cache)."""
+    return _gqa_attention_impl(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, scale, window, window_cache)
+
+
 @gqa_attention.register_fake
-def _(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, scale, window=0):
+def _(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, scale, window=0, window_cache=False):
     return q.new_empty(q.shape), k_cache.new_empty(k_cache.shape), v_cache.new_empty(v_cache.shape)
 
 
-def _fusable(attention: Node) -> tuple[Node, Node] | None:
-    """The two cache writes a one-row cache_attention reads, if the three can become one GQA: a global
-    layer's, or a windowed layer's that holds a full cache (a bundle compiled without ring-buffer-swa)."""
-    q, k, v, _pos, _window, _scale, kv_mapping, _length = attention.args
-    if kv_mapping != "blocked" or q.meta["val"].shape[0] != 1:
-        return None
-    if not all(isinstance(w, Node) and w.target == CACHE_WRITE for w in (k, v)):
-        return None
-    if any(w.args[0].op != "placeholder" or w.args[2] is not attention.args[3] for w in (k, v)):
-        return None  # the writes must take the state inputs themselves, at the attention's position
-    if k.args[3] is not v.args[3]:
-        return None  # one count of valid tokens for both writes
-    if q.meta["val"].dtype != torch.float32:
-        return None
-    return k, v
+@torch.library.custom_op("foldline::gqa_rope_attention", mutates_args=())
+def gqa_rope_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
+                       start_pos: Tensor, n_valid: Tensor, cos: Tensor, sin: Tensor, scale: float, window: int,
+                       interleaved: bool, window_cache: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """gqa_attention of q [B, C, H x D] and k_new [B, C, KV x D] before their heads are split and
+    rotated by the tables cos and sin [positions, D / 2] at each row's position:
+    (output [B, H, C, D], next k cache, next v cache)."""
+    dim = v_new.shape[-1]
+    positions = (start_pos[:, None] + torch.arange(q.shape[1], device=q.device)).clamp(max=cos.shape[0] - 1)
+    q_heads, k_heads = (rotate_heads(x.unflatten(-1, (-1, dim)).transpose(1, 2), cos, sin, positions, interleaved)
+                        for x in (q, k_new))
+    return _gqa_attention_impl(q_heads, k_heads, v_new, k_cache, v_cache, start_pos, n_valid, scale, window,
+                               window_cache)
 
 
-def fuse_cache_attention(gm: GraphModule) -> int:
-    """Rewrite (in place) each fusable write-write-attend triple of `gm` into foldline::gqa_attention."""
+@gqa_rope_attention.register_fake
+def _(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, cos, sin, scale, window, interleaved,
+      window_cache=False):
+    b, chunk, _ = q.shape
+    dim = v_new.shape[-1]
+    return (q.new_empty((b, q.shape[-1] // dim, chunk, dim)), k_cache.new_empty(k_cache.shape),
+            v_cache.new_empty(v_cache.shape))
+
+
+GQA_ATTENTION = torch.ops.foldline.gqa_attention.default
+GQA_ROPE_ATTENTION = torch.ops.foldline.gqa_rope_attention.default
+
+
+
+
+@dataclass(frozen=True)
+class _Triple:
+    """A layer's two cache writes and the attention that reads them, as GroupQueryAttention's inputs."""
+
+    attention: Node
+    k_write: Node
+    v_write: Node
+    q: Node
+    k_new: Node
+    v_new: Node
+    k_cache: Node
+    v_cache: Node
+    start_pos: Node
+    n_valid: Node
+    scale: float
+    window: int
+    window_cache: bool  # the caches are a windowed layer's rings, held in window order instead
+
+
+def _one_row_float(q: Node, kv_mapping: str) -> bool:
+    return kv_mapping == "blocked" and q.meta["val"].shape[0] == 1 and q.meta["val"].dtype == torch.float32
+
+
+def _written_state(writes: tuple[Node, Node], target, start_pos: Node) -> bool:
+    """Both writes are `target` into a state input, at `start_pos`, with one count of valid tokens."""
+    k, v = writes
+    if not all(isinstance(w, Node) and w.target == target for w in writes):
+        return False
+    if any(w.args[0].op != "placeholder" or w.args[2] is not start_pos for w in writes):
+        return False
+    return k.args[3] is v.args[3]
+
+
+def _fusable(attention: Node, window_caches: bool) -> _Triple | None:
+    """The write-write-attend triple around a one-row attention, if the three can become one
+    GroupQueryAttention: a global layer's; a windowed layer's holding a full cache (a bundle compiled
+    without ring-buffer-swa); with window_caches, a windowed layer's rings, in window order."""
+    if attention.target == CACHE_ATTENTION:
+        q, k, v, pos, window, scale, kv_mapping, _length = attention.args
+        if not _one_row_float(q, kv_mapping) or not _written_state((k, v), CACHE_WRITE, pos):
+            return None
+        return _Triple(attention, k, v, q, k.args[1], v.args[1], k.args[0], v.args[0], pos, k.args[3], scale, window,
+                       False)
+    if not window_caches:
+        return None
+    if attention.target == RING_DECODE_ATTENTION:
+        q, k, v, pos, window, scale, kv_mapping, *_length = attention.args
+        if not _one_row_float(q, kv_mapping) or not _written_state((k, v), RING_WRITE_TOKEN, pos):
+            return None
+        return _Triple(attention, k, v, q, k.args[1], v.args[1], k.args[0], v.args[0], pos, k.args[3], scale, window,
+                       True)
+    if attention.target == RING_ATTENTION:
+        q, ring_k, ring_v, k_new, v_new, pos, n_valid, window, scale, kv_mapping, *_length = attention.args
+        writes = []
+        for ring, new in ((ring_k, k_new), (ring_v, v_new)):
+            found = [u for u in ring.users if u.target == RING_WRITE and u.args[1] is new and u.args[3] is n_valid]
+            writes.append(found[0] if len(found) == 1 else None)
+        if not _one_row_float(q, kv_mapping) or not _written_state(tuple(writes), RING_WRITE, pos):
+            return None
+        return _Triple(attention, writes[0], writes[1], q, k_new, v_new, ring_k, ring_v, pos, n_valid, scale, window,
+                       True)
+    return None
+
+
+def fuse_cache_attention(gm: GraphModule, max_positions: int, window_caches: bool = False) -> int:
+    """Rewrite (in place) each fusable write-write-attend triple of `gm` into foldline::gqa_attention,
+    or into foldline::gqa_rope_attention where q and k are normed and rotated as GroupQueryAttention can
+    (backends/onnx_rope.py; its tables cover `max_positions`). window_caches: the windowed layers'
+    rings too, which then hold their window in window order (GroupQueryAttention's
+    `sliding_window_cache`), not by position modulo the window."""
     count = 0
-    for attention in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == CACHE_ATTENTION]:
-        pair = _fusable(attention)
-        if pair is None:
-            continue
-        k_write, v_write = pair
-        q, _k, _v, pos, window, scale, _mapping, _length = attention.args
-        with gm.graph.inserting_before(attention):
-            fused = gm.graph.call_function(torch.ops.foldline.gqa_attention.default,
-                                           (q, k_write.args[1], v_write.args[1], k_write.args[0], v_write.args[0],
-                                            pos, k_write.args[3], scale, window))
-            fused.meta["val"] = (attention.meta["val"], k_write.meta["val"], v_write.meta["val"])
+    tables: dict[tuple, tuple[Node, Node]] = {}  # one cos and sin table per rotation
+    attentions = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ATTENTION_OPS]
+    for triple in filter(None, (_fusable(a, window_caches) for a in attentions)):
+        t = triple
+        rotated = _rotated_pair(t.q, t.k_new)
+        with gm.graph.inserting_before(t.attention):
+            if rotated is None:
+                fused = gm.graph.call_function(GQA_ATTENTION, (t.q, t.k_new, t.v_new, t.k_cache, t.v_cache, t.start_pos,
+                                                               t.n_valid, t.scale, t.window, t.window_cache))
+            else:
+                rq, rk = rotated
+                key = (_constant(rq.inv_freq).numpy().tobytes(), rq.pos_scale)
+                if key not in tables:
+                    tables[key] = rope_tables(gm.graph, rq, max_positions, t.q)
+                cos, sin = tables[key]
+                fused = gm.graph.call_function(GQA_ROPE_ATTENTION,
+                                               (normed_source(gm.graph, rq, t.q), normed_source(gm.graph, rk, t.q),
+                                                t.v_new, t.k_cache, t.v_cache, t.start_pos, t.n_valid, cos, sin,
+                                                t.scale, t.window, rq.interleaved, t.window_cache))
+            replaced = (t.attention, t.k_write, t.v_write)
+            fused.meta["val"] = tuple(old.meta["val"] for old in replaced)
             parts = []
-            for i, old in enumerate((attention, k_write, v_write)):
+            for i, old in enumerate(replaced):
                 part = gm.graph.call_function(operator.getitem, (fused, i))
                 part.meta["val"] = old.meta["val"]
                 parts.append(part)
-        for old, part in zip((attention, k_write, v_write), parts):
+        for old, part in zip(replaced, parts):
             old.replace_all_uses_with(part)
-        for old in (attention, k_write, v_write):
+        for old in replaced:
             gm.graph.erase_node(old)
         count += 1
     if count:
         legalize_graph(gm)  # the state's copy-back may precede the attention: sort the users after the fused node
+        remove_dead_code(gm)  # the rotations GroupQueryAttention now does
         gm.recompile()
     return count
+
+
+def _rotated_pair(q: Node, k: Node) -> tuple[Rotated, Rotated] | None:
+    """q and k as GroupQueryAttention can rotate them: by the same rotation."""
+    rq, rk = match_rotated(q), match_rotated(k)
+    if rq is None or rk is None or (rq.pos_scale, rq.interleaved) != (rk.pos_scale, rk.interleaved):
+        return None
+    if not torch.equal(_constant(rq.inv_freq), _constant(rk.inv_freq)):
+        return None
+    return rq, rk
+
+
+def _constant(node: Node) -> Tensor:
+    """The value of a node that reads no input (match_rotated checks it), computed eagerly."""
+    def value(arg):
+        return _constant(arg) if isinstance(arg, Node) else arg
+    args = [[value(a) for a in arg] if isinstance(arg, (list, tuple)) else value(arg) for arg in node.args]
+    return node.target(*args, **{k: value(v) for k, v in node.kwargs.items()})
 
 
 def register_placeholder() -> None:
@@ -121,16 +287,22 @@ def register_placeholder() -> None:
     if onnx.defs.has(PLACEHOLDER, PLACEHOLDER_DOMAIN):
         return
     param = OpSchema.FormalParameter
+    inputs = ([param(n, "T") for n in ("query", "key", "value", "past_key", "past_value")]
+              + [param("seqlens_k", "I"), param("total_sequence_length", "I"), param("query_seqlens", "I")])
+    attributes = [OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, ""),
+                  OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, ""),
+                  OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, ""),
+                  OpSchema.Attribute("local_window_size", OpSchema.AttrType.INT, ""),
+                  OpSchema.Attribute("sliding_window_cache", OpSchema.AttrType.INT, "")]
+    types = [("T", ["tensor(float)", "tensor(float16)"], ""), ("I", ["tensor(int32)"], "")]
+    outputs = [param(n, "T") for n in ("output", "present_key", "present_value")]
+    onnx.defs.register_schema(OpSchema(PLACEHOLDER, PLACEHOLDER_DOMAIN, 1, inputs=inputs, outputs=outputs,
+                                       type_constraints=types, attributes=attributes))
     onnx.defs.register_schema(OpSchema(
-        PLACEHOLDER, PLACEHOLDER_DOMAIN, 1,
-        inputs=[param(n, "T") for n in ("query", "key", "value", "past_key", "past_value")]
-        + [param("seqlens_k", "I"), param("total_sequence_length", "I"), param("query_seqlens", "I")],
-        outputs=[param(n, "T") for n in ("output", "present_key", "present_value")],
-        type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("I", ["tensor(int32)"], "")],
-        attributes=[OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, ""),
-                    OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, ""),
-                    OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, ""),
-                    OpSchema.Attribute("local_window_size", OpSchema.AttrType.INT, "")],
+        ROPE_PLACEHOLDER, PLACEHOLDER_DOMAIN, 1,
+        inputs=[*inputs, param("cos_cache", "T"), param("sin_cache", "T")],
+        outputs=outputs, type_constraints=types,
+        attributes=[*attributes, OpSchema.Attribute("rotary_interleaved", OpSchema.AttrType.INT, "")],
     ))
 
 
@@ -144,7 +316,8 @@ def local_window(window: int) -> int:
 
 
 def translation():
-    """The exporter's translation of foldline::gqa_attention into the placeholder, in BSH layout."""
+    """The exporter's translations of foldline::gqa_attention and foldline::gqa_rope_attention into the
+    placeholders, in BSH layout: {op: translation}."""
     import onnxscript
 
     register_placeholder()
@@ -152,34 +325,50 @@ def translation():
     op = onnxscript.opset20
     int32, f16, f32 = onnx.TensorProto.INT32, onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
 
-    def translate(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, scale: float, window: int = 0):
-        _b, heads, chunk, dim = q.shape
-        kv_heads = k_cache.shape[1]
+    def attend(placeholder, q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, chunk: int, heads: int,
+               extra: list, **attributes):
+        """The placeholder over q and k in BSH and v in BHSD; the output back in BHSD, padded rows zero."""
+        dim = k_cache.shape[3]
         half = k_cache.dtype == onnxscript.ir.DataType.FLOAT16
-        flat = op.Constant(value_ints=[0, int(chunk), -1])
-
-        def bsh(x):  # [B, H, C, D] -> [B, C, H x D], in the cache's type
-            x = op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), flat)
-            return op.Cast(x, to=f16) if half else x
-
+        to_cache = (lambda x: op.Cast(x, to=f16)) if half else (lambda x: x)  # noqa: E731
+        flat = op.Constant(value_ints=[0, chunk, -1])
+        v_bsh = op.Reshape(op.Transpose(v_new, perm=[0, 2, 1, 3]), flat)
         end = op.Add(start_pos, n_valid)
         seqlens = op.Cast(op.Sub(end, op.Constant(value_int=1)), to=int32)
         # an upper bound of every row's end, at least the chunk (the op requires it of a full cache)
-        total = op.Cast(op.Max(op.ReduceMax(end, keepdims=0), op.Constant(value_int=int(chunk))), to=int32)
-        out, k_next, v_next = ops.DecodeAttention(bsh(q), bsh(k_new), bsh(v_new), k_cache, v_cache, seqlens, total,
-                                                  op.Cast(n_valid, to=int32), num_heads=int(heads),
-                                                  kv_num_heads=int(kv_heads), scale=scale,
-                                                  local_window_size=local_window(window))
+        total = op.Cast(op.Max(op.ReduceMax(end, keepdims=0), op.Constant(value_int=chunk)), to=int32)
+        out, k_next, v_next = placeholder(to_cache(q), to_cache(k_new), to_cache(v_bsh), k_cache, v_cache, seqlens,
+                                          total, op.Cast(n_valid, to=int32), *[to_cache(x) for x in extra],
+                                          num_heads=heads, kv_num_heads=int(k_cache.shape[1]), **attributes)
         out = op.Cast(out, to=f32) if half else out
-        if int(chunk) > 1:  # padded rows: unspecified by the op, zero here
-            rows = op.Range(op.Constant(value_int=0), op.Constant(value_int=int(chunk)), op.Constant(value_int=1))
+        if chunk > 1:  # padded rows: unspecified by the op, zero here
+            rows = op.Range(op.Constant(value_int=0), op.Constant(value_int=chunk), op.Constant(value_int=1))
             valid = op.Less(op.Unsqueeze(rows, op.Constant(value_ints=[0])), op.Unsqueeze(n_valid, op.Constant(value_ints=[1])))
             out = op.Where(op.Unsqueeze(valid, op.Constant(value_ints=[2])), out, op.CastLike(op.Constant(value_float=0.0), out))
-        out = op.Transpose(op.Reshape(out, op.Constant(value_ints=[0, int(chunk), int(heads), int(dim)])),
-                           perm=[0, 2, 1, 3])
+        out = op.Transpose(op.Reshape(out, op.Constant(value_ints=[0, chunk, heads, int(dim)])), perm=[0, 2, 1, 3])
         return out, k_next, v_next
 
-    return translate
+    def translate(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, scale: float, window: int = 0,
+                  window_cache: bool = False):
+        _b, heads, chunk, _dim = q.shape
+        flat = op.Constant(value_ints=[0, int(chunk), -1])
+
+        def bsh(x):  # [B, H, C, D] -> [B, C, H x D]
+            return op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), flat)
+
+        return attend(ops.DecodeAttention, bsh(q), bsh(k_new), v_new, k_cache, v_cache, start_pos, n_valid,
+                      int(chunk), int(heads), [], scale=scale, local_window_size=local_window(window),
+                      sliding_window_cache=int(window_cache))
+
+    def translate_rope(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, cos, sin, scale: float, window: int,
+                       interleaved: bool, window_cache: bool = False):
+        _b, chunk, width = q.shape
+        heads = int(width) // int(k_cache.shape[3])
+        return attend(ops.RopeAttention, q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, int(chunk), heads,
+                      [cos, sin], scale=scale, local_window_size=local_window(window),
+                      rotary_interleaved=int(interleaved), sliding_window_cache=int(window_cache))
+
+    return {GQA_ATTENTION: translate, GQA_ROPE_ATTENTION: translate_rope}
 
 
 def to_group_query_attention(model: onnx.ModelProto) -> list[str]:
@@ -193,12 +382,16 @@ def to_group_query_attention(model: onnx.ModelProto) -> list[str]:
     outputs = {o.name for o in model.graph.output}
     inplace = []
     for node in model.graph.node:
-        if node.domain != PLACEHOLDER_DOMAIN or node.op_type != PLACEHOLDER:
+        if node.domain != PLACEHOLDER_DOMAIN or node.op_type not in (PLACEHOLDER, ROPE_PLACEHOLDER):
             continue
+        rope = node.op_type == ROPE_PLACEHOLDER
         node.domain, node.op_type = ORT_DOMAIN, "GroupQueryAttention"
-        query_seqlens = node.input[7]
+        query_seqlens, *tables = node.input[7:]
+        by_index = dict(zip((COS_CACHE_INPUT, COS_CACHE_INPUT + 1), tables))
         del node.input[7:]
-        node.input.extend([""] * (QUERY_SEQLENS_INPUT - 7) + [query_seqlens])
+        node.input.extend([by_index.get(i, "") for i in range(7, QUERY_SEQLENS_INPUT)] + [query_seqlens])
+        if rope:
+            node.attribute.append(helper.make_attribute("do_rotary", 1))
         for i, past in ((1, node.input[3]), (2, node.input[4])):
             following = past + NEXT_SUFFIX
             if past in inputs and following in outputs and _present_as_output(model, node, i, following):

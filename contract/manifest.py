@@ -46,7 +46,7 @@ STATE_FIELDS = ("name", "shape", "dtype", "nbytes", "layers", "kind")
 PARAMS_FIELDS = ("file", "sha256", "size", "scope", "count")
 PLACEMENT_FIELDS = ("devices", "scheme", "layers", "state", "result")
 MODULE_FIELDS = ("file", "sha256", "size", "params_sha256", "device", "cpu", "flags", "description", "arch",
-                 "cpu_flags", "activations", "kernel_isa", "kernels", "executable_formats", "parts")
+                 "cpu_flags", "activations", "kernel_isa", "kernels", "executable_formats", "parts", "window_order")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -108,6 +108,9 @@ class ModuleEntry:
     # function -> its own file, for a module kept as one file per function (ONNX: one graph each,
     # `file` holding the weights they share); empty for an IREE module, whose one file has them all
     parts: dict[str, FileEntry] = field(default_factory=dict)
+    # how its windowed layers' caches hold the window: None, as rings (position p in slot p mod
+    # window); "recent", in order (ONNX Runtime's GroupQueryAttention: backends/onnx_gqa.py)
+    window_order: str | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModuleEntry:

@@ -15,7 +15,7 @@ from typing import Any
 from ..dtypes import FLOAT_DTYPES, itemsize
 from .entry_points import kv_tile_size
 from .errors import BundleError
-from .state import LAYER_TYPES, STATE_KINDS, allowed_shapes
+from .state import LAYER_TYPES, STATE_KINDS, WINDOW_ORDERS, allowed_shapes
 
 # State buffer element types and their sizes in bytes.
 STATE_DTYPES = {name: itemsize(name) for name in FLOAT_DTYPES}
@@ -212,6 +212,7 @@ def check_schema(path: Path, data: dict[str, Any]) -> None:
                 r.string(word, f"{where}.{field}[{j}]")
         for field in ("description", "activations"):
             r.string(entry.get(field), f"{where}.{field}", optional=True)
+        r.string(entry.get("window_order"), f"{where}.window_order", choices=WINDOW_ORDERS, optional=True)
         for part, value in r.obj(entry.get("parts") or {}, f"{where}.parts").items():
             there = f"{where}.parts[{part!r}]"
             value = r.obj(value, there)

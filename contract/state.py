@@ -22,6 +22,13 @@ SEQ_DIM = 2  # KV caches are [rows, kv heads, slots, head dim]
 Config = Mapping[str, Any]  # a model config as the manifest holds it (ModelConfig.to_dict())
 
 
+# How a module's windowed-layer caches hold their window (ModuleEntry.window_order). A ring (None,
+# the default) keeps position p in slot p mod window; "recent" keeps the positions held in order,
+# the most recent last, as ONNX Runtime's GroupQueryAttention does with `sliding_window_cache`.
+RECENT_WINDOW_ORDER = "recent"
+WINDOW_ORDERS = (RECENT_WINDOW_ORDER,)
+
+
 @dataclass(frozen=True)
 class StateBuffer:
     """One runtime-owned state buffer: its name, shape over every row, element type, kind and layers."""

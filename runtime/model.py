@@ -113,7 +113,8 @@ class Model(ClosedOnExit):
     def identity(self) -> dict:
         """What a saved session must share with this bundle: model config and parameter hashes."""
         params = self.manifest.params
-        return bundle_identity(self.config, params.sha256 if params else None)
+        module = self.manifest.modules.get(self.module_key)
+        return bundle_identity(self.config, params.sha256 if params else None, module and module.window_order)
 
     def row_layout(self) -> list[StateBuffer]:
         """The state buffers of one row: what a snapshot or a session file holds."""

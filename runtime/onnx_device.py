@@ -39,6 +39,9 @@ class OnnxContext:
     name: str = DEVICE
     input_names: dict[str, list[str]] = field(default_factory=dict)
     inplace: dict[str, frozenset[str]] = field(default_factory=dict)  # function -> state inputs it updates in place
+    # function -> (the state arrays, their IO binding): kept while the same arrays come back, as a
+    # session's do step after step; binding 60 caches anew cost ~0.7 ms a decode step (docs/onnx.md)
+    _bindings: dict[str, tuple[list[np.ndarray], Any]] = field(default_factory=dict, repr=False)
 
     def zeros(self, shape: Sequence[int], dtype: Any, device: int = 0) -> np.ndarray:
         """Host arrays: ONNX Runtime's CPU session has one device (`device` is always 0)."""
@@ -81,17 +84,12 @@ class OnnxContext:
             for buffer, new in zip(state, outputs[: len(state)]):
                 np.copyto(buffer, new)
             return outputs[-1]
-        import onnxruntime as ort
-
-        binding = session.io_binding()
+        binding = self._binding(fn, state)
         for name, array in zip(names, inputs):
             binding.bind_cpu_input(name, np.ascontiguousarray(array))
         bound: list[np.ndarray | None] = []  # per bound output, in order: the buffer to copy it into, or None
         for name, buffer in zip(names[len(inputs):], state):
-            if name in inplace:  # the array itself, as input and output: ONNX Runtime writes into it
-                value = ort.OrtValue.ortvalue_from_numpy(buffer)
-                binding.bind_ortvalue_input(name, value)
-                binding.bind_ortvalue_output(name + NEXT_SUFFIX, value)
+            if name in inplace:  # bound once, in _binding
                 bound.append(None)
             else:
                 binding.bind_cpu_input(name, buffer)
@@ -104,6 +102,30 @@ class OnnxContext:
             if buffer is not None:
                 np.copyto(buffer, value.numpy())
         return outputs[-1].numpy()
+
+    def _binding(self, fn: str, state: list[np.ndarray]) -> Any:
+        """`fn`'s IO binding over these state arrays, each in-place cache bound as its own input and
+        output (ONNX Runtime writes its new slots there); made again when the arrays change.
+
+        Every output is bound here, in the graph's order, so that `get_outputs` keeps that order
+        when `call` binds the others again (a name bound again keeps its place)."""
+        cached = self._bindings.get(fn)
+        if cached is not None and len(cached[0]) == len(state) and all(a is b for a, b in zip(cached[0], state)):
+            return cached[1]
+        import onnxruntime as ort
+
+        binding = self.sessions[fn].io_binding()
+        names = self.input_names[fn][len(self.input_names[fn]) - len(state):]
+        for name, buffer in zip(names, state):
+            if name in self.inplace[fn]:
+                value = ort.OrtValue.ortvalue_from_numpy(buffer)
+                binding.bind_ortvalue_input(name, value)
+                binding.bind_ortvalue_output(name + NEXT_SUFFIX, value)
+            else:
+                binding.bind_output(name + NEXT_SUFFIX)
+        binding.bind_output("logits")
+        self._bindings[fn] = (list(state), binding)  # holds the arrays: their ids stay theirs
+        return binding
 
 
 def _check_inputs(manifest: Manifest, fn: str, session: Any, want: list[tuple[list[int], str, str]]) -> None:

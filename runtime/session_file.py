@@ -43,11 +43,15 @@ class SessionFileError(FoldlineError, ValueError):
     """A session file that is missing, corrupted, or belongs to another bundle."""
 
 
-def bundle_identity(config: dict[str, Any], params_sha256: str | None) -> dict[str, Any]:
-    """What must match for saved state to mean something: the model and its weights."""
+def bundle_identity(config: dict[str, Any], params_sha256: str | None, window_order: str | None = None) -> dict[str, Any]:
+    """What must match for saved state to mean something: the model, its weights, and how the module
+    that ran it orders its windowed caches (None: rings; contract/state.py's WINDOW_ORDERS)."""
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
-    return {"config_sha256": hashlib.sha256(canonical).hexdigest(), "params_sha256": params_sha256,
-            "model": config.get("name")}
+    identity = {"config_sha256": hashlib.sha256(canonical).hexdigest(), "params_sha256": params_sha256,
+                "model": config.get("name")}
+    if window_order is not None:
+        identity["window_order"] = window_order
+    return identity
 
 
 def save_session_file(path: str | Path, identity: dict[str, Any], layout: list[StateBuffer],
@@ -161,6 +165,11 @@ def _check_bundle(path: Path, header: dict[str, Any], identity: dict[str, Any], 
     if saved.get("params_sha256") != identity["params_sha256"]:
         raise SessionFileError(f"{path} was saved with other weights than this bundle's parameters: "
                                "its state would not continue this model's computation")
+    if saved.get("window_order") != identity.get("window_order"):
+        orders = {None: "as rings", "recent": "in window order"}
+        raise SessionFileError(f"{path} was saved by a module that holds windowed caches "
+                               f"{orders.get(saved.get('window_order'), saved.get('window_order'))}; this one holds "
+                               f"them {orders.get(identity.get('window_order'))}: resume it on the device that saved it")
     rows = _saved_rows(header)
     want = [{"name": s.name, "shape": list(s.rows(rows).shape), "dtype": s.host_dtype.name} for s in layout]
     if header.get("state") != want:

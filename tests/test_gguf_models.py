@@ -188,7 +188,8 @@ def test_compiled_logits_match_hf(name, gguf_bundles, hf_references):
 @pytest.mark.parametrize("name", MODELS)
 def test_onnx_bundle_matches_hf(name, gguf_models, hf_references, tmp_path_factory):
     """The shipped model compiled for ONNX Runtime (`--target onnx`: MatMulNBits with int8 activations,
-    GroupQueryAttention over global caches bound in place, Gemma's rings decomposed) against HF eager,
+    GroupQueryAttention over float32 global caches bound in place, Gemma's rings decomposed, the RMS
+    norms single nodes) against HF eager,
     with the int8 bounds above; Gemma's long prompt crosses its 512-token window."""
     _skip_unless_installed(name)
     pytest.importorskip("onnxruntime")
@@ -202,6 +203,8 @@ def test_onnx_bundle_matches_hf(name, gguf_models, hf_references, tmp_path_facto
     model = Model.load(out, device="onnxruntime", verify=False)
     assert model.manifest.modules["onnxruntime"].activations == "int8"
     assert model.ctx.inplace["decode"], "no cache is updated in place"
+    # --kv-dtype auto keeps float32 caches for ONNX Runtime alone (its attention computes in float32)
+    assert {b.dtype for b in model.manifest.state if b.name.endswith((".k", ".v"))} == {"float32"}
     print(_match_hf(name, model, hf_references(name), int8=True))
 
 

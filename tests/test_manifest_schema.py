@@ -111,6 +111,7 @@ def _set_shape(data: dict, shape: list[int]) -> None:
     (lambda d: d["modules"]["cpu"].update(file="../../etc/passwd"), r"modules.cpu.file: must name a file inside"),
     (lambda d: d["modules"]["cpu"].update(sha256="abc"), r"modules.cpu.sha256: must be a sha256 hex digest"),
     (lambda d: d["modules"]["cpu"].update(size=-1), r"modules.cpu.size: must be positive"),
+    (lambda d: d["modules"]["cpu"].update(window_order="sorted"), r"modules.cpu.window_order: unknown value 'sorted'"),
     (lambda d: d.update(tokenizer="tokenizer.json"), r"tokenizer_sha256: must be a sha256 hex digest, got None"),
     (lambda d: d.update(row_counts=[1, 2]), r"row_counts\[1\]: must be between 1 and 1, got 2"),
     (lambda d: d.update(row_counts=[]), r"row_counts: \[\] must ascend without repeats and end with the batch 1"),

@@ -83,7 +83,12 @@ def test_the_graphs_are_standard_onnx_over_one_weights_file(onnx_bundles):
         onnx.checker.check_model(str(path), full_check=True)
         model = onnx.load(str(path), load_external_data=False)
         custom = {(n.domain, n.op_type) for n in model.graph.node if n.domain not in ("", "ai.onnx")}
-        assert custom == {("com.microsoft", "MatMulNBits"), ("com.microsoft", "GroupQueryAttention")}
+        assert custom == {("com.microsoft", "MatMulNBits"), ("com.microsoft", "GroupQueryAttention"),
+                          ("com.microsoft", "SkipSimplifiedLayerNormalization")}
+        # every RMS norm is one node (backends/onnx_norms.py): no mean of a power is left
+        powers = {n.output[0] for n in model.graph.node if n.op_type == "Pow"}
+        assert not [n.name for n in model.graph.node if n.op_type == "ReduceMean" and n.input[0] in powers]
+        assert any(n.op_type == "RMSNormalization" for n in model.graph.node)
         products = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
         inits = {t.name: t for t in model.graph.initializer}
         assert products and all(inits[n.input[1]].data_type == onnx.TensorProto.UINT8 for n in products)
@@ -119,26 +124,33 @@ def test_plain_onnxruntime_runs_the_prefill_graph(onnx_bundles):
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gemma3-tiny", "qwen35-tiny-q4"])
-def test_global_caches_are_updated_in_place(name, onnx_bundles):
-    """One GroupQueryAttention per global layer in prefill and decode (none for rings or GDN), its caches
-    listed for the runtime to bind in place; a decode step writes the token's slot into the session's
-    own arrays and nothing else there, and a plain `session.run` of the graph, which copies its caches,
-    gives the same logits and caches."""
+def test_attention_caches_are_updated_in_place(name, onnx_bundles):
+    """One GroupQueryAttention per attention layer in prefill and decode (none for GDN): a global layer's
+    over its full cache, a windowed layer's over its ring held in window order (`sliding_window_cache`,
+    recorded as the module's window_order); every cache listed for the runtime to bind in place. A
+    decode step writes the token's slot into a global cache's own array and nothing else there, and a
+    plain `session.run` of the graph, which copies its caches, gives the same logits and caches."""
     import onnxruntime as ort
 
     module, bundle = onnx_bundles(name)
-    globals_ = [i for i, t in enumerate(module.cfg.layer_types) if t == "global"]
+    layers = module.cfg.layer_types
+    attending = [i for i, t in enumerate(layers) if t in ("global", "local")]
     decode = onnx.load(str(bundle / "model.decode.onnx"), load_external_data=False)
     prefill = onnx.load(str(bundle / "model.prefill.onnx"), load_external_data=False)
     for graph in (decode, prefill):
-        assert sum(n.op_type == "GroupQueryAttention" for n in graph.graph.node) == len(globals_)
+        attention = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention"]
+        assert len(attention) == len(attending)
+        windowed = [helper.get_attribute_value(a) for n in attention for a in n.attribute if a.name == "sliding_window_cache"]
+        assert sorted(windowed) == sorted(int(layers[i] == "local") for i in attending)
     model = Model.load(bundle, device="onnxruntime")
-    caches = {b.name for b in model.manifest.state if b.kind == "global_kv"}
-    assert len(caches) == 2 * len(globals_)
+    assert model.manifest.modules["onnxruntime"].window_order == ("recent" if "local" in layers else None)
+    caches = {b.name for b in model.manifest.state if b.kind in ("global_kv", "local_kv")}
+    full = {b.name for b in model.manifest.state if b.kind == "global_kv"}
+    assert len(caches) == 2 * len(attending)
     assert model.ctx.inplace["decode"] == model.ctx.inplace["prefill"] == caches
 
     session = model.session()
-    session.prefill(PROMPT[:20])
+    session.prefill(PROMPT[:20])  # past gemma3-tiny's 16-token window
     names = [b.name for b in model.manifest.state]
     before = {n: a.copy() for n, a in zip(names, session.buffers)}
     feeds = {"tokens": np.array([[7]], np.int64), "pos": np.array([20], np.int64),
@@ -147,11 +159,37 @@ def test_global_caches_are_updated_in_place(name, onnx_bundles):
     logits = session.decode(7)
     np.testing.assert_allclose(logits, plain[-1][0], rtol=0, atol=1e-5)
     for name, after, copied in zip(names, session.buffers, plain):
-        if name in caches:
+        if name in full:
             changed = np.flatnonzero((after != before[name]).any(axis=(0, 1, 3)))
             assert set(changed) <= {20}, (name, changed)
             np.testing.assert_array_equal(after[:, :, 20], copied[:, :, 20])
             np.testing.assert_array_equal(after[:, :, :20], before[name][:, :, :20])
+        elif name in caches:  # the window's 16 most recent positions, in order, the token's last
+            np.testing.assert_array_equal(after, copied)
+            np.testing.assert_array_equal(after[:, :, :15], before[name][:, :, 1:])
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gemma3-tiny"])
+def test_group_query_attention_rotates_q_and_k(name, onnx_bundles):
+    """Each GroupQueryAttention rotates its q and k itself (backends/onnx_rope.py), over one pair of tables
+    per rotation (gemma3-tiny's windowed and global layers have two); llama-tiny then computes no other
+    sine or cosine. The q and k
+    norms of gemma3-tiny stay in the graph as RMSNormalization, which ONNX Runtime's CPU attention does
+    not do. (test_onnxruntime_matches_eager holds the rotated graphs to eager.)"""
+    module, bundle = onnx_bundles(name)
+    for function in ("decode", "prefill"):
+        graph = onnx.load(str(bundle / f"model.{function}.onnx"), load_external_data=False).graph
+        attention = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+        assert attention
+        assert all(helper.get_attribute_value(a) == 1 for n in attention for a in n.attribute if a.name == "do_rotary")
+        assert all(n.input[7] and n.input[8] for n in attention)
+        rotations = {module.cfg.rope_for(kind) for kind in set(module.cfg.layer_types)}
+        assert len({(n.input[7], n.input[8]) for n in attention}) == len(rotations)  # one pair per rotation
+        ops = [n.op_type for n in graph.node]
+        if name == "llama-tiny":
+            assert ops.count("Sin") == ops.count("Cos") == 1
+        else:
+            assert ops.count("RMSNormalization") >= 2 * len(attention)
 
 
 def test_a_changed_graph_is_refused_at_load(onnx_bundles, tmp_path):

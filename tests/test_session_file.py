@@ -167,6 +167,22 @@ def test_old_and_foreign_layouts_and_versions(bundle, tmp_path):
             model.session_from(tmp_path / "bad-prefilled.session")
 
 
+def test_a_session_of_a_module_ordering_its_windows_otherwise_is_refused(bundle, tmp_path):
+    """A bundle with CPU and ONNX modules shares one state layout, but its ONNX module may hold windowed
+    caches in window order where the CPU module holds rings (ModuleEntry.window_order): a session saved
+    by one is refused by the other, naming why, in either direction."""
+    path = tmp_path / "chat.session"
+    with Model.load(bundle) as model:
+        session, _ = _first_half(model)
+        session.save(path)
+        _rewrite(path, tmp_path / "recent.session", lambda h: h["bundle"].update(window_order="recent"))
+        with pytest.raises(SessionFileError, match="in window order; this one holds them as rings"):
+            model.session_from(tmp_path / "recent.session")
+        identity = {**model.identity(), "window_order": "recent"}
+        with pytest.raises(SessionFileError, match="as rings; this one holds them in window order"):
+            session_file_module.load_session_file(path, identity, model.row_layout(), model.max_context)
+
+
 def test_an_interrupted_save_keeps_the_previous_file(bundle, tmp_path, monkeypatch):
     path = tmp_path / "chat.session"
     with Model.load(bundle) as model:

@@ -1,0 +1,209 @@
+"""RMS norms as single ONNX operators: a decode step's small nodes cost as much as its products.
+
+The exporter writes foldline's RMSNorm (frontend/layers.py) as seven
+elementwise nodes, x * 1 / sqrt(mean(x^2) + eps) * gamma, and ONNX Runtime's
+own fusion does not take that form (it looks for a Div). At one token a node
+costs a few microseconds whatever it computes, and SmolLM2's decode step held
+about 2,100 of them against ONNX Runtime GenAI's 341 (docs/onnx.md).
+`fuse_rms_norms` rewrites each norm into one node:
+
+- `com.microsoft.SkipSimplifiedLayerNormalization` where the norm's input is a
+  residual sum `a + b` of two tensors of its shape: the add and the norm in one
+  kernel, the sum (its fourth output) taken by the add's other readers;
+- the standard `RMSNormalization` (opset 23) otherwise.
+
+Both compute x / sqrt(mean(x^2) + eps) * gamma in float over the last axis;
+gamma may be any tensor of the hidden size (a Gemma norm's 1 + w too).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+ORT_DOMAIN = "com.microsoft"
+RMS_NORM_OPSET = 23  # the first opset with RMSNormalization
+
+
+class _Graph:
+    """Producers, readers and constants of an ONNX graph, for matching node patterns."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        self.producer = {out: n for n in model.graph.node for out in n.output}
+        self.readers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        for n in model.graph.node:
+            for name in n.input:
+                self.readers[name].append(n)
+        self.initializers = {t.name: t for t in model.graph.initializer}
+        self.outputs = {o.name for o in model.graph.output}
+        self.dims = {info.name: [d.dim_value or d.dim_param for d in info.type.tensor_type.shape.dim]
+                     for info in [*model.graph.value_info, *model.graph.input, *model.graph.output]
+                     if info.type.tensor_type.HasField("shape")}
+
+    def made_by(self, name: str, op_type: str) -> onnx.NodeProto | None:
+        node = self.producer.get(name)
+        return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+    def constant(self, name: str) -> np.ndarray | None:
+        """The values (flattened) of an initializer, a Constant node's output, or of one reshaped or
+        cast, as the exporter writes a reduction's axes; else None."""
+        if name in self.initializers:
+            return numpy_helper.to_array(self.initializers[name]).reshape(-1)
+        node = self.producer.get(name)
+        if node is None or node.domain not in ("", "ai.onnx"):
+            return None
+        if node.op_type == "Constant":
+            attr = node.attribute[0]
+            return numpy_helper.to_array(attr.t).reshape(-1) if attr.name == "value" else None
+        if node.op_type in ("Reshape", "Identity", "Squeeze", "Unsqueeze"):
+            return self.constant(node.input[0])
+        if node.op_type == "Cast":
+            value = self.constant(node.input[0])
+            return None if value is None else value.astype(helper.tensor_dtype_to_np_dtype(node.attribute[0].i))
+        return None
+
+    def only_read_by(self, name: str, node: onnx.NodeProto) -> bool:
+        return name not in self.outputs and all(r is node for r in self.readers[name])
+
+    def rank(self, name: str) -> int | None:
+        dims = self.dims.get(name)
+        return None if dims is None else len(dims)
+
+
+def _match(g: _Graph, scaled: onnx.NodeProto) -> tuple[str, str, float, list[onnx.NodeProto]] | None:
+    """(x, gamma, eps, the nodes of the norm) if `scaled` is Mul(Mul(x, 1 / sqrt(mean(x^2) + eps)), gamma)."""
+    for normed_name, gamma in ((scaled.input[0], scaled.input[1]), (scaled.input[1], scaled.input[0])):
+        normed = g.made_by(normed_name, "Mul")
+        if normed is None or not g.only_read_by(normed_name, scaled):
+            continue
+        for x, inv_name in ((normed.input[0], normed.input[1]), (normed.input[1], normed.input[0])):
+            chain = _inverse_rms(g, x, inv_name, normed)
+            if chain is not None:
+                eps, nodes = chain
+                return x, gamma, eps, [*nodes, normed, scaled]
+    return None
+
+
+def _inverse_rms(g: _Graph, x: str, name: str, reader: onnx.NodeProto) -> tuple[float, list[onnx.NodeProto]] | None:
+    """(eps, nodes) if `name` is Reciprocal(Sqrt(Add(ReduceMean(Pow(x, 2), [-1], keepdims), eps)))."""
+    nodes = []
+    for op in ("Reciprocal", "Sqrt", "Add", "ReduceMean", "Pow"):
+        node = g.made_by(name, op)
+        if node is None or not g.only_read_by(name, reader):
+            return None
+        nodes.append(node)
+        reader = node
+        if op == "Add":
+            eps = g.constant(node.input[1])
+            if eps is None or eps.size != 1:
+                return None
+        if op == "ReduceMean" and not _reduces_last_axis(g, node, x):
+            return None
+        name = node.input[0]
+    power = nodes[-1]
+    exponent = g.constant(power.input[1])
+    if power.input[0] != x or exponent is None or exponent.size != 1 or float(exponent[0]) != 2.0:
+        return None
+    return float(eps[0]), nodes
+
+
+def _reduces_last_axis(g: _Graph, node: onnx.NodeProto, x: str) -> bool:
+    keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
+    axes = g.constant(node.input[1]) if len(node.input) > 1 else None
+    if keepdims != 1 or axes is None or axes.size != 1:
+        return False
+    axis = int(axes[0])
+    rank = g.rank(x)
+    return axis == -1 or (rank is not None and axis == rank - 1)
+
+
+def _residual(g: _Graph, x: str) -> onnx.NodeProto | None:
+    """The Add that makes `x` from two tensors of x's shape (a residual sum), else None."""
+    add = g.made_by(x, "Add")
+    if add is None or any(g.constant(i) is not None for i in add.input):
+        return None
+    shapes = [g.dims.get(i) for i in (*add.input, x)]
+    return add if shapes[0] is not None and len(shapes[0]) == 3 and shapes[0] == shapes[1] == shapes[2] else None
+
+
+def fuse_rms_norms(model: onnx.ModelProto) -> int:
+    """Rewrite (in place) every RMS norm of `model` into one node; how many. Raises the default
+    opset to 23 where a plain RMSNormalization is used."""
+    g = _Graph(model)
+    replaced: dict[int, list[onnx.NodeProto]] = {}  # id of the norm's last node -> its new nodes
+    dropped: set[int] = set()
+    plain = 0
+    for node in list(model.graph.node):
+        if node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or id(node) in dropped:
+            continue
+        found = _match(g, node)
+        if found is None:
+            continue
+        x, gamma, eps, nodes = found
+        out = node.output[0]
+        add = _residual(g, x)
+        if add is not None:
+            fused = helper.make_node("SkipSimplifiedLayerNormalization", [add.input[0], add.input[1], gamma],
+                                     [out, "", "", x], domain=ORT_DOMAIN, epsilon=eps, name=f"{out}.skip_rms_norm")
+            dropped.add(id(add))
+        else:
+            fused = helper.make_node("RMSNormalization", [x, gamma], [out], axis=-1, epsilon=eps,
+                                     name=f"{out}.rms_norm")
+            plain += 1
+        dropped.update(id(n) for n in nodes)
+        replaced[id(node)] = [fused]
+    if not replaced:
+        return 0
+    kept = []
+    for node in model.graph.node:
+        if id(node) in replaced:
+            kept.extend(replaced[id(node)])
+        elif id(node) not in dropped:
+            kept.append(node)
+    # a fused norm stands where its last node stood; the residual sum it now makes may be read
+    # earlier (by the nodes that stood between the add and the norm): put it before its readers
+    del model.graph.node[:]
+    model.graph.node.extend(_sorted(kept, model))
+    if plain:
+        _raise_default_opset(model, RMS_NORM_OPSET)
+    if any(n.domain == ORT_DOMAIN for n in model.graph.node) and not any(
+            o.domain == ORT_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(ORT_DOMAIN, 1))
+    return len(replaced)
+
+
+def _sorted(nodes: list[onnx.NodeProto], model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """`nodes` in an order where each reads only what is made before it (stable otherwise)."""
+    ready = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer} | {""}
+    made_by = {out: n for n in nodes for out in n.output if out}
+    order, placed = [], set()
+
+    def place(node):
+        stack = [(node, False)]
+        while stack:
+            current, expanded = stack.pop()
+            if id(current) in placed:
+                continue
+            if expanded:
+                placed.add(id(current))
+                order.append(current)
+                continue
+            stack.append((current, True))
+            for name in current.input:
+                producer = made_by.get(name)
+                if name not in ready and producer is not None and id(producer) not in placed:
+                    stack.append((producer, False))
+
+    for node in nodes:
+        place(node)
+    return order
+
+
+def _raise_default_opset(model: onnx.ModelProto, version: int) -> None:
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx") and opset.version < version:
+            opset.version = version

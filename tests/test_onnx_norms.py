@@ -1,0 +1,90 @@
+"""RMS norms fused into single ONNX nodes (backends/onnx_norms.py), checked against the unfused graph
+run by ONNX Runtime. The graphs are written as torch's exporter writes foldline's RMSNorm: the
+reduction's axes reshaped from a constant, 1 / sqrt as Reciprocal(Sqrt)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from foldline.backends.onnx_norms import fuse_rms_norms
+
+HIDDEN = 8
+SHAPE = [1, 3, HIDDEN]
+
+
+def _norm(nodes: list, x: str, gamma: str, out: str, eps: float = 1e-6, exponent: float = 2.0) -> None:
+    """foldline's RMSNorm as the exporter writes it, appended to `nodes`."""
+    nodes += [
+        helper.make_node("Constant", [], [f"{out}.two"], value=numpy_helper.from_array(np.array(exponent, np.float32))),
+        helper.make_node("Pow", [x, f"{out}.two"], [f"{out}.sq"]),
+        helper.make_node("Constant", [], [f"{out}.axes0"], value=numpy_helper.from_array(np.array([-1], np.int64))),
+        helper.make_node("Constant", [], [f"{out}.shape"], value=numpy_helper.from_array(np.array([1], np.int64))),
+        helper.make_node("Reshape", [f"{out}.axes0", f"{out}.shape"], [f"{out}.axes"]),
+        helper.make_node("ReduceMean", [f"{out}.sq", f"{out}.axes"], [f"{out}.mean"], keepdims=1),
+        helper.make_node("Constant", [], [f"{out}.eps"], value=numpy_helper.from_array(np.array(eps, np.float32))),
+        helper.make_node("Add", [f"{out}.mean", f"{out}.eps"], [f"{out}.var"]),
+        helper.make_node("Sqrt", [f"{out}.var"], [f"{out}.std"]),
+        helper.make_node("Reciprocal", [f"{out}.std"], [f"{out}.inv"]),
+        helper.make_node("Mul", [x, f"{out}.inv"], [f"{out}.normed"]),
+        helper.make_node("Mul", [f"{out}.normed", gamma], [out]),
+    ]
+
+
+def _model(exponent: float = 2.0) -> onnx.ModelProto:
+    """x = a + b; n1 = norm(x); proj = n1 @ W; y = x + proj (x read again: the residual);
+    n2 = norm(proj), a MatMul's output (no residual add: a plain RMSNormalization); out = y + n2."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal(HIDDEN).astype(np.float32), "g1"),
+             numpy_helper.from_array(rng.standard_normal(HIDDEN).astype(np.float32), "g2"),
+             numpy_helper.from_array(rng.standard_normal((HIDDEN, HIDDEN)).astype(np.float32), "W")]
+    nodes = [helper.make_node("Add", ["a", "b"], ["x"])]
+    _norm(nodes, "x", "g1", "n1", exponent=exponent)
+    nodes += [helper.make_node("MatMul", ["n1", "W"], ["proj"]), helper.make_node("Add", ["x", "proj"], ["y"])]
+    _norm(nodes, "proj", "g2", "n2", eps=1e-5)
+    nodes += [helper.make_node("Add", ["y", "n2"], ["out"])]
+    info = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, SHAPE)  # noqa: E731
+    graph = helper.make_graph(nodes, "norms", [info("a"), info("b")], [info("out")], inits,
+                              value_info=[info("x")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+
+
+def _run(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+def test_norms_become_single_nodes_with_the_same_outputs():
+    model = _model()
+    rng = np.random.default_rng(1)
+    feeds = {n: rng.standard_normal(SHAPE).astype(np.float32) for n in ("a", "b")}
+    expected = _run(model, feeds)
+
+    fused = onnx.ModelProto()
+    fused.CopyFrom(model)
+    assert fuse_rms_norms(fused) == 2
+    onnx.checker.check_model(fused, full_check=True)
+    ops = [n.op_type for n in fused.graph.node]
+    # the residual sum a + b and the first norm in one node; its sum output feeds y's add
+    assert ops.count("SkipSimplifiedLayerNormalization") == 1 and ops.count("RMSNormalization") == 1
+    assert not {"Pow", "ReduceMean", "Sqrt", "Reciprocal"} & set(ops)
+    assert ops.count("Add") == 2  # y = x + proj and the output's: a + b went into the fused node
+    assert next(o.version for o in fused.opset_import if o.domain == "") == 23
+    np.testing.assert_allclose(_run(fused, feeds), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("change", ["exponent", "other_reader"])
+def test_what_is_not_a_norm_is_left_alone(change):
+    model = _model(exponent=3.0 if change == "exponent" else 2.0)
+    if change == "other_reader":  # the normalised x read by another node too: the chain must stay
+        model.graph.node.append(helper.make_node("Identity", ["n1.normed"], ["seen"]))
+        model.graph.output.append(helper.make_tensor_value_info("seen", TensorProto.FLOAT, SHAPE))
+    before = [n.op_type for n in model.graph.node]
+    fused = fuse_rms_norms(model)
+    assert fused == 1  # only the second norm
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("Pow") == before.count("Pow") - 1
+    assert "SkipSimplifiedLayerNormalization" not in ops
