@@ -124,7 +124,7 @@ def test_plain_onnxruntime_runs_the_prefill_graph(onnx_bundles):
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gemma3-tiny", "qwen35-tiny-q4"])
-def test_attention_caches_are_updated_in_place(name, onnx_bundles):
+def test_attention_caches_are_updated_in_place(name, onnx_bundles, capsys):
     """One GroupQueryAttention per attention layer in prefill and decode (none for GDN): a global layer's
     over its full cache, a windowed layer's over its ring held in window order (`sliding_window_cache`,
     recorded as the module's window_order); every cache listed for the runtime to bind in place. A
@@ -144,6 +144,10 @@ def test_attention_caches_are_updated_in_place(name, onnx_bundles):
         assert sorted(windowed) == sorted(int(layers[i] == "local") for i in attending)
     model = Model.load(bundle, device="onnxruntime")
     assert model.manifest.modules["onnxruntime"].window_order == ("recent" if "local" in layers else None)
+    from foldline.tools.cli import main
+
+    main(["inspect", str(bundle)])
+    assert ("windowed caches held in 'recent' order" in capsys.readouterr().out) == ("local" in layers)
     caches = {b.name for b in model.manifest.state if b.kind in ("global_kv", "local_kv")}
     full = {b.name for b in model.manifest.state if b.kind == "global_kv"}
     assert len(caches) == 2 * len(attending)

@@ -63,6 +63,9 @@ def run(args) -> int:
         print(f"module   {key}: {mod.file} ({_mib(mod.size or 0)}) {mod.description}{level}{acts}")
         if mod.parts:
             print("         graphs: " + ", ".join(f"{fn} {part.file} ({_mib(part.size or 0)})" for fn, part in mod.parts.items()))
+        if mod.window_order:
+            print(f"         windowed caches held in {mod.window_order!r} order, not as rings "
+                  "(session files of the other order are refused)")
         if mod.kernels:
             print("         sites: " + ", ".join(f"{n} {kind}" for kind, n in mod.kernels.items()))
     if "cpu" in m.devices():
