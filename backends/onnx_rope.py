@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
+from ..passes.graph_edit import placeholders_under
+
 aten = torch.ops.aten
 
 
@@ -115,27 +117,13 @@ def _frequencies(angles: Node, half: int) -> tuple[Node, float] | None:
     if not _call(angles, aten.mul.Tensor):
         return None
     for positions, inv_freq in (angles.args, reversed(angles.args)):
-        if not isinstance(inv_freq, Node) or _shape(inv_freq) != (half,) or _depends_on_input(inv_freq):
+        if not isinstance(inv_freq, Node) or _shape(inv_freq) != (half,) or placeholders_under(inv_freq):
             continue
         while _call(positions, aten.unsqueeze.default):
             positions = positions.args[0]
         if _call(positions, aten.div.Tensor) and isinstance(positions.args[1], (int, float)):
             return inv_freq, float(positions.args[1])
     return None
-
-
-def _depends_on_input(node: Node) -> bool:
-    """Whether `node` reads any placeholder: the frequencies must be constants of the program."""
-    stack, seen = [node], set()
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if current.op == "placeholder":
-            return True
-        stack.extend(a for a in current.all_input_nodes)
-    return False
 
 
 def _per_head_norm(x: Node) -> tuple[Node | None, float | None, Node]:

@@ -22,7 +22,13 @@ from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
 from ..frontend.deferred_weights import materialize
-from .graph_edit import ASSERT_OPS, LiftedInputs, copy_graph_module, remove_dead_code
+from .graph_edit import (
+    ASSERT_OPS,
+    LiftedInputs,
+    copy_graph_module,
+    placeholders_under,
+    remove_dead_code,
+)
 from .registry import CompileUnit, PassResult, register_pass
 
 NAME = "fold-embedding-scale"
@@ -188,7 +194,7 @@ class _Folder:
                 self._note(f"{entry}: folded x{_fmt_c(c)} into {name}")
                 touched.add(weight.name)
                 if isinstance(other, Node):
-                    touched |= _placeholders_under(other)
+                    touched |= placeholders_under(other)
                 return True
         return False
 
@@ -197,17 +203,6 @@ class _Folder:
             self.notes.append(text)
 
 
-def _placeholders_under(node: Node) -> set[str]:
-    seen, stack, out = set(), [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            out.add(n.name)
-        stack.extend(a for a in n.all_input_nodes)
-    return out
 
 
 @register_pass(NAME, "fold a constant embedding multiplier into the lookup table (applied once)")

@@ -53,6 +53,20 @@ def state_placeholder_names(program: ExportedProgram, n_state: int) -> list[str]
     return users[len(users) - n_state :]
 
 
+def placeholders_under(node: Node) -> set[str]:
+    """The names of the placeholders `node` reads, directly or through other nodes."""
+    seen, stack, out = set(), [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            out.add(n.name)
+        stack.extend(a for a in n.all_input_nodes)
+    return out
+
+
 def remove_dead_code(gm: GraphModule) -> None:
     """Remove unused nodes, including metadata asserts on values nothing else reads."""
     changed = True

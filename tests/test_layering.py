@@ -162,6 +162,7 @@ OTHER_DOCUMENTS = {
     ("foldline.frontend.hf_loader", "chat_template"): "HF tokenizer_config.json",
     ("foldline.runtime.session_file", "format_version"): "the session file's header",
     ("foldline.runtime.session_file", "params_sha256"): "the session file's header (the bundle it belongs to)",
+    ("foldline.runtime.session_file", "window_order"): "the session file's header (the module that saved it)",
 }
 
 
