@@ -48,10 +48,14 @@ def onnx_bundles(tmp_path_factory):
             if name == "gemma3-tiny-full-windows":  # window layers as full caches: GroupQueryAttention's local window
                 loaded = load_model("gemma3-tiny")
                 passes = [p for p in default_pipeline() if p != "ring-buffer-swa"]
+            elif name == "gemma3-tiny-batch2":  # rows of a batched bundle: rings, attended decomposed
+                loaded = load_model("gemma3-tiny")
             else:
                 loaded = _blocked(*blocked[name]) if name in blocked else load_model(name)
+            batch = 2 if name == "gemma3-tiny-batch2" else 1
             out = tmp_path_factory.mktemp(name) / "bundle"
-            options = BuildOptions(targets=[make_target("onnx")], kv_dtype="float32", activations="f32", passes=passes)
+            options = BuildOptions(targets=[make_target("onnx")], kv_dtype="float32", activations="f32", passes=passes,
+                                   batch=batch)
             compile_model(loaded, out, options, progress=lambda _m: None, cache=CompileCache())
             cache[name] = (loaded.module, out)
         return cache[name]
@@ -171,6 +175,23 @@ def test_attention_caches_are_updated_in_place(name, onnx_bundles, capsys):
         elif name in caches:  # the window's 16 most recent positions, in order, the token's last
             np.testing.assert_array_equal(after, copied)
             np.testing.assert_array_equal(after[:, :, :15], before[name][:, :, 1:])
+
+
+def test_a_batched_bundle_keeps_its_rings_in_every_function(onnx_bundles):
+    """A batched bundle's batched functions attend over rings decomposed, and its one-row functions share
+    their state: none of its graphs holds a windowed layer's cache in window order, its module records
+    rings, and its one-row prefill and decode still match eager past the window."""
+    module, bundle = onnx_bundles("gemma3-tiny-batch2")
+    model = Model.load(bundle, device="onnxruntime")
+    assert model.manifest.modules["onnxruntime"].window_order is None
+    graphs = sorted(bundle.glob("model.*.onnx"))
+    assert len(graphs) == 4  # prefill and decode, for one row and for two
+    for path in graphs:
+        graph = onnx.load(str(path), load_external_data=False).graph
+        assert not [n.name for n in graph.node for a in n.attribute
+                    if a.name == "sliding_window_cache" and helper.get_attribute_value(a)], path.name
+    report = run_parity(module, model, PROMPT, steps=20)
+    assert report.tokens_agree and report.worst_scaled_error <= SCALED_TOL_FP32, report.summary()
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gemma3-tiny"])
