@@ -98,10 +98,11 @@ def _with_fused_attention(program: ExportedProgram, max_positions: int, window_c
     rings' too, with window_caches: then none may be left, since the graphs share their state)."""
     gm = copy_graph_module(program)
     fused = fuse_cache_attention(gm, max_positions, window_caches)
-    left = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function" and n.target in RING_OPS})
-    if window_caches and left:
-        raise OnnxExportError(f"{', '.join(left)} left beside window-ordered caches: a ring would be read in "
-                              "the wrong order")
+    if window_caches:
+        left = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function" and n.target in RING_OPS})
+        if left:
+            raise OnnxExportError(f"{', '.join(left)} left beside window-ordered caches: a ring would be read in "
+                                  "the wrong order")
     return rebuild(program, gm) if fused else program
 
 

@@ -49,7 +49,7 @@ from .onnx_rope import Rotated, match_rotated, normed_source, rope_tables, rotat
 
 PLACEHOLDER_DOMAIN = "foldline"
 PLACEHOLDER = "DecodeAttention"
-ROPE_PLACEHOLDER = "RopeAttention"  # DecodeAttention that also norms and rotates q and k
+ROPE_PLACEHOLDER = "RopeAttention"  # DecodeAttention that also rotates q and k (do_rotary)
 ORT_DOMAIN = "com.microsoft"
 # GroupQueryAttention's input indices (ONNX Runtime 1.32)
 COS_CACHE_INPUT, QUERY_SEQLENS_INPUT = 7, 16
@@ -152,8 +152,6 @@ GQA_ATTENTION = torch.ops.foldline.gqa_attention.default
 GQA_ROPE_ATTENTION = torch.ops.foldline.gqa_rope_attention.default
 
 
-
-
 @dataclass(frozen=True)
 class _Triple:
     """A layer's two cache writes and the attention that reads them, as GroupQueryAttention's inputs."""
@@ -227,16 +225,15 @@ def fuse_cache_attention(gm: GraphModule, max_positions: int, window_caches: boo
     count = 0
     tables: dict[tuple, tuple[Node, Node]] = {}  # one cos and sin table per rotation
     attentions = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ATTENTION_OPS]
-    for triple in filter(None, (_fusable(a, window_caches) for a in attentions)):
-        t = triple
+    for t in filter(None, (_fusable(a, window_caches) for a in attentions)):
         rotated = _rotated_pair(t.q, t.k_new)
         with gm.graph.inserting_before(t.attention):
             if rotated is None:
                 fused = gm.graph.call_function(GQA_ATTENTION, (t.q, t.k_new, t.v_new, t.k_cache, t.v_cache, t.start_pos,
                                                                t.n_valid, t.scale, t.window, t.window_cache))
             else:
-                rq, rk = rotated
-                key = (_constant(rq.inv_freq).numpy().tobytes(), rq.pos_scale)
+                rq, rk, freq = rotated
+                key = (freq.numpy().tobytes(), rq.pos_scale)
                 if key not in tables:
                     tables[key] = rope_tables(gm.graph, rq, max_positions, t.q)
                 cos, sin = tables[key]
@@ -263,14 +260,13 @@ def fuse_cache_attention(gm: GraphModule, max_positions: int, window_caches: boo
     return count
 
 
-def _rotated_pair(q: Node, k: Node) -> tuple[Rotated, Rotated] | None:
-    """q and k as GroupQueryAttention can rotate them: by the same rotation."""
+def _rotated_pair(q: Node, k: Node) -> tuple[Rotated, Rotated, Tensor] | None:
+    """q and k as GroupQueryAttention can rotate them, by the same rotation, and its frequencies' values."""
     rq, rk = match_rotated(q), match_rotated(k)
     if rq is None or rk is None or (rq.pos_scale, rq.interleaved) != (rk.pos_scale, rk.interleaved):
         return None
-    if not torch.equal(_constant(rq.inv_freq), _constant(rk.inv_freq)):
-        return None
-    return rq, rk
+    freq = _constant(rq.inv_freq)
+    return (rq, rk, freq) if torch.equal(freq, _constant(rk.inv_freq)) else None
 
 
 def _constant(node: Node) -> Tensor:
@@ -386,10 +382,9 @@ def to_group_query_attention(model: onnx.ModelProto) -> list[str]:
             continue
         rope = node.op_type == ROPE_PLACEHOLDER
         node.domain, node.op_type = ORT_DOMAIN, "GroupQueryAttention"
-        query_seqlens, *tables = node.input[7:]
-        by_index = dict(zip((COS_CACHE_INPUT, COS_CACHE_INPUT + 1), tables))
-        del node.input[7:]
-        node.input.extend([by_index.get(i, "") for i in range(7, QUERY_SEQLENS_INPUT)] + [query_seqlens])
+        query_seqlens, *tables = node.input[COS_CACHE_INPUT:]  # the tables, if any, are cos_cache and sin_cache
+        del node.input[COS_CACHE_INPUT:]
+        node.input.extend([*tables, *[""] * (QUERY_SEQLENS_INPUT - COS_CACHE_INPUT - len(tables)), query_seqlens])
         if rope:
             node.attribute.append(helper.make_attribute("do_rotary", 1))
         for i, past in ((1, node.input[3]), (2, node.input[4])):

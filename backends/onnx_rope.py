@@ -1,5 +1,5 @@
-"""A query's or key's per-head RMS norm and rotary embedding, found in a program so that
-GroupQueryAttention does them (backends/onnx_gqa.py).
+"""A query's or key's rotary embedding (and the per-head RMS norm before it), found in a program
+so that GroupQueryAttention rotates them (backends/onnx_gqa.py).
 
 foldline's attention splits each projection into heads, applies the optional
 per-head norm (Gemma 3's q_norm and k_norm) and the rotary embedding

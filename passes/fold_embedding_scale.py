@@ -203,8 +203,6 @@ class _Folder:
             self.notes.append(text)
 
 
-
-
 @register_pass(NAME, "fold a constant embedding multiplier into the lookup table (applied once)")
 def fold_embedding_scale(unit: CompileUnit) -> PassResult:
     folder = _Folder()
