@@ -20,6 +20,7 @@ from ..dtypes import FLOAT_DTYPES, DTypeError
 from ..frontend.export import ENTRY_POINTS, export_entry_point, parameter_target
 from ..frontend.fingerprint import checkpoint_fingerprint
 from ..frontend.sources import load_model
+from ..frontend.tensor_parallel import split_model
 from ..frontend.types import LoadedModel
 from ..kernels.attention import expand_decode_attention_ops
 from ..kernels.isa import FLOAT_KERNELS, Int8Kernels
@@ -313,15 +314,18 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
              + "; quantized-product activations "
              + ", ".join(f"{a} ({t.description})" for t, a in zip(options.targets, activations)),
                 total=len(entry_point_variants(options)))
+    module, blocks = loaded.module, loaded.source_blocks
+    if options.devices > 1 and options.scheme == "tensor":
+        module, blocks = split_model(module, blocks, options.devices)
     entries = {}
     for name, kind, rows in entry_point_variants(options):
-        entries[name] = export_entry_point(loaded.module, kind, rows, chunk)
+        entries[name] = export_entry_point(module, kind, rows, chunk)
         clock.advance(name)
     unit = CompileUnit(cfg, {n: e.program for n, e in entries.items()}, entries["prefill"].state_specs,
                        options={"hadamard": options.hadamard, "weights": options.weights, "group": options.group,
-                                "devices": options.devices, FIVE_BIT_CODES: keeps_five_bit_codes(options.targets,
-                                                                                                  activations)},
-                       source_blocks={parameter_target(k): v for k, v in loaded.source_blocks.items()})
+                                "devices": options.devices, "scheme": options.scheme,
+                                FIVE_BIT_CODES: keeps_five_bit_codes(options.targets, activations)},
+                       source_blocks={parameter_target(k): v for k, v in blocks.items()})
 
     del entries  # the unit holds the programs; their first copies can go
     clock.stage("passes", "[2/4] running passes")

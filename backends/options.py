@@ -37,7 +37,8 @@ class BuildOptions:
     dtype: str = "auto"  # compute dtype: auto (build.default_compute_dtype), float32, float16, bfloat16
     activations: str = "auto"  # quantized products: auto (int8 where the CPU has AVX2 or VNNI), int8, f32
     attention: str = "auto"  # prefill attention: auto, fused (one flash-style op), decomposed (backends/fused_attention.py)
-    devices: int = 1  # CPU devices the layers are placed on (passes/place_devices.py, backends/multi_device.py)
+    devices: int = 1  # devices the model is placed on (passes/place_devices.py, backends/multi_device.py)
+    scheme: str = "pipeline"  # with devices > 1: "pipeline" (runs of layers) or "tensor" (heads and features)
 
 
 def row_counts(options: BuildOptions) -> list[int]:
@@ -55,12 +56,15 @@ def row_counts(options: BuildOptions) -> list[int]:
 
 
 MULTI_DEVICE_TARGETS = ("cpu", "vulkan", "cuda")  # the IREE targets compiled for several devices
+DEVICE_SCHEMES = ("pipeline", "tensor")  # passes/place_devices.SCHEMES, without importing the passes
 
 
 def check_devices(options: BuildOptions) -> None:
     """--devices N: a positive count; several devices are devices of IREE targets (CPU, Vulkan, CUDA)."""
     if isinstance(options.devices, bool) or not isinstance(options.devices, int) or options.devices < 1:
         raise InputError(f"--devices must be a positive integer, got {options.devices!r}")
+    if options.scheme not in DEVICE_SCHEMES:
+        raise InputError(f"--scheme {options.scheme!r}: expected one of {', '.join(DEVICE_SCHEMES)}")
     others = sorted({t.device for t in options.targets if t.device not in MULTI_DEVICE_TARGETS})
     if options.devices > 1 and others:
         raise InputError(f"--devices {options.devices} places layers on several devices of an IREE target "

@@ -136,7 +136,7 @@ class DevicePlacement:
     buffers and logits live. The modules' own IR carries the full placement; this is what the runtime needs."""
 
     devices: int
-    scheme: str  # "pipeline": each device runs a contiguous run of layers
+    scheme: str  # "pipeline": each device runs a contiguous run of layers; "tensor": part of every layer
     layers: list[tuple[int, int]]  # per device: the first and last layer it runs
     state: list[int]  # per state buffer, in the entry points' argument order: its device
     result: int  # the device the logits come back from

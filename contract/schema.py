@@ -16,6 +16,7 @@ from ..dtypes import FLOAT_DTYPES, itemsize
 from .entry_points import kv_tile_size
 from .errors import BundleError
 from .state import LAYER_TYPES, STATE_KINDS, WINDOW_ORDERS, allowed_shapes
+from .tensor_split import allowed_part_shapes
 
 # State buffer element types and their sizes in bytes.
 STATE_DTYPES = {name: itemsize(name) for name in FLOAT_DTYPES}
@@ -144,6 +145,10 @@ def check_schema(path: Path, data: dict[str, Any]) -> None:
     state = r.array(data["state"], "state")
     if not state:
         raise r.fail("state", "lists no buffer")
+    placement = data.get("placement")
+    # A tensor-parallel bundle's buffers hold each part's heads (contract/tensor_split.py).
+    parts = (placement.get("devices") if isinstance(placement, dict) and placement.get("scheme") == "tensor"
+             and isinstance(placement.get("devices"), int) and placement["devices"] > 1 else None)
     names: set[str] = set()
     total = 0
     for i, entry in enumerate(state):
@@ -168,7 +173,8 @@ def check_schema(path: Path, data: dict[str, Any]) -> None:
             r.integer(layer, f"{where}.layers[{j}]", lo=0, hi=len(layer_types) - 1)
             if kind not in LAYER_TYPES[layer_types[layer]]:
                 raise r.fail(f"{where}.kind", f"{kind} buffer for layer {layer}, a {layer_types[layer]} layer")
-        shapes, want_dtype, meaning = allowed_shapes(cfg, kind, batch, context)
+        shapes, want_dtype, meaning = (allowed_shapes(cfg, kind, batch, context) if parts is None
+                                       else allowed_part_shapes(cfg, kind, batch, context, parts))
         want_shapes = [list(w) for w in shapes]
         if shape not in want_shapes:
             raise r.fail(f"{where}.shape", f"{shape} does not match a {kind} buffer of this model: "
@@ -178,8 +184,8 @@ def check_schema(path: Path, data: dict[str, Any]) -> None:
     if "state_bytes" in data and data["state_bytes"] != total:
         raise r.fail("state_bytes", f"{data['state_bytes']!r} is not the sum of the buffers' nbytes, {total}")
 
-    if data.get("placement") is not None:
-        _check_placement(r, r.obj(data["placement"], "placement"), len(state), len(layer_types))
+    if placement is not None:
+        _check_placement(r, r.obj(placement, "placement"), len(state), len(layer_types))
 
     files: dict[str, str] = {}
     for key, entry in data["modules"].items():
@@ -250,7 +256,7 @@ def _check_placement(r: _Rules, placement: dict[str, Any], buffers: int, layers:
     """A bundle for several devices: a device for every state buffer and the logits, layer runs that cover
     every layer once."""
     devices = r.integer(r.key(placement, "devices", "placement"), "placement.devices", lo=2)
-    r.string(r.key(placement, "scheme", "placement"), "placement.scheme", {"pipeline": None})
+    scheme = r.string(r.key(placement, "scheme", "placement"), "placement.scheme", {"pipeline": None, "tensor": None})
     state = r.array(r.key(placement, "state", "placement"), "placement.state")
     if len(state) != buffers:
         raise r.fail("placement.state", f"places {len(state)} buffers; the bundle has {buffers}")
@@ -259,9 +265,14 @@ def _check_placement(r: _Rules, placement: dict[str, Any], buffers: int, layers:
     r.integer(r.key(placement, "result", "placement"), "placement.result", lo=0, hi=devices - 1)
     runs = [r.array(run, f"placement.layers[{j}]") for j, run in enumerate(
         r.array(r.key(placement, "layers", "placement"), "placement.layers"))]
-    covered = [i for run in runs if len(run) == 2 for i in range(int(run[0]), int(run[1]) + 1)]
-    if len(runs) != devices or covered != list(range(layers)):
-        raise r.fail("placement.layers", f"{runs} must be {devices} contiguous runs covering layers 0-{layers - 1}")
+    if scheme == "tensor":
+        if runs != [[0, layers - 1]] * devices:
+            raise r.fail("placement.layers", f"{runs}: in a tensor-parallel bundle each of the {devices} devices "
+                         f"runs layers 0-{layers - 1}")
+    else:
+        covered = [i for run in runs if len(run) == 2 for i in range(int(run[0]), int(run[1]) + 1)]
+        if len(runs) != devices or covered != list(range(layers)):
+            raise r.fail("placement.layers", f"{runs} must be {devices} contiguous runs covering layers 0-{layers - 1}")
     archives = r.array(placement.get("params") or [], "placement.params")
     if archives and len(archives) != devices - 1:
         raise r.fail("placement.params", f"{len(archives)} archives; devices 1 to {devices - 1} have one each")

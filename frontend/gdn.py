@@ -100,6 +100,8 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """One GDN mixer; forward(h, ctx, recurrent_state, conv_state) -> [B, C, d]."""
 
+    state_count = 2  # the recurrent and conv states
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.cfg = cfg

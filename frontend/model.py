@@ -31,6 +31,8 @@ from .types import TORCH_DTYPES, ChunkContext
 class Attention(nn.Module):
     """Global or sliding-window attention with a full-length reference KV cache."""
 
+    state_count = 2  # the K and V caches
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.cfg = cfg
@@ -199,8 +201,11 @@ class CausalLM(nn.Module):
             kv_length = None
         ctx = ChunkContext(start_pos=start_pos, n_valid=n_valid, positions=positions, embed=x, host_pos=host_pos,
                            kv_length=kv_length)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, list(state[2 * i : 2 * i + 2]))
+        start = 0
+        for layer in self.layers:
+            count = layer.mixer.state_count
+            x = layer(x, ctx, list(state[start : start + count]))
+            start += count
         # Logits only for the last valid position of each row.
         last = (n_valid - 1).clamp(min=0)
         x = torch.gather(x, 1, last[:, None, None].expand(b, 1, x.shape[-1]))[:, 0]
@@ -259,7 +264,7 @@ _INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "
 
 
 @contextmanager
-def _no_initialisers() -> Iterator[None]:
+def no_initialisers() -> Iterator[None]:
     saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
     for name in _INITIALISERS:
         setattr(nn.init, name, lambda tensor, *_args, **_kwargs: tensor)
@@ -276,7 +281,7 @@ def skeleton(cfg: ModelConfig) -> CausalLM:
     A loader then assigns every weight. nn.Linear's initialiser on meta tensors computes
     nothing and took most of the build's time (docs/benchmarks.md, "Compile time").
     """
-    with torch.device("meta"), _no_initialisers():
+    with torch.device("meta"), no_initialisers():
         return CausalLM(cfg)
 
 

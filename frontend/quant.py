@@ -114,6 +114,35 @@ class QuantizedTensor:
             return QuantizedTensor("q8", self.shape, self.group, (q - 16).astype(np.int8), self.scales)
         return QuantizedTensor("q8", self.shape, self.group, q.astype(np.int8), self.scales, self.mins)
 
+    def take_rows(self, rows: np.ndarray) -> QuantizedTensor:
+        """The weight's rows `rows` (output features), in that order: the same blocks, fewer of them."""
+        pick = lambda a: None if a is None else np.ascontiguousarray(a[rows])  # noqa: E731
+        return QuantizedTensor(self.format, (len(rows), self.shape[1]), self.group, pick(self.codes),
+                               pick(self.scales), pick(self.mins))
+
+    def take_columns(self, columns: np.ndarray) -> QuantizedTensor | None:
+        """The weight's columns `columns` (input features), in that order, or None when they are not
+        whole groups: the blocks of a group are kept or dropped together."""
+        n, k = self.shape
+        g = self.group
+        columns = np.asarray(columns)
+        if len(columns) % g:
+            return None
+        starts = columns.reshape(-1, g)
+        if np.any(starts[:, 0] % g) or np.any(starts - starts[:, :1] != np.arange(g)):
+            return None
+        groups = starts[:, 0] // g
+        if self.format == "q5":  # two planes: the nibbles (g / 2 bytes a group), then the fifth bits (g / 8)
+            low = self.codes[:, : k // 2].reshape(n, k // g, g // 2)[:, groups]
+            high = self.codes[:, k // 2 :].reshape(n, k // g, g // 8)[:, groups]
+            codes = np.concatenate([low.reshape(n, -1), high.reshape(n, -1)], axis=1)
+        else:
+            width = self.codes.shape[1] // (k // g)  # bytes of one group's codes
+            codes = self.codes.reshape(n, k // g, width)[:, groups].reshape(n, -1)
+        pick = lambda a: None if a is None else np.ascontiguousarray(a[:, groups])  # noqa: E731
+        return QuantizedTensor(self.format, (n, len(columns)), g, np.ascontiguousarray(codes), pick(self.scales),
+                               pick(self.mins))
+
     def dequantize(self) -> np.ndarray:
         """float32 [N, K]: scale * q (+ min), in float32, the formula the compiled kernel uses."""
         n, k = self.shape

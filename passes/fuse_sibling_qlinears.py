@@ -14,7 +14,8 @@ Each output element still reads only its own row of codes, so the result is
 the same computation; the bundle holds the concatenated blocks in place of the
 separate ones (the same bytes). Siblings fuse only when their blocks share a
 format, group, scale dtype and min layout (a GGUF may mix Q4_K and Q6_K in one
-layer); the rest stay as they are. Runs after quantize-weights.
+layer); the rest stay as they are. In a tensor-parallel program, only siblings of one part fuse: the parts
+run on different devices. Runs after quantize-weights.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.fx import Node
 
 from ..frontend import ops  # noqa: F401  (registers torch.ops.foldline.*)
 from .graph_edit import LiftedInputs, copy_graph_module, refresh_fake_meta, remove_dead_code
+from .place_devices import node_part
 from .quantize_weights import QLINEAR
 from .registry import CompileUnit, PassResult, register_pass
 
@@ -75,9 +77,9 @@ class _Fuser:
             if node.op == "call_function" and node.target == QLINEAR and isinstance(node.args[0], Node):
                 values = _part_values(lifted, node)
                 if values is not None:
-                    by_input[(node.args[0], _signature(node, values))].append((node, values))
+                    by_input[(node.args[0], _signature(node, values), node_part(node))].append((node, values))
         fused = 0
-        for (x, _), members in by_input.items():
+        for (x, _, _), members in by_input.items():
             if len(members) < 2:
                 continue
             self._fuse(gm, lifted, x, members)

@@ -1,12 +1,18 @@
-"""place-on-devices: every node of every entry point placed on one of N devices, layers in pipeline runs.
+"""place-on-devices: every node of every entry point placed on one of N devices, by layers or by parts.
 
-A model too large for one device is split by layers: device j runs a contiguous
-run of layers with their weights and state, the runs chosen as `foldline plan
---devices N --scheme pipeline` chooses them (passes/shard_plan.py), so the plan
-and the compiled bundle hold the same bytes per device.
+Two schemes, as `foldline plan --devices N --scheme ...` counts them (passes/shard_plan.py),
+so the plan and the compiled bundle hold the same state per device:
+- pipeline: device j runs a contiguous run of layers with their weights and state;
+- tensor: the program is the tensor-parallel form (frontend/tensor_parallel.py),
+  each layer's mixer and MLP in parts; each part runs on its device
+  (contract/tensor_split.py), everything else on device 0, so the parts' outputs
+  are moved to device 0 and added (the all-reduce) and the normed rows moved to
+  each part's device.
 
 Placement, node by node:
-- a node inside layer i (its module stack names `layers.i`) runs on layer i's device;
+- pipeline: a node inside layer i (its module stack names `layers.i`) runs on layer i's device;
+- tensor: a node inside a part (`layers.i.mixer.parts.p`, `layers.i.mlp.parts.p`) runs on the
+  part's device, any other node inside a layer on device 0;
 - the token ids, positions and counts arrive on device 0; a state buffer on its layers' device;
 - any other node follows its first input that is computed (not a weight): the
   embedding lookup runs on device 0 with the token ids, the final norm and the head
@@ -25,6 +31,7 @@ unplaced one does; backends/multi_device.py turns it into IREE's transfer.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +41,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from ..contract.manifest import DevicePlacement, ParamsEntry
+from ..contract.tensor_split import mixer_parts, mlp_part_devices, tensor_state
 from ..frontend import ops  # noqa: F401  (registers foldline::to_device)
 from ..frontend.config import ConfigError
 from .graph_edit import WEIGHT_KINDS, LiftedInputs, copy_graph_module
@@ -50,6 +58,8 @@ COPY_SUFFIX = "@device"  # a weight's copy on another device: `<target>@device<j
 RECOMPUTE_MAX_ELEMENTS = 4096
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.bool)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+_PART = re.compile(r"(?:^|\.)layers\.(\d+)\.(mixer|mlp)\.parts\.(\d+)(?:\.|$)")
+SCHEMES = ("pipeline", "tensor")
 
 
 @dataclass
@@ -57,8 +67,8 @@ class Placement:
     """Where everything of a bundle compiled for several devices lives (recorded in its manifest)."""
 
     devices: int
-    scheme: str
-    layers: list[tuple[int, int]]  # per device: first and last layer it runs
+    scheme: str  # a SCHEMES entry
+    layers: list[tuple[int, int]]  # per device: first and last layer it runs (tensor: every layer)
     state: list[int]  # per state buffer, in the entry points' argument order: its device
     weights: dict[str, int] = field(default_factory=dict)  # lifted weight target -> device
     inputs: dict[str, list[int | None]] = field(default_factory=dict)  # entry point -> device per user input
@@ -77,13 +87,52 @@ def layer_in_path(path: str) -> int | None:
     return int(found[-1]) if found else None
 
 
+def _module_paths(node: Node) -> list[str]:
+    """The module paths a node was traced in, innermost first."""
+    return [path for path, _cls in reversed(list((node.meta.get("nn_module_stack") or {}).values()))]
+
+
 def _node_layer(node: Node) -> int | None:
-    stack = node.meta.get("nn_module_stack") or {}
-    for path, _cls in reversed(list(stack.values())):
+    for path in _module_paths(node):
         layer = layer_in_path(path)
         if layer is not None:
             return layer
     return None
+
+
+def node_part(node: Node) -> tuple[int, str, int] | None:
+    """(layer, "mixer" or "mlp", part index) of a node traced inside a tensor-parallel part."""
+    for path in _module_paths(node):
+        found = _PART.findall(path)
+        if found:
+            layer, block, part = found[-1]
+            return int(layer), block, int(part)
+    return None
+
+
+# Where a node runs by the module it was traced in, or None: where its first computed input is.
+NodeHome = Callable[[Node], "int | None"]
+
+
+def pipeline_home(layer_device: list[int]) -> NodeHome:
+    def home(node: Node) -> int | None:
+        layer = _node_layer(node)
+        return None if layer is None else layer_device[layer]
+    return home
+
+
+def tensor_home(unit: CompileUnit, devices: int) -> NodeHome:
+    whole = unit.config.to_dict()
+    mixer = [[p.device for p in mixer_parts(whole, i, devices)] for i in range(unit.config.num_layers)]
+    mlp = mlp_part_devices(whole, devices)
+
+    def home(node: Node) -> int | None:
+        part = node_part(node)
+        if part is not None:
+            layer, block, index = part
+            return mixer[layer][index] if block == "mixer" else mlp[index]
+        return None if _node_layer(node) is None else 0
+    return home
 
 
 def _is_tensor(node: object) -> bool:
@@ -93,10 +142,10 @@ def _is_tensor(node: object) -> bool:
 class _Placer:
     """Places one program's nodes and inserts the moves between devices."""
 
-    def __init__(self, program: ExportedProgram, placement: Placement, layer_device: list[int]):
+    def __init__(self, program: ExportedProgram, placement: Placement, home: NodeHome):
         self.program = program
         self.placement = placement
-        self.layer_device = layer_device
+        self.home = home
         self.gm: GraphModule = copy_graph_module(program)
         self.lifted = LiftedInputs(program)
         self.device: dict[Node, int] = {}
@@ -146,10 +195,10 @@ class _Placer:
         return devices
 
     def _place_op(self, node: Node) -> int | None:
-        """Its layer's device, else its first computed input's; None when it reads only weights and constants."""
-        layer = _node_layer(node)
-        if layer is not None:
-            return self.layer_device[layer]
+        """Its module's device, else its first computed input's; None when it reads only weights and constants."""
+        device = self.home(node)
+        if device is not None:
+            return device
         for arg in node.all_input_nodes:
             if arg in self.device and not (arg.op == "placeholder" and self._is_weight(arg)):
                 return self.device[arg]
@@ -226,9 +275,21 @@ def pipeline_runs(unit: CompileUnit, devices: int) -> list[tuple[int, int]]:
     return [d.layers for d in plan.devices]
 
 
-def place(unit: CompileUnit, devices: int) -> tuple[Placement, int, int]:
+def place(unit: CompileUnit, devices: int, scheme: str = "pipeline") -> tuple[Placement, int, int]:
     """Place every entry point of `unit` (in place) on `devices` devices; returns the placement, the moves
     and the values computed again on another device instead of moved."""
+    if scheme == "tensor":
+        placement, home = _tensor_placement(unit, devices)
+    else:
+        placement, home = _pipeline_placement(unit, devices)
+    moves = recomputed = 0
+    for name, program in list(unit.programs.items()):
+        unit.programs[name], placement.inputs[name], count, again = _Placer(program, placement, home).run()
+        moves, recomputed = moves + count, recomputed + again
+    return placement, moves, recomputed
+
+
+def _pipeline_placement(unit: CompileUnit, devices: int) -> tuple[Placement, NodeHome]:
     runs = pipeline_runs(unit, devices)
     layer_device = [0] * unit.config.num_layers
     for j, (first, last) in enumerate(runs):
@@ -241,24 +302,34 @@ def place(unit: CompileUnit, devices: int) -> tuple[Placement, int, int]:
             raise ConfigError(f"state buffer {spec.name} holds layers {list(spec.layers)}, which the pipeline "
                               f"puts on devices {sorted(held)}: a buffer must live on one device")
         state.append(held.pop())
-    placement = Placement(devices, "pipeline", runs, state, result=devices - 1)
-    moves = recomputed = 0
-    for name, program in list(unit.programs.items()):
-        unit.programs[name], placement.inputs[name], count, again = _Placer(program, placement, layer_device).run()
-        moves, recomputed = moves + count, recomputed + again
-    return placement, moves, recomputed
+    return Placement(devices, "pipeline", runs, state, result=devices - 1), pipeline_home(layer_device)
 
 
-@register_pass(NAME, "places layers on N devices in pipeline runs, with moves where values cross")
+def _tensor_placement(unit: CompileUnit, devices: int) -> tuple[Placement, NodeHome]:
+    cfg = unit.config
+    expected = tensor_state(cfg.to_dict(), unit.state_specs[0].shape[0], devices)
+    if [b.name for b, _ in expected] != [s.name for s in unit.state_specs]:
+        raise ConfigError(f"--scheme tensor places the tensor-parallel form of {cfg.name} over {devices} devices; "
+                          "these programs were exported from another form (frontend/tensor_parallel.split_model)")
+    layers = [(0, cfg.num_layers - 1)] * devices
+    return (Placement(devices, "tensor", layers, [d for _, d in expected], result=0),
+            tensor_home(unit, devices))
+
+
+@register_pass(NAME, "places layers (pipeline) or layer parts (tensor) on N devices, with moves where values cross")
 def place_on_devices(unit: CompileUnit) -> PassResult:
     devices = int(unit.options.get("devices", 1))
     if devices <= 1 or unit.options.get(PLACED) is not None:
         return PassResult(changed=False, notes=["one device" if devices <= 1 else "already placed"])
-    placement, moves, recomputed = place(unit, devices)
+    scheme = unit.options.get("scheme", "pipeline")
+    placement, moves, recomputed = place(unit, devices, scheme)
     unit.options[PLACED] = placement
-    runs = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in placement.layers)
+    if scheme == "tensor":
+        runs = f"every layer in parts, state per device {[placement.state.count(j) for j in range(devices)]} buffers"
+    else:
+        runs = "layers " + ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in placement.layers)
     copies = sum(COPY_SUFFIX in t for t in placement.weights)
-    notes = [f"{devices} devices, layers {runs}", f"{moves} move(s) over {len(unit.programs)} entry point(s)",
+    notes = [f"{devices} devices, {scheme}: {runs}", f"{moves} move(s) over {len(unit.programs)} entry point(s)",
              f"{recomputed} index value(s) computed again on the device that reads them"]
     if copies:
         notes.append(f"{copies} weight(s) copied to a second device")

@@ -1,8 +1,10 @@
 """A model split over N devices: each device's weights, state and scratch, and the bytes they exchange.
 
 Arithmetic on a `ModelConfig` alone, like `passes.state_layout`: nothing is
-built, exported or compiled (foldline does not compile for several devices
-yet; this tells a user how a model would split before they need it).
+built, exported or compiled. `foldline compile --devices N --scheme ...` builds
+the same splits (contract/tensor_split.py deals the heads for both), except
+that a compiled tensor-parallel bundle keeps the embedding and the head whole
+on device 0.
 
 Tensor parallel ("tensor", the default), per layer:
 
@@ -47,6 +49,7 @@ from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
 from ..contract.state import SEQ_DIM, StateBuffer
+from ..contract.tensor_split import deal_counts
 from ..dtypes import itemsize
 from ..frontend.config import ConfigError, ModelConfig
 from .state_layout import plan_state
@@ -94,8 +97,7 @@ class Split:
 
 def deal(total: int, devices: int) -> Split:
     """`total` units over `devices` in contiguous runs as even as they go (the first ones get the extra)."""
-    base, extra = divmod(total, devices)
-    return Split(total, tuple(base + (1 if i < extra else 0) for i in range(devices)))
+    return Split(total, deal_counts(total, devices))
 
 
 def everywhere(devices: int) -> Split:

@@ -45,7 +45,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 @pytest.fixture(scope="session")
 def bundle_factory(tmp_path_factory) -> Callable[..., Path]:
-    """compile(spec, target="cpu", passes=None, chunk=16, ..., batch=1, devices=1) -> bundle dir, once per session
+    """compile(spec, target="cpu", passes=None, chunk=16, ..., batch=1, devices=1, scheme=...) -> bundle dir, once per session
     and from the compile cache when an earlier run compiled the same inputs with the same sources."""
     from foldline.backends.build import BuildOptions, compile_model
     from foldline.backends.compile_cache import CompileCache
@@ -57,14 +57,14 @@ def bundle_factory(tmp_path_factory) -> Callable[..., Path]:
     def compile_bundle(spec: str, target: str = "cpu", passes: tuple[str, ...] | None = None,
                        chunk: int = 16, max_context: int | None = None,
                        kv_dtype: str = "auto", batch: int = 1, attention: str = "auto", devices: int = 1,
-                       weights: str = "auto") -> Path:
-        key = (spec, target, passes, chunk, max_context, kv_dtype, batch, attention, devices, weights)
+                       weights: str = "auto", scheme: str = "pipeline") -> Path:
+        key = (spec, target, passes, chunk, max_context, kv_dtype, batch, attention, devices, weights, scheme)
         if key not in cache:
             out = tmp_path_factory.mktemp(spec.replace("/", "_")) / "bundle"
             loaded = load_model(spec, max_context=max_context)
             options = BuildOptions(targets=[make_target(target)], passes=list(passes) if passes is not None else None,
                                    chunk=chunk, kv_dtype=kv_dtype, batch=batch, attention=attention,
-                                   devices=devices, weights=weights)
+                                   devices=devices, weights=weights, scheme=scheme)
             compile_model(loaded, out, options, progress=lambda _msg: None, cache=CompileCache())
             cache[key] = out
         return cache[key]

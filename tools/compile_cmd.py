@@ -64,9 +64,13 @@ def add_parser(sub) -> None:
                         "ops), or auto (default: fused on CUDA, decomposed on CPU, where IREE's attention "
                         "codegen is slower; Vulkan and ONNX always decomposed)")
     p.add_argument("--devices", type=int, default=1, metavar="N",
-                   help="run the model on N devices (CPU devices; for cuda and vulkan, one GPU each), each "
-                        "holding a run of layers with their weights and state (the runs `foldline plan MODEL "
-                        "--devices N --scheme pipeline` prints; default 1)")
+                   help="run the model on N devices (CPU devices; for cuda and vulkan, one GPU each), split as "
+                        "--scheme says (default 1)")
+    p.add_argument("--scheme", choices=["pipeline", "tensor"], default="pipeline",
+                   help="with --devices N: pipeline (default: each device holds a run of layers with their "
+                        "weights and state) or tensor (each device holds part of every layer's heads, KV heads "
+                        "and caches, GDN heads and MLP features; their outputs are added on device 0); the "
+                        "split `foldline plan MODEL --devices N --scheme ...` prints")
     p.add_argument("--no-cache", action="store_true",
                    help="compile even when the compile cache ($FOLDLINE_CACHE/compiled) holds this bundle, "
                         "and store nothing in it")
@@ -125,6 +129,7 @@ def run(args) -> int:
         activations=args.activations,
         attention=args.attention,
         devices=args.devices,
+        scheme=args.scheme,
     )
     row_counts(options)  # refuse row counts outside 1..--batch before anything is loaded
     check_devices(options)

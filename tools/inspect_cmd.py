@@ -75,8 +75,12 @@ def run(args) -> int:
           "   (* changed the program)")
     if m.placement:
         place = m.placement
-        runs = ", ".join(f"device {j} layers {first}-{last} (state {_mib(place.state_bytes(m.state, j))})"
-                         for j, (first, last) in enumerate(place.layers))
+        if place.scheme == "tensor":
+            runs = "every layer's heads and MLP features in parts, " + ", ".join(
+                f"device {j} state {_mib(place.state_bytes(m.state, j))}" for j in range(place.devices))
+        else:
+            runs = ", ".join(f"device {j} layers {first}-{last} (state {_mib(place.state_bytes(m.state, j))})"
+                             for j, (first, last) in enumerate(place.layers))
         print(f"devices  {place.devices} CPU devices, {place.scheme}: {runs}; logits on device {place.result}")
     print(f"state    {len(m.state)} buffers, {_mib(sum(s.nbytes for s in m.state))}")
     for i, s in enumerate(m.state):
