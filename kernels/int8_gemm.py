@@ -127,6 +127,8 @@ def supports(s: Int8GemmShape) -> bool:
 
 
 def _xq_memref(s: Int8GemmShape) -> str:
+    if s.isa.row_pairs:  # [K/8][M/2][2][8]: row r's 8 bytes of a k block at column 8r, beside its pair's
+        return f"memref<{s.k // 8}x{8 * s.m}xi8>"
     return f"memref<{s.k // 4}x{4 * s.m}xi8>"
 
 
@@ -157,10 +159,11 @@ def quantize_executable(s: Int8GemmShape) -> str:
         f"%cg = stream.binding.subspan %cb[%c0] : !stream.binding -> {_per_group_memref(s, 'f32')}",
         f"%ofs = stream.binding.subspan %ob[%c0] : !stream.binding -> {_per_group_memref(s, 'i32')}",
         "%row = stream.dispatch.workgroup.id[0] : index",
-        "%row4 = arith.muli %row, %c4 : index",
+        f"%cw = arith.constant {8 if s.isa.row_pairs else 4} : index",
+        "%rowcol = arith.muli %row, %cw : index",
         f"%nG = arith.constant {G} : index",
         f"%ng = arith.constant {g} : index",
-        f"%nq = arith.constant {g // 4} : index",
+        f"%nq = arith.constant {g // (8 if s.isa.row_pairs else 4)} : index",
         "%f0 = arith.constant 0.0 : f32",
         "%f127 = arith.constant 127.0 : f32",
         "%im128 = arith.constant -128 : i32",
@@ -170,11 +173,13 @@ def quantize_executable(s: Int8GemmShape) -> str:
         f"  %v = vector.load %x[%row, %off] : memref<{s.m}x{s.k}xf32>, vector<{g}xf32>",
         *[f"  {line}" for line in quantize_group_lines(g)],
     ]
-    for q in range(g // 4):
+    width = 8 if s.isa.row_pairs else 4  # bytes of a row per k block: 8 beside its pair's, or 4 of 16 rows
+    for q in range(g // width):
         body += [
-            f"  %p{q} = vector.shuffle %i8v, %i8v {list(range(4 * q, 4 * q + 4))} : vector<{g}xi8>, vector<{g}xi8>",
+            f"  %p{q} = vector.shuffle %i8v, %i8v {list(range(width * q, width * q + width))} "
+            f": vector<{g}xi8>, vector<{g}xi8>",
             f"  %kq{q} = arith.addi %q0, %cq{q} : index",
-            f"  vector.store %p{q}, %xq[%kq{q}, %row4] : {_xq_memref(s)}, vector<4xi8>",
+            f"  vector.store %p{q}, %xq[%kq{q}, %rowcol] : {_xq_memref(s)}, vector<{width}xi8>",
         ]
     body += [
         f"  memref.store %d, %dx[%gi, %row] : {_per_group_memref(s, 'f32')}",
@@ -325,6 +330,8 @@ def gemm_executable(s: Int8GemmShape) -> str:
     each chunk of K it unpacks its channels' codes, then runs every (row block, channel block) over the
     chunk; at the end it writes the tile to y transposed, 16 x 16 blocks at a time.
     """
+    if s.isa.row_pairs:
+        return s.isa.gemm_executable(s)
     if not supports(s):
         raise ValueError(f"no int8 GEMM kernel for {s}")
     R, J, nt, g = s.row_vectors, CHANNELS, s.tile_channels, s.group

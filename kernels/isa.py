@@ -43,6 +43,16 @@ class Int8Isa(ABC):
         only q4 codes: true of VNNI's four products per int32 lane, false where pairs meet in int16."""
         return True
 
+    @property
+    def row_pairs(self) -> bool:
+        """Whether the prefill GEMM is this form's own (`gemm_executable`), on activations stored in
+        row pairs (int8_gemm._xq_memref), rather than the shared one built on `dot_*`."""
+        return False
+
+    def gemm_executable(self, shape) -> str:
+        """The prefill GEMM's `stream.executable` of a form with `row_pairs`."""
+        raise NotImplementedError(f"{self.name} takes the shared int8 GEMM (kernels/int8_gemm.py)")
+
     def available(self, cpu_flags: Iterable[str], arch: str = "x86_64") -> bool:
         return arch == self.arch and self.cpu_flags <= set(cpu_flags)
 

@@ -16,7 +16,7 @@ from ..contract.errors import BundleError
 from ..contract.manifest import Manifest, ModuleEntry
 
 # The manifest's kernel_isa names (kernels/isa.py), worst first (modules of one arch compete).
-KERNEL_RANK = ("f32", "int8-neon-dotprod", "int8-avx2", "int8-avxvnni", "int8-avx512vnni")
+KERNEL_RANK = ("f32", "int8-neon-dotprod", "int8-neon-i8mm", "int8-avx2", "int8-avxvnni", "int8-avx512vnni")
 # cpu_flags that name a module's ISA level in `foldline inspect`, widest first.
 ISA_LEVELS = ("avx512_vnni", "avx512f", "avx_vnni", "avx2", "avx", "sse4_2", "i8mm", "asimddp", "asimd")
 

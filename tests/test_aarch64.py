@@ -4,11 +4,13 @@ The aarch64 side is this checkout's runtime on Debian's arm64 Python with the
 aarch64 iree-base-runtime wheel (foldline/testing/qemu.py; scripts/setup_arm64.sh
 installs it, and CI runs setup). Bundles for a dotprod CPU (cortex-a76: the
 int8-activation kernels in their NEON `sdot` form, kernels/arm/) and for
-`--cpu generic` (the float kernels any Armv8-A runs) are compared with the
-same weights' x86 bundle and with torch eager; each int8 kernel shape is
-compared with its int8 emulation, as the x86 forms are (test_vnni_kernels.py,
-test_vnni_gemm.py). qemu emulates the CPU: this checks what an Arm machine
-computes, not how fast.
+`--cpu generic` (the float kernels any Armv8-A runs), and for an i8mm CPU
+(neoverse-v1: the prefill GEMM on `smmla`), are compared with the same
+weights' x86 bundle and with torch eager; each int8 kernel shape is compared
+with its int8 emulation in every Arm form, as the x86 forms are
+(test_vnni_kernels.py, test_vnni_gemm.py). qemu emulates the CPU (its `max`
+model has dotprod and i8mm): this checks what an Arm machine computes, not
+how fast.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import test_quant_compile
 import test_vnni_gemm
 import test_vnni_kernels
 
-from foldline.kernels.arm import NEON_DOTPROD
+from foldline.kernels.arm import NEON_DOTPROD, NEON_I8MM
 from foldline.testing.int8_reference import check_form_code
 from foldline.testing.qemu import Arm64Python
 
@@ -99,12 +101,16 @@ def _x86_logits(bundle: Path) -> np.ndarray:
 
 
 # (preset, block format, aarch64 CPU, build options): llama with q4 blocks and gemma3 (windows, a q8
-# table tied to the head) with q8 on a dotprod core; llama on any Armv8-A, float kernels and caches.
+# table tied to the head) with q8 on a dotprod core; gemma3 with q4 on an i8mm core (prefill on smmla);
+# llama on any Armv8-A, float kernels and caches.
 CASES = {
     "llama-q4-dotprod": ("llama-tiny", "q4", "cortex-a76", {}),
     "gemma3-q8-dotprod": ("gemma3-tiny", "q8", "cortex-a76", {}),
+    "gemma3-q4-i8mm": ("gemma3-tiny", "q4", "neoverse-v1", {}),
     "llama-q4-generic": ("llama-tiny", "q4", "generic", {"kv_dtype": "float32"}),
 }
+# the prefill form each case's CPU takes
+PREFILL_FORM = {"llama-q4-dotprod": NEON_DOTPROD, "gemma3-q8-dotprod": NEON_DOTPROD, "gemma3-q4-i8mm": NEON_I8MM}
 
 
 @pytest.fixture(scope="module")
@@ -125,14 +131,17 @@ def arm_runs(arm64, tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("case", ["llama-q4-dotprod", "gemma3-q8-dotprod"])
-def test_dotprod_bundle_on_arm_matches_x86_and_eager(case, arm_runs):
-    """The sdot kernels compute what the x86 int8 kernels compute, and stay within int8 bounds of eager."""
+@pytest.mark.parametrize("case", ["llama-q4-dotprod", "gemma3-q8-dotprod", "gemma3-q4-i8mm"])
+def test_int8_bundle_on_arm_matches_x86_and_eager(case, arm_runs):
+    """The sdot and smmla kernels compute what the x86 int8 kernels compute, and stay within int8 bounds
+    of eager."""
     run = arm_runs[case]
     manifest = json.loads((run["arm"] / "manifest.json").read_text())["modules"]["cpu"]
     assert manifest["arch"] == "aarch64" and "asimddp" in manifest["cpu_flags"]
-    assert manifest["kernel_isa"] == {"decode": NEON_DOTPROD.name, "prefill": NEON_DOTPROD.name}
+    prefill = PREFILL_FORM[case]
+    assert manifest["kernel_isa"] == {"decode": NEON_DOTPROD.name, "prefill": prefill.name}
     assert manifest["kernels"][f"qlinear decode {NEON_DOTPROD.name}"] > 0
+    assert manifest["kernels"][f"qlinear prefill {prefill.name}"] > 0
     arm, x86 = run["logits"], _x86_logits(run["x86"])
     assert arm.shape == (1 + len(FORCED), 512)
     # The same activation quantization and integer dots on both, but not the same float32 rounding
@@ -162,42 +171,52 @@ def test_generic_armv8_bundle_takes_the_float_kernels_and_matches_eager(arm_runs
     assert (run["logits"].argmax(axis=1) == eager.argmax(axis=1)).all()
 
 
-def _compile_for_arm(text: str, dump: Path) -> tuple[bytes, str]:
+def _compile_for_arm(text: str, dump: Path, cpu: str) -> tuple[bytes, str]:
     import iree.compiler as ireec
 
     from foldline.backends.targets import cpu_target
 
-    vmfb = ireec.compile_str(text, extra_args=[*cpu_target("cortex-a76", TRIPLE).flags,
+    vmfb = ireec.compile_str(text, extra_args=[*cpu_target(cpu, TRIPLE).flags,
                                                f"--iree-hal-dump-executable-files-to={dump}"])
     return vmfb, "\n".join(p.read_text() for p in dump.glob("*.s"))
 
 
-KERNELS = ([("decode", s) for s in test_vnni_kernels.SHAPES] + [("prefill", s) for s in test_vnni_gemm.SHAPES])
+# (family, Arm form, the CPU compiled for, shape): every decode shape in the sdot form, every prefill
+# shape in the sdot and smmla forms
+FORM_CPU = {NEON_DOTPROD.name: "cortex-a76", NEON_I8MM.name: "neoverse-v1"}
+KERNELS = ([("decode", NEON_DOTPROD, s) for s in test_vnni_kernels.SHAPES]
+           + [("prefill", form, s) for form in (NEON_DOTPROD, NEON_I8MM) for s in test_vnni_gemm.SHAPES])
+
+
+def _kernel_id(family: str, form, shape) -> str:
+    return f"{form.name}-{shape.name}"
 
 
 @pytest.fixture(scope="module")
 def arm_kernels(arm64, tmp_path_factory):
-    """Every decode and prefill kernel shape in its sdot form, compiled for aarch64 and run in one qemu process."""
+    """Every kernel case compiled for aarch64 and run in one qemu process."""
     root = tmp_path_factory.mktemp("aarch64_kernels")
     cases, jobs = {}, []
-    for i, (family, shape) in enumerate(KERNELS):
-        shape = dataclasses.replace(shape, isa=NEON_DOTPROD)
+    for i, (family, form, shape) in enumerate(KERNELS):
+        shape = dataclasses.replace(shape, isa=form)
         tests = test_vnni_kernels if family == "decode" else test_vnni_gemm
-        vmfb, assembly = _compile_for_arm(tests._module(shape), root / f"dump{i}")
+        vmfb, assembly = _compile_for_arm(tests._module(shape), root / f"dump{i}", FORM_CPU[form.name])
         args, emulated, exact = tests._case(shape, np.random.default_rng(0))
         (root / f"k{i}.vmfb").write_bytes(vmfb)
         np.savez(root / f"k{i}.npz", **{f"a{j}": a for j, a in enumerate(args)})
-        cases[shape.name] = {"assembly": assembly, "emulated": emulated, "exact": exact, "out": root / f"k{i}.npy"}
+        cases[_kernel_id(family, form, shape)] = {"assembly": assembly, "emulated": emulated, "exact": exact,
+                                                  "out": root / f"k{i}.npy"}
         jobs.append({"vmfb": str(root / f"k{i}.vmfb"), "args": str(root / f"k{i}.npz"), "out": str(root / f"k{i}.npy")})
     (root / "jobs.json").write_text(json.dumps(jobs))
     arm64.run(RUN_KERNELS, str(root / "jobs.json"))
     return cases
 
 
-@pytest.mark.parametrize("family,shape", KERNELS, ids=lambda v: v if isinstance(v, str) else v.name)
-def test_sdot_kernel_on_arm_matches_int8_emulation(family, shape, arm_kernels):
-    case = arm_kernels[dataclasses.replace(shape, isa=NEON_DOTPROD).name]
-    check_form_code(case["assembly"], NEON_DOTPROD)
+@pytest.mark.parametrize("family,form,shape", KERNELS,
+                         ids=[_kernel_id(*case).replace("int8-neon-", "") for case in KERNELS])
+def test_arm_kernel_matches_int8_emulation(family, form, shape, arm_kernels):
+    case = arm_kernels[_kernel_id(family, form, shape)]
+    check_form_code(case["assembly"], form)
     y, emulated, exact = np.load(case["out"]), case["emulated"], case["exact"]
     axis = 1 if y.ndim == 2 else None  # prefill: per row (rows of very different magnitudes)
     scale = np.abs(exact).max(axis=axis, keepdims=axis is not None)

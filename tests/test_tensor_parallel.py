@@ -229,6 +229,21 @@ def test_quantized_parts_give_the_one_device_logits(bundle_factory):
         token = int(np.argmax(a))
 
 
+def test_a_batched_tensor_parallel_bundle_gives_each_row_the_one_device_logits(bundle_factory):
+    """qwen35-tiny at batch 2, its GDN and attention parts on 2 devices: rows of different lengths prefilled
+    together and alone, then decoded, give the one-device batched bundle's logits up to float rounding."""
+    batches = [Model.load(bundle_factory("qwen35-tiny", batch=2, **options)).batch()
+               for options in ({}, {"devices": 2, "scheme": "tensor"})]
+    feeds = [{0: PROMPT[:13], 1: PROMPT[20:29]}, {1: PROMPT[29:35]}, {0: [7], 1: [9]}, {0: [11]}, {0: [4], 1: [6]}]
+    for batch in batches:
+        batch.open_row(0), batch.open_row(1)
+    for step in feeds:
+        one, two = (batch.step(dict(step)) for batch in batches)
+        assert one.keys() == two.keys() == step.keys()
+        for row in step:
+            assert np.abs(two[row] - one[row]).max() <= 1e-5 * np.abs(one[row]).max()
+
+
 def test_a_cuda_bundle_compiles_its_parts_for_two_gpus(bundle_factory):
     """The same split for CUDA: one device per GPU in the flags, each part's state on its GPU."""
     import json
