@@ -336,31 +336,11 @@ def gemm_executable(s: Int8GemmShape) -> str:
         raise ValueError(f"no int8 GEMM kernel for {s}")
     R, J, nt, g = s.row_vectors, CHANNELS, s.tile_channels, s.group
     y_t, yt_t, tb = f"memref<{s.m}x{s.n}xf32>", f"memref<{nt}x{s.m}xf32>", min(nt, 16)
-    bindings = [f"%{b}: !stream.binding" for b in ("xqb", "dxb", "cgb", "ob", "codeb", "sb")]
-    bindings += (["%mnb: !stream.binding"] if s.has_min else []) + ["%yb: !stream.binding"]
     n_acc = R * J
     acc_types = ", ".join(["vector<16xf32>"] * n_acc)
     body = [
-        "%c0 = arith.constant 0 : index",
-        "%c1 = arith.constant 1 : index",
-        f"%xq = stream.binding.subspan %xqb[%c0] : !stream.binding -> {_xq_memref(s)}",
-        f"%dx = stream.binding.subspan %dxb[%c0] : !stream.binding -> {_per_group_memref(s, 'f32')}",
-        f"%cg = stream.binding.subspan %cgb[%c0] : !stream.binding -> {_per_group_memref(s, 'f32')}",
-        f"%ofs = stream.binding.subspan %ob[%c0] : !stream.binding -> {_per_group_memref(s, 'i32')}",
-        f"%codes = stream.binding.subspan %codeb[%c0] : !stream.binding -> {_codes_memref(s)}",
-        f"%scales = stream.binding.subspan %sb[%c0] : !stream.binding -> {_scales_memref(s)}",
-        *([f"%mins = stream.binding.subspan %mnb[%c0] : !stream.binding -> {_scales_memref(s)}"]
-          if s.has_min else []),
-        f"%y = stream.binding.subspan %yb[%c0] : !stream.binding -> {y_t}",
-        "%wg = stream.dispatch.workgroup.id[0] : index",
-        f"%ntile = arith.constant {nt} : index",
-        "%n0 = arith.muli %wg, %ntile : index",
-        f"%w = memref.alloca() : memref<{nt}x{s.chunk // 4}xi32>",
-        f"%nq = arith.constant {g // 4} : index",
-        f"%nGc = arith.constant {s.chunk // g} : index",
-        f"%nG = arith.constant {s.groups} : index",
+        *gemm_prologue(s),
         *s.isa.constants(),
-        *(fifth_bit_constants(g) if s.fmt == "q5" else []),
         "%zf = arith.constant dense<0.0> : vector<16xf32>",
         f"%cJ = arith.constant {J} : index",
         f"%cM = arith.constant {s.m} : index",
@@ -416,7 +396,39 @@ def gemm_executable(s: Int8GemmShape) -> str:
         "  }",
         "}",
     ]
-    return stream_executable(s.name, s.n // nt, bindings, body)
+    return stream_executable(s.name, s.n // nt, gemm_bindings(s), body)
+
+
+def gemm_bindings(s: Int8GemmShape) -> list[str]:
+    """The GEMM executable's bindings: the quantize dispatch's four results, codes, scales, mins, y."""
+    bindings = [f"%{b}: !stream.binding" for b in ("xqb", "dxb", "cgb", "ob", "codeb", "sb")]
+    return bindings + (["%mnb: !stream.binding"] if s.has_min else []) + ["%yb: !stream.binding"]
+
+
+def gemm_prologue(s: Int8GemmShape) -> list[str]:
+    """The lines every GEMM form opens with: its bindings' memrefs, the workgroup's first channel %n0, the
+    stack tile %w [NT, chunk/4] of unpacked codes, the group counts _unpack_codes reads."""
+    return [
+        "%c0 = arith.constant 0 : index",
+        "%c1 = arith.constant 1 : index",
+        f"%xq = stream.binding.subspan %xqb[%c0] : !stream.binding -> {_xq_memref(s)}",
+        f"%dx = stream.binding.subspan %dxb[%c0] : !stream.binding -> {_per_group_memref(s, 'f32')}",
+        f"%cg = stream.binding.subspan %cgb[%c0] : !stream.binding -> {_per_group_memref(s, 'f32')}",
+        f"%ofs = stream.binding.subspan %ob[%c0] : !stream.binding -> {_per_group_memref(s, 'i32')}",
+        f"%codes = stream.binding.subspan %codeb[%c0] : !stream.binding -> {_codes_memref(s)}",
+        f"%scales = stream.binding.subspan %sb[%c0] : !stream.binding -> {_scales_memref(s)}",
+        *([f"%mins = stream.binding.subspan %mnb[%c0] : !stream.binding -> {_scales_memref(s)}"]
+          if s.has_min else []),
+        f"%y = stream.binding.subspan %yb[%c0] : !stream.binding -> memref<{s.m}x{s.n}xf32>",
+        "%wg = stream.dispatch.workgroup.id[0] : index",
+        f"%ntile = arith.constant {s.tile_channels} : index",
+        "%n0 = arith.muli %wg, %ntile : index",
+        f"%w = memref.alloca() : memref<{s.tile_channels}x{s.chunk // 4}xi32>",
+        f"%nq = arith.constant {s.group // 4} : index",
+        f"%nGc = arith.constant {s.chunk // s.group} : index",
+        f"%nG = arith.constant {s.groups} : index",
+        *(fifth_bit_constants(s.group) if s.fmt == "q5" else []),
+    ]
 
 
 def int8_gemm_dispatches(s: Int8GemmShape, x: str, codes: str, scales: str, mins: str | None,

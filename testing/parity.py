@@ -108,3 +108,18 @@ def run_parity(
         e_logits = eager.decode(e_tok)
         c_logits = session.decode(c_tok)
     return report
+
+
+def batches_differ(batches: Sequence, feeds: Sequence[dict[int, list[int]]]) -> float:
+    """Feed the same steps to batched sessions (runtime.batch), rows 0 and 1 opened on each; returns the
+    largest difference of any row's logits from the first batch's, over that row's largest logit."""
+    for batch in batches:
+        batch.open_row(0), batch.open_row(1)
+    worst = 0.0
+    for step in feeds:
+        first, *others = (batch.step(dict(step)) for batch in batches)
+        for other in others:
+            assert first.keys() == other.keys() == step.keys()
+            for row in step:
+                worst = max(worst, float(np.abs(other[row] - first[row]).max() / np.abs(first[row]).max()))
+    return worst

@@ -23,10 +23,12 @@ from foldline.passes.place_devices import COPY_SUFFIX, PLACED, TO_DEVICE, pipeli
 from foldline.passes.shard_plan import shard_plan
 from foldline.runtime import Model
 from foldline.testing.golden import compare_units, copy_unit, make_steps
-from foldline.testing.parity import SCALED_TOL_FP32, run_parity
+from foldline.testing.parity import SCALED_TOL_FP32, batches_differ, run_parity
 
 PRESETS = ["llama-tiny", "gemma3-tiny", "qwen35-tiny", "ripple-tiny"]
 PROMPT = list(range(3, 43))  # 40 tokens: several prefill chunks, windows of 16 wrapped twice
+# Steps of a batch of 2: rows of different lengths prefilled together and alone, then decoded together and alone.
+BATCH_FEEDS = [{0: PROMPT[:13], 1: PROMPT[20:29]}, {1: PROMPT[29:35]}, {0: [7], 1: [9]}, {0: [11]}, {0: [4], 1: [6]}]
 
 
 def _placed(exported_unit, preset: str, devices: int = 2):
@@ -95,14 +97,7 @@ def test_a_batched_bundle_on_two_devices_gives_each_row_the_one_device_logits(bu
     """qwen35-tiny at batch 2 (recurrent and conv state per row): rows of different lengths, prefilled
     together and alone, then decoded together and alone, give the one-device batched bundle's logits."""
     batches = [Model.load(bundle_factory("qwen35-tiny", batch=2, devices=d)).batch() for d in (1, 2)]
-    feeds = [{0: PROMPT[:13], 1: PROMPT[20:29]}, {1: PROMPT[29:35]}, {0: [7], 1: [9]}, {0: [11]}, {0: [4], 1: [6]}]
-    for batch in batches:
-        batch.open_row(0), batch.open_row(1)
-    for step in feeds:
-        one, two = (batch.step(dict(step)) for batch in batches)
-        assert one.keys() == two.keys() == step.keys()
-        for row in step:
-            np.testing.assert_allclose(two[row], one[row], rtol=0, atol=1e-5)
+    assert batches_differ(batches, BATCH_FEEDS) <= 1e-5
 
 
 def test_each_device_holds_the_state_the_plan_gives_it(bundle_factory, capsys):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from test_avx2_kernels import SCALED_TOL_INT8
+from test_multi_device import BATCH_FEEDS
 from torch import nn
 
 from foldline.contract.tensor_split import head_parts, shared_head, tensor_state
@@ -26,7 +27,7 @@ from foldline.passes.place_devices import PLACED, TO_DEVICE, node_part
 from foldline.passes.shard_plan import deal, read_by, shard_plan
 from foldline.runtime import Model
 from foldline.testing.golden import compare_units, copy_unit, make_steps
-from foldline.testing.parity import SCALED_TOL_FP32, run_parity
+from foldline.testing.parity import SCALED_TOL_FP32, batches_differ, run_parity
 
 PRESETS = ["llama-tiny", "gemma3-tiny", "qwen35-tiny", "ripple-tiny"]
 PROMPT = list(range(3, 43))  # 40 tokens: several prefill chunks, windows of 16 wrapped twice
@@ -234,14 +235,7 @@ def test_a_batched_tensor_parallel_bundle_gives_each_row_the_one_device_logits(b
     together and alone, then decoded, give the one-device batched bundle's logits up to float rounding."""
     batches = [Model.load(bundle_factory("qwen35-tiny", batch=2, **options)).batch()
                for options in ({}, {"devices": 2, "scheme": "tensor"})]
-    feeds = [{0: PROMPT[:13], 1: PROMPT[20:29]}, {1: PROMPT[29:35]}, {0: [7], 1: [9]}, {0: [11]}, {0: [4], 1: [6]}]
-    for batch in batches:
-        batch.open_row(0), batch.open_row(1)
-    for step in feeds:
-        one, two = (batch.step(dict(step)) for batch in batches)
-        assert one.keys() == two.keys() == step.keys()
-        for row in step:
-            assert np.abs(two[row] - one[row]).max() <= 1e-5 * np.abs(one[row]).max()
+    assert batches_differ(batches, BATCH_FEEDS) <= 1e-5
 
 
 def test_a_cuda_bundle_compiles_its_parts_for_two_gpus(bundle_factory):

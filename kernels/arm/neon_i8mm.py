@@ -115,46 +115,19 @@ def _group_step(s) -> list[str]:
 def gemm_executable(s) -> str:
     """y [M, N] from the row-paired activations and the codes: a workgroup owns NT channels, their float
     sums held in an [M, NT] stack tile between K chunks, written to y row by row at the end."""
-    from ..int8_decode import fifth_bit_constants
-    from ..int8_gemm import (
-        _codes_memref,
-        _per_group_memref,
-        _scales_memref,
-        _unpack_codes,
-        _xq_memref,
-        supports,
-    )
+    from ..int8_gemm import _unpack_codes, gemm_bindings, gemm_prologue, supports
     from ..mlir import stream_executable
 
     if not supports(s) or s.m % (2 * ROW_PAIRS) or s.tile_channels % (2 * CHANNEL_PAIRS):
         raise ValueError(f"no i8mm GEMM kernel for {s}")
     P, C, nt, g = ROW_PAIRS, CHANNEL_PAIRS, s.tile_channels, s.group
     y_t, yt_t = f"memref<{s.m}x{s.n}xf32>", f"memref<{s.m}x{nt}xf32>"
-    bindings = [f"%{b}: !stream.binding" for b in ("xqb", "dxb", "cgb", "ob", "codeb", "sb")]
-    bindings += (["%mnb: !stream.binding"] if s.has_min else []) + ["%yb: !stream.binding"]
     n_acc = P * C
     acc_types = ", ".join(["vector<4xf32>"] * n_acc)
     blocks = g // 8
     body = [
-        "%c0 = arith.constant 0 : index",
-        "%c1 = arith.constant 1 : index",
-        f"%xq = stream.binding.subspan %xqb[%c0] : !stream.binding -> {_xq_memref(s)}",
-        f"%dx = stream.binding.subspan %dxb[%c0] : !stream.binding -> {_per_group_memref(s, 'f32')}",
-        f"%cg = stream.binding.subspan %cgb[%c0] : !stream.binding -> {_per_group_memref(s, 'f32')}",
-        f"%codes = stream.binding.subspan %codeb[%c0] : !stream.binding -> {_codes_memref(s)}",
-        f"%scales = stream.binding.subspan %sb[%c0] : !stream.binding -> {_scales_memref(s)}",
-        *([f"%mins = stream.binding.subspan %mnb[%c0] : !stream.binding -> {_scales_memref(s)}"]
-          if s.has_min else []),
-        f"%y = stream.binding.subspan %yb[%c0] : !stream.binding -> {y_t}",
-        "%wg = stream.dispatch.workgroup.id[0] : index",
-        f"%ntile = arith.constant {nt} : index",
-        "%n0 = arith.muli %wg, %ntile : index",
-        f"%w = memref.alloca() : memref<{nt}x{s.chunk // 4}xi32>",
-        f"%nq = arith.constant {g // 4} : index",
-        f"%nGc = arith.constant {s.chunk // g} : index",
-        f"%nG = arith.constant {s.groups} : index",
+        *gemm_prologue(s),
         f"%c{blocks}b = arith.constant {blocks} : index",
-        *(fifth_bit_constants(g) if s.fmt == "q5" else []),
         f"%zq = arith.constant dense<0> : {_ACC}",
         "%zf = arith.constant dense<0.0> : vector<2xf32>",
         f"%cM = arith.constant {s.m} : index",
@@ -204,4 +177,4 @@ def gemm_executable(s) -> str:
         f"  vector.store %row, %y[%mo, %n0] : {y_t}, vector<{nt}xf32>",
         "}",
     ]
-    return stream_executable(s.name, s.n // nt, bindings, body)
+    return stream_executable(s.name, s.n // nt, gemm_bindings(s), body)
