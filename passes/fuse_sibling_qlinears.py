@@ -26,9 +26,10 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from ..frontend import ops  # noqa: F401  (registers torch.ops.foldline.*)
-from .graph_edit import LiftedInputs, copy_graph_module, refresh_fake_meta, remove_dead_code
+from .graph_edit import LiftedInputs, copy_graph_module, remove_dead_code
 from .place_devices import node_part
 from .quantize_weights import QLINEAR
 from .registry import CompileUnit, PassResult, register_pass
@@ -63,6 +64,13 @@ def _fused_target(lifted: LiftedInputs, node: Node) -> str:
     return spec.target.rsplit(".", 2)[0]  # "<layer>.<proj>.weight.codes" -> "<layer>.<proj>"
 
 
+def _widened(val: torch.Tensor, rows: int) -> torch.Tensor:
+    """The fused call's value: a sibling's, with `rows` output features (its slices keep the siblings' values,
+    so the graph needs no new propagation)."""
+    with val.fake_mode:
+        return torch.empty((*val.shape[:-1], rows), dtype=val.dtype)
+
+
 class _Fuser:
     def __init__(self):
         # One Parameter per fused array, shared by every entry point (the importer writes it once).
@@ -88,7 +96,6 @@ class _Fuser:
             return program, 0
         remove_dead_code(gm)
         lifted.drop_unused(gm)  # the separate blocks nothing reads any more
-        refresh_fake_meta(gm)
         return lifted.rebuild_with(gm), fused
 
     def _fuse(self, gm, lifted: LiftedInputs, x: Node, members: list[tuple[Node, list]]) -> None:
@@ -111,6 +118,9 @@ class _Fuser:
         with gm.graph.inserting_before(first):
             whole = gm.graph.call_function(QLINEAR, (x, *parts, first.args[4], first.args[5]))
             whole.meta = dict(first.meta)
+            whole.meta["val"] = _widened(first.meta["val"], sum(values[0].shape[0] for _, values in members))
+            if "tensor_meta" in whole.meta:
+                whole.meta["tensor_meta"] = _extract_tensor_metadata(whole.meta["val"])
             start = 0
             for node, values in members:
                 rows = values[0].shape[0]

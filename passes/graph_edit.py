@@ -111,9 +111,11 @@ def fake_mode(gm: GraphModule) -> FakeTensorMode | None:
     return torch._guards.detect_fake_mode(vals)
 
 
-def fake_of(program_gm: GraphModule, tensor: torch.Tensor) -> torch.Tensor:
-    """A fake tensor for `tensor` in the fake mode of the graph's placeholders."""
-    mode = fake_mode(program_gm)
+def fake_of(program_gm: GraphModule, tensor: torch.Tensor, like: Node | None = None) -> torch.Tensor:
+    """A fake tensor for `tensor` in the fake mode of the graph's placeholders (that of `like`, one of
+    them, when given: finding it from all of them costs a walk over every input, per call)."""
+    val = like.meta.get("val") if like is not None else None
+    mode = val.fake_mode if isinstance(val, FakeTensor) else fake_mode(program_gm)
     if mode is None:
         return tensor
     return mode.from_tensor(tensor, static_shapes=True)
@@ -179,11 +181,12 @@ class LiftedInputs:
         self.specs: list[InputSpec] = list(program.graph_signature.input_specs)
         self.state_dict: dict[str, torch.Tensor] = dict(program.state_dict)
         self.constants: dict[str, torch.Tensor] = dict(program.constants)
+        # placeholder name -> its spec, kept with self.specs (a pass over a large model asks thousands of times)
+        self._by_name = {getattr(s.arg, "name", None): s for s in self.specs}
 
     def spec_of(self, node: object) -> InputSpec | None:
         """The input spec of a placeholder node (or placeholder name)."""
-        name = node.name if isinstance(node, Node) else node
-        return next((s for s in self.specs if getattr(s.arg, "name", None) == name), None)
+        return self._by_name.get(node.name if isinstance(node, Node) else node)
 
     def value_of(self, spec: InputSpec, materialized: bool = True) -> torch.Tensor:
         """The tensor behind a lifted input; with `materialized=False` possibly a deferred weight
@@ -214,18 +217,16 @@ class LiftedInputs:
         if existing is not None:
             return next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == existing.arg.name)
         spec = self.spec_of(original)
-        taken = {n.name for n in gm.graph.nodes}
-        ph_name = original.name + suffix
-        while ph_name in taken:
-            ph_name += "_"
         with gm.graph.inserting_after(original):
-            node = gm.graph.placeholder(ph_name)
-        node.name = ph_name
+            node = gm.graph.placeholder(original.name + suffix)  # FX makes the name unique in the graph
+        ph_name = node.name
         node.meta = dict(original.meta)
-        node.meta["val"] = fake_of(gm, value)
+        node.meta["val"] = fake_of(gm, value, like=original)
         kind = InputKind.PARAMETER if spec.kind == InputKind.PARAMETER else InputKind.CONSTANT_TENSOR
-        self.specs.insert(self.specs.index(spec) + 1,
-                          InputSpec(kind=kind, arg=TensorArgument(name=ph_name), target=target, persistent=None))
+        at = next(i for i, s in enumerate(self.specs) if s is spec)  # by identity: equality compares fields
+        added = InputSpec(kind=kind, arg=TensorArgument(name=ph_name), target=target, persistent=None)
+        self.specs.insert(at + 1, added)
+        self._by_name[ph_name] = added
         if kind == InputKind.PARAMETER:
             if not isinstance(value, torch.nn.Parameter):
                 value = torch.nn.Parameter(value, requires_grad=False)
@@ -236,17 +237,25 @@ class LiftedInputs:
 
     def drop_unused(self, gm: GraphModule, only: set[str] | None = None) -> None:
         """Remove lifted weights/constants that no node reads (restricted to placeholder names in `only`)."""
+        dropped: list[InputSpec] = []
         for node in [n for n in gm.graph.nodes if n.op == "placeholder" and not n.users]:
             if only is not None and node.name not in only:
                 continue
             spec = self.spec_of(node)
             if spec is None or spec.kind not in WEIGHT_KINDS:
                 continue
-            self.specs.remove(spec)
-            if not any(s.target == spec.target for s in self.specs):
+            dropped.append(spec)
+            del self._by_name[node.name]
+            gm.graph.erase_node(node)
+        if not dropped:
+            return
+        gone = {id(s) for s in dropped}  # by identity: equality compares fields
+        self.specs = [s for s in self.specs if id(s) not in gone]
+        held = {s.target for s in self.specs}
+        for spec in dropped:
+            if spec.target not in held:  # no other placeholder reads the same tensor
                 self.state_dict.pop(spec.target, None)
                 self.constants.pop(spec.target, None)
-            gm.graph.erase_node(node)
 
     def rebuild_with(self, gm: GraphModule) -> ExportedProgram:
         return rebuild(self.program, gm, input_specs=self.specs, state_dict=self.state_dict,
