@@ -91,8 +91,12 @@ class Split:
         each = f"{lo:,}" if lo == hi else f"{lo:,}-{hi:,}"
         text = f"{self.total:,} {noun}: {each} per device"
         if self.copies:
-            text += f" ({self.copies:,} copies)"
+            text += f" ({copies_of(self.copies)})"
         return text
+
+
+def copies_of(count: int) -> str:
+    return f"{count:,} cop{'y' if count == 1 else 'ies'}"
 
 
 def deal(total: int, devices: int) -> Split:
@@ -428,13 +432,13 @@ def _tensor(cfg: ModelConfig, n: int, batch: int, specs: list[StateBuffer], widt
         kv_state = sum(sum(_split_state(cfg, spec, s)) - spec.nbytes
                        for spec in specs if spec.kind in ("global_kv", "local_kv"))
         if s.kv_heads.copies:
-            notes.append(f"{cfg.num_kv_heads} KV heads cannot split {n} ways: {s.kv_heads.copies:,} copies held, "
+            notes.append(f"{cfg.num_kv_heads} KV heads cannot split {n} ways: {copies_of(s.kv_heads.copies)} held, "
                          f"{fmt_bytes(_to_bytes(kv_weights))} of k/v weights and {fmt_bytes(kv_state)} of cache")
         if s.gdn_k_heads.copies:
             k_weights = sum(p.per_unit * width.bits(p) for p in parts if p.axis == "gdn_k_heads") * s.gdn_k_heads.copies
             k_state = sum(2 * cfg.gdn_head_k_dim * spec.nbytes // spec.shape[1]
                           for spec in specs if spec.kind == "gdn_conv") * s.gdn_k_heads.copies
-            notes.append(f"{cfg.gdn_num_k_heads} GDN key heads cannot split {n} ways: {s.gdn_k_heads.copies:,} copies "
+            notes.append(f"{cfg.gdn_num_k_heads} GDN key heads cannot split {n} ways: {copies_of(s.gdn_k_heads.copies)} "
                          f"held, {fmt_bytes(_to_bytes(k_weights))} of projections and conv taps and "
                          f"{fmt_bytes(k_state)} of conv state")
     weight_copies = sum(weights) - one.weights
