@@ -150,10 +150,10 @@ def allowed_part_shapes(cfg: Config, kind: str, batch: int, context: int, device
     """`allowed_shapes` for the buffers of a tensor-parallel bundle: any part's, of any layer of the kind."""
     shapes: list[tuple[int, ...]] = []
     want = meaning = ""
-    for i in range(len(cfg["layer_types"])):
+    for i, layer_type in enumerate(cfg["layer_types"]):
+        if kind not in LAYER_TYPES[layer_type]:
+            continue
         for part in mixer_parts(cfg, i, devices):
-            if kind not in LAYER_TYPES[cfg["layer_types"][i]]:
-                break
             found, want, meaning = allowed_shapes(part_config(cfg, i, part), kind, batch, context)
             shapes += [s for s in found if s not in shapes]
     if not shapes:
