@@ -56,7 +56,7 @@ def row_counts(options: BuildOptions) -> list[int]:
 
 
 MULTI_DEVICE_TARGETS = ("cpu", "vulkan", "cuda")  # the IREE targets compiled for several devices
-DEVICE_SCHEMES = ("pipeline", "tensor")  # passes/place_devices.SCHEMES, without importing the passes
+DEVICE_SCHEMES = ("pipeline", "tensor")  # passes/shard_plan.SCHEMES, without importing the passes
 
 
 def check_devices(options: BuildOptions) -> None:

@@ -20,15 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .state import (
-    LAYER_TYPES,
-    STATE_KINDS,
-    Config,
-    StateBuffer,
-    allowed_shapes,
-    layer_state,
-    ring_buffer,
-)
+from .state import LAYER_TYPES, Config, StateBuffer, allowed_shapes, layer_state
 
 
 def deal_counts(total: int, devices: int) -> tuple[int, ...]:
@@ -136,13 +128,6 @@ def tensor_state(cfg: Config, batch: int, devices: int, context: int | None = No
                 out.append((StateBuffer(part_buffer_name(i, p, suffix), buf.shape, buf.dtype, buf.kind, buf.layers),
                             part.device))
     return out
-
-
-def planned_tensor_state(cfg: Config, batch: int, devices: int, context: int | None = None
-                         ) -> list[tuple[StateBuffer, int]]:
-    """`tensor_state` after the default pipeline: windowed caches as rings."""
-    return [(ring_buffer(b, cfg.get("sliding_window", 0)) if STATE_KINDS[b.kind].ring else b, d)
-            for b, d in tensor_state(cfg, batch, devices, context)]
 
 
 def allowed_part_shapes(cfg: Config, kind: str, batch: int, context: int, devices: int

@@ -23,6 +23,7 @@ floats, as a weight without blocks is (requantized with --weights int8/int4).
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -46,6 +47,7 @@ from .quant import QuantizedTensor
 from .types import ChunkContext
 
 ROWS, COLUMNS = 0, 1
+_CUT = re.compile(r"layers\.\d+\.(mixer|mlp)\.")  # the parameters the parts replace
 # The modules a part may be cut from: anything else (a Hadamard wrapper around a projection) is refused.
 _PLAIN = (nn.Linear, RMSNorm, GatedRMSNorm, Attention, GatedDeltaNet, MLP)
 
@@ -132,11 +134,8 @@ def split_model(model: CausalLM, blocks: dict[str, QuantizedTensor], devices: in
                                  prefix + "mlp.", f"{prefix}mlp.parts.{j}."))
         new.mlp = MLPParts(mlps)
         split.layers.append(new)
-    kept = {name: b for name, b in blocks.items() if not name.startswith("layers.")}
-    kept.update({name: b for name, b in blocks.items()
-                 if name.startswith("layers.") and ".mixer." not in name and ".mlp." not in name})
-    kept.update(cut.blocks)
-    return split, kept
+    kept = {name: b for name, b in blocks.items() if not _CUT.match(name)}  # the tables, the norms
+    return split, {**kept, **cut.blocks}
 
 
 def _check_plain(module: nn.Module, path: str) -> None:
@@ -170,10 +169,9 @@ def _mixer_index(cfg: ModelConfig, layer: int, part: HeadPart) -> dict[str, tupl
     hd = cfg.head_dim
     q = _heads(part.query, hd * (2 if cfg.attn_output_gate == "fused_q" else 1))
     kv = _heads(part.shared, hd)
-    index = {"q_proj.weight": (ROWS, q), "q_proj.bias": (ROWS, q), "k_proj.weight": (ROWS, kv),
-             "k_proj.bias": (ROWS, kv), "v_proj.weight": (ROWS, kv), "v_proj.bias": (ROWS, kv),
-             "gate_proj.weight": (ROWS, _heads(part.query, hd)), "o_proj.weight": (COLUMNS, _heads(part.query, hd))}
-    return index
+    return {"q_proj.weight": (ROWS, q), "q_proj.bias": (ROWS, q), "k_proj.weight": (ROWS, kv),
+            "k_proj.bias": (ROWS, kv), "v_proj.weight": (ROWS, kv), "v_proj.bias": (ROWS, kv),
+            "gate_proj.weight": (ROWS, _heads(part.query, hd)), "o_proj.weight": (COLUMNS, _heads(part.query, hd))}
 
 
 class _Cutter:

@@ -126,10 +126,16 @@ def supports(s: Int8GemmShape) -> bool:
             and s.n % s.tile_channels == 0 and s.stack_bytes(s.tile_channels) <= STACK_BYTES)
 
 
+def _row_bytes(s: Int8GemmShape) -> int:
+    """Bytes of one row per k block of the quantized activations: 4 (16 rows' four bytes per 64-byte
+    vector), or 8 beside its pair's where the form reads rows in pairs ([K/8][M/2][2][8])."""
+    return 8 if s.isa.row_pairs else 4
+
+
 def _xq_memref(s: Int8GemmShape) -> str:
-    if s.isa.row_pairs:  # [K/8][M/2][2][8]: row r's 8 bytes of a k block at column 8r, beside its pair's
-        return f"memref<{s.k // 8}x{8 * s.m}xi8>"
-    return f"memref<{s.k // 4}x{4 * s.m}xi8>"
+    """[K/w][w M]: row r's w bytes of k block b at [b, w r]."""
+    w = _row_bytes(s)
+    return f"memref<{s.k // w}x{w * s.m}xi8>"
 
 
 def _per_group_memref(s: Int8GemmShape, element: str) -> str:
@@ -146,8 +152,8 @@ def _scales_memref(s: Int8GemmShape) -> str:
 
 
 def quantize_executable(s: Int8GemmShape) -> str:
-    """One workgroup per activation row: int8 codes per group in the interleaved [K/4][M][4] layout."""
-    g, G = s.group, s.groups
+    """One workgroup per activation row: int8 codes per group in the interleaved layout of _xq_memref."""
+    g, G, width = s.group, s.groups, _row_bytes(s)
     body = [
         "%c0 = arith.constant 0 : index",
         "%c1 = arith.constant 1 : index",
@@ -159,11 +165,11 @@ def quantize_executable(s: Int8GemmShape) -> str:
         f"%cg = stream.binding.subspan %cb[%c0] : !stream.binding -> {_per_group_memref(s, 'f32')}",
         f"%ofs = stream.binding.subspan %ob[%c0] : !stream.binding -> {_per_group_memref(s, 'i32')}",
         "%row = stream.dispatch.workgroup.id[0] : index",
-        f"%cw = arith.constant {8 if s.isa.row_pairs else 4} : index",
+        f"%cw = arith.constant {width} : index",
         "%rowcol = arith.muli %row, %cw : index",
         f"%nG = arith.constant {G} : index",
         f"%ng = arith.constant {g} : index",
-        f"%nq = arith.constant {g // (8 if s.isa.row_pairs else 4)} : index",
+        f"%nq = arith.constant {g // width} : index",
         "%f0 = arith.constant 0.0 : f32",
         "%f127 = arith.constant 127.0 : f32",
         "%im128 = arith.constant -128 : i32",
@@ -173,7 +179,6 @@ def quantize_executable(s: Int8GemmShape) -> str:
         f"  %v = vector.load %x[%row, %off] : memref<{s.m}x{s.k}xf32>, vector<{g}xf32>",
         *[f"  {line}" for line in quantize_group_lines(g)],
     ]
-    width = 8 if s.isa.row_pairs else 4  # bytes of a row per k block: 8 beside its pair's, or 4 of 16 rows
     for q in range(g // width):
         body += [
             f"  %p{q} = vector.shuffle %i8v, %i8v {list(range(width * q, width * q + width))} "

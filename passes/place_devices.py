@@ -59,7 +59,6 @@ RECOMPUTE_MAX_ELEMENTS = 4096
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.bool)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _PART = re.compile(r"(?:^|\.)layers\.(\d+)\.(mixer|mlp)\.parts\.(\d+)(?:\.|$)")
-SCHEMES = ("pipeline", "tensor")
 
 
 @dataclass
@@ -67,7 +66,7 @@ class Placement:
     """Where everything of a bundle compiled for several devices lives (recorded in its manifest)."""
 
     devices: int
-    scheme: str  # a SCHEMES entry
+    scheme: str  # "pipeline" or "tensor" (shard_plan.SCHEMES)
     layers: list[tuple[int, int]]  # per device: first and last layer it runs (tensor: every layer)
     state: list[int]  # per state buffer, in the entry points' argument order: its device
     weights: dict[str, int] = field(default_factory=dict)  # lifted weight target -> device
