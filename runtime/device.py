@@ -28,6 +28,7 @@ from ..errors import InputError
 from .cpu_select import missing_flags, select_cpu_module
 from .onnx_device import DEVICE as ONNX_DEVICE
 from .onnx_device import OnnxContext, open_onnx
+from .waiter import Waiter, inline, wait_nice
 
 # foldline device name -> IREE HAL driver
 DRIVERS = {"cpu": "local-task", "vulkan": "vulkan", "cuda": "cuda"}
@@ -214,6 +215,8 @@ class DeviceContext:
     module_key: str = ""  # the manifest's key of the loaded module: `cpu`, `cpu-x86-64-v3`, `vulkan`, ...
     # A bundle compiled for several devices (--devices N): all of them, `device` first.
     devices: list[rt.HalDevice] = field(default_factory=list)
+    # The thread module calls wait on (runtime/waiter.py): a lower-priority one for the CPU task driver.
+    waiter: Waiter = field(default_factory=inline)
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -255,7 +258,8 @@ class DeviceContext:
 
     def _on(self, device: rt.HalDevice) -> DeviceContext:
         """This context for `device`: itself, or a sibling sharing its module (another device of the bundle)."""
-        return self if device is self.device else DeviceContext(self.name, self.config, device, self.module)
+        return self if device is self.device else DeviceContext(self.name, self.config, device, self.module,
+                                                                 waiter=self.waiter)
 
     def fill_zero(self, array: rt.DeviceArray) -> rt.DeviceArray:
         """Zero `array` in place where possible; otherwise a fresh zero buffer of its shape."""
@@ -356,12 +360,21 @@ class DeviceContext:
         """Run an entry point; the state buffers are updated in place, the logits come back."""
         args = [self.upload(a) for a in inputs] + list(state)
         try:
-            result = getattr(self.module, fn)(*args)
+            entry = getattr(self.module, fn)
         except AttributeError as e:
             raise BundleError(f"the {self.name} module has no entry point {fn!r}") from e
-        if isinstance(result, (tuple, list)):
-            raise BundleError(f"entry point {fn} returned {len(result)} values; expected logits only")
-        return self.to_host(result)
+
+        def invoke() -> np.ndarray:
+            result = entry(*args)
+            if isinstance(result, (tuple, list)):
+                raise BundleError(f"entry point {fn} returned {len(result)} values; expected logits only")
+            return self.to_host(result)
+
+        return self.waiter.run(invoke)
+
+    def close(self) -> None:
+        """Stop the waiting thread (after a call in progress). Idempotent."""
+        self.waiter.close()
 
 
 # IREE creates its CPU task driver (and its worker threads) once per process, from flags
@@ -477,6 +490,7 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
         manifest.verify_tokenizer()
     if threads is not None and device != "cpu":
         raise InputError(f"threads applies to the cpu device, not {device!r}")
+    nice = wait_nice()  # a bad $FOLDLINE_WAIT_NICE is refused before anything loads
     config = _create_config(device, threads)
     instance = config.vm_instance
     modules = []
@@ -508,4 +522,6 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
         loaded = rt.load_vm_modules(*modules, config=config)
     except Exception as e:
         raise BundleError(f"could not load {vmfb} on {device}: {e}") from e
-    return DeviceContext(device, config, config.device, loaded[-1], key, devices)
+    # local-task runs calls on its worker threads while this side waits: wait at a lower priority
+    waiter = Waiter(nice) if device == "cpu" and str(config.device) != "local-sync" else inline()
+    return DeviceContext(device, config, config.device, loaded[-1], key, devices, waiter)

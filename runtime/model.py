@@ -81,6 +81,8 @@ class Model(ClosedOnExit):
         so no call loses its device halfway through.
         """
         with self.lock:
+            if self._ctx is not None:
+                self._ctx.close()  # the sessions, or the waiting thread (runtime/waiter.py)
             self._ctx = None
 
     @property

@@ -43,6 +43,11 @@ class OnnxContext:
     # session's do step after step; binding 60 caches anew cost ~0.7 ms a decode step (docs/onnx.md)
     _bindings: dict[str, tuple[list[np.ndarray], Any]] = field(default_factory=dict, repr=False)
 
+    def close(self) -> None:
+        """Drop the sessions and their bindings (the model is closed). Idempotent."""
+        self.sessions = {}
+        self._bindings.clear()
+
     def zeros(self, shape: Sequence[int], dtype: Any, device: int = 0) -> np.ndarray:
         """Host arrays: ONNX Runtime's CPU session has one device (`device` is always 0)."""
         return np.zeros(tuple(int(d) for d in shape), dtype=np.dtype(dtype))
