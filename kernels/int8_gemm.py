@@ -60,6 +60,9 @@ STACK_BYTES = 24576  # a workgroup's float tile and unpacked codes (IREE's stack
 # Codes per K chunk: a chunk's activations for one row block (32 x 256 bytes) and its unpacked codes
 # (32 x 256) stay in L1 while every channel block runs over them.
 MAX_CHUNK = 256
+# Activation rows per quantize workgroup: a k block of 16 rows fills one 64-byte line of the layout, so
+# no two workgroups (threads) write into the same line. supports() makes M a multiple of 16.
+QUANTIZE_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,12 @@ def _scales_memref(s: Int8GemmShape) -> str:
 
 
 def quantize_executable(s: Int8GemmShape) -> str:
-    """One workgroup per activation row: int8 codes per group in the interleaved layout of _xq_memref."""
+    """Int8 codes per group in the interleaved layout of _xq_memref, QUANTIZE_ROWS rows per workgroup.
+
+    A k block of 16 rows shares one 64-byte line of the layout (and of the per-group sums): with one
+    row per workgroup the two threads wrote into the same lines, and each row cost ~3 us where the
+    arithmetic is a few hundred ns (docs/quantization.md, "The prefill GEMM").
+    """
     g, G, width = s.group, s.groups, _row_bytes(s)
     body = [
         "%c0 = arith.constant 0 : index",
@@ -164,15 +172,19 @@ def quantize_executable(s: Int8GemmShape) -> str:
         f"%dx = stream.binding.subspan %db[%c0] : !stream.binding -> {_per_group_memref(s, 'f32')}",
         f"%cg = stream.binding.subspan %cb[%c0] : !stream.binding -> {_per_group_memref(s, 'f32')}",
         f"%ofs = stream.binding.subspan %ob[%c0] : !stream.binding -> {_per_group_memref(s, 'i32')}",
-        "%row = stream.dispatch.workgroup.id[0] : index",
+        "%wg = stream.dispatch.workgroup.id[0] : index",
+        f"%nrows = arith.constant {QUANTIZE_ROWS} : index",
+        "%row0 = arith.muli %wg, %nrows : index",
+        "%rowend = arith.addi %row0, %nrows : index",
         f"%cw = arith.constant {width} : index",
-        "%rowcol = arith.muli %row, %cw : index",
         f"%nG = arith.constant {G} : index",
         f"%ng = arith.constant {g} : index",
         f"%nq = arith.constant {g // width} : index",
         "%f0 = arith.constant 0.0 : f32",
         "%f127 = arith.constant 127.0 : f32",
         "%im128 = arith.constant -128 : i32",
+        "scf.for %row = %row0 to %rowend step %c1 {",
+        "%rowcol = arith.muli %row, %cw : index",
         "scf.for %gi = %c0 to %nG step %c1 {",
         "  %off = arith.muli %gi, %ng : index",
         "  %q0 = arith.muli %gi, %nq : index",
@@ -194,9 +206,10 @@ def quantize_executable(s: Int8GemmShape) -> str:
         "  %osum = arith.muli %isum, %im128 : i32",
         f"  memref.store %osum, %ofs[%gi, %row] : {_per_group_memref(s, 'i32')}",
         "}",
+        "}",
     ]
     bindings = [f"%{b}: !stream.binding" for b in ("xb", "qb", "db", "cb", "ob")]
-    return stream_executable(s.quantize_name, s.m, bindings, body)
+    return stream_executable(s.quantize_name, s.m // QUANTIZE_ROWS, bindings, body)
 
 
 def _unpack_codes(s: Int8GemmShape) -> list[str]:
