@@ -180,6 +180,49 @@ def expand_ops(gm: GraphModule, expand: Callable[[Node], bool], table: dict | No
     return count
 
 
+# Above any size a bundle computes: the minimum below divides by it, a constant (module docstring of spell_min).
+_SPAN = 2**30
+
+
+def spell_min(gm: GraphModule) -> int:
+    """Rewrite each `torch.sym_min(a, N)` (N a constant) as integer arithmetic IREE's importer takes; how many.
+
+    A decomposition takes the minimum of a symbolic size and a constant with `sym_min`, so that torch
+    proves the cut it makes in range (ops._first_ring_slots), but the FX importer knows only +, -, *
+    and //. For a >= 0: over = a // (N + 1) is 0 where a <= N and from 1 to 2^30 above, so
+    min(a, N) = a - (a - N) * ((over + 2^30 - 1) // 2^30), every divisor a constant.
+    """
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.sym_min:
+            continue
+        a, cap = node.args
+        if isinstance(cap, Node):
+            a, cap = cap, a
+        if isinstance(cap, Node) or not isinstance(cap, int):
+            raise NotImplementedError(f"sym_min of two symbolic sizes ({node.args}) has no spelling for the importer")
+        steps = [(operator.floordiv, cap + 1), (operator.add, _SPAN - 1), (operator.floordiv, _SPAN)]
+        with gm.graph.inserting_before(node):
+            above = a
+            for op, constant in steps:
+                above = _int_node(gm, op, above, constant)
+            excess = _int_node(gm, operator.sub, a, cap)
+            cut = _int_node(gm, operator.mul, excess, above)
+            result = _int_node(gm, operator.sub, a, cut)
+        node.replace_all_uses_with(result)
+        gm.graph.erase_node(node)
+        count += 1
+    return count
+
+
+def _int_node(gm: GraphModule, op: Callable, left: Node, right: Node | int) -> Node:
+    """A call of a Python integer operator, with its symbolic value computed from its operands'."""
+    value = op(left.meta["val"], right.meta["val"] if isinstance(right, Node) else right)
+    node = gm.graph.call_function(op, (left, right))
+    node.meta["val"] = value
+    return node
+
+
 class Lowering:
     """Decomposes entry points to core aten for import, sharing the table and the traces between them.
 
@@ -203,6 +246,7 @@ class Lowering:
         and the nodes `keep` holds."""
         gm = copy_graph_module(program)
         expand_ops(gm, lambda n: self.decomposes(n) and not keep(name, n), self.table, self.traces)
+        spell_min(gm)
         to_sdpa(gm)
         return rebuild(program, gm)
 

@@ -181,6 +181,21 @@ def _ring_slot_positions(start_pos: Tensor, window: int) -> Tensor:
     return last - torch.remainder(last - slots, window)
 
 
+def _first_ring_slots(ring: Tensor, length) -> Tensor:
+    """ring[:, :, :min(length, W)] for a symbolic `length`, in whole tiles of the ring.
+
+    While no position has reached W the ring has not wrapped: position p sits in slot p, and
+    slots from `length` on are empty. From W on every slot is held. The minimum is `sym_min`, so
+    that torch proves the cut in range; the lowering spells it for IREE's importer
+    (backends/lowering.spell_min).
+    """
+    b, h, window, d = ring.shape
+    tile = kv_tile_size(window)
+    cap = window // tile
+    tiles = torch.sym_min((length + tile - 1) // tile, cap)
+    return ring.view(b, h, cap, tile, d).narrow(2, 0, tiles).view(b, h, tiles * tile, d)
+
+
 def ring_attention_impl(
     q: Tensor,
     ring_k: Tensor,
@@ -203,7 +218,10 @@ def ring_attention_impl(
     chunk = q.shape[2]
     qpos = _chunk_positions(start_pos, chunk)
     ring_pos = _ring_slot_positions(start_pos, window)
-    if 0 < length < window:
+    if not isinstance(length, int):  # the prefill's symbolic tiles: read the ring's slots up to it
+        ring_k, ring_v = _first_ring_slots(ring_k, length), _first_ring_slots(ring_v, length)
+        ring_pos = _first_ring_slots(ring_pos[:, None, :, None], length)[:, 0, :, 0]
+    elif 0 < length < window:
         ring_k, ring_v, ring_pos = ring_k[:, :, :length], ring_v[:, :, :length], ring_pos[:, :length]
     kpos = torch.cat([ring_pos, qpos], dim=1)  # [B, W + C]
     kvalid = torch.cat([ring_pos >= 0, _valid(n_valid, chunk)], dim=1)

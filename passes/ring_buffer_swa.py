@@ -129,7 +129,7 @@ def _rewrite(program: ExportedProgram, windows: dict[int, int], n_state: int) ->
         if site.k_state not in windows or site.v_state not in windows:
             continue
         attn = site.attention
-        q, _k, _v, start_pos, window, scale, mapping, _length = attn.args
+        q, _k, _v, start_pos, window, scale, mapping, length = attn.args
         k_state, k_new, _, n_valid = site.k_write.args[:4]
         v_state, v_new = site.v_write.args[:2]
         one_token = q.meta["val"].shape[2] == 1  # attend over the written ring (module docstring)
@@ -141,7 +141,8 @@ def _rewrite(program: ExportedProgram, windows: dict[int, int], n_state: int) ->
             continue
         with gm.graph.inserting_before(attn):
             ring = gm.graph.call_function(
-                RING_ATTN, (q, k_state, v_state, k_new, v_new, start_pos, n_valid, window, scale, mapping)
+                RING_ATTN, (q, k_state, v_state, k_new, v_new, start_pos, n_valid, window, scale, mapping,
+                            *_held_length(length))
             )
         ring.meta = dict(attn.meta)
         attn.replace_all_uses_with(ring)
@@ -174,6 +175,12 @@ def _rewrite(program: ExportedProgram, windows: dict[int, int], n_state: int) ->
             args[first_state + idx] = t
         example = (tuple(args), kwargs)
     return rebuild(program, gm, example_inputs=example), done
+
+
+def _held_length(length) -> tuple:
+    """The ring attention's `length` argument: the prefill's symbolic tile length (the ring then reads
+    its slots up to it), none for a static one (the cache's whole length, or a decode's)."""
+    return (length,) if isinstance(length, Node) else ()
 
 
 @register_pass(NAME, "sliding-window layers keep a ring of W K/V slots instead of a full-length cache")
