@@ -159,7 +159,9 @@ def quantize_executable(s: Int8GemmShape) -> str:
 
     A k block of 16 rows shares one 64-byte line of the layout (and of the per-group sums): with one
     row per workgroup the two threads wrote into the same lines, and each row cost ~3 us where the
-    arithmetic is a few hundred ns (docs/quantization.md, "The prefill GEMM").
+    arithmetic is a few hundred ns. Groups are the outer loop, so a group's 16 rows fill their
+    lines one after the other; row by row, a 2048-wide row touched ~900 lines, more than L1 holds
+    (docs/quantization.md, "Prefill chunks").
     """
     g, G, width = s.group, s.groups, _row_bytes(s)
     body = [
@@ -183,11 +185,11 @@ def quantize_executable(s: Int8GemmShape) -> str:
         "%f0 = arith.constant 0.0 : f32",
         "%f127 = arith.constant 127.0 : f32",
         "%im128 = arith.constant -128 : i32",
-        "scf.for %row = %row0 to %rowend step %c1 {",
-        "%rowcol = arith.muli %row, %cw : index",
         "scf.for %gi = %c0 to %nG step %c1 {",
-        "  %off = arith.muli %gi, %ng : index",
-        "  %q0 = arith.muli %gi, %nq : index",
+        "%off = arith.muli %gi, %ng : index",
+        "%q0 = arith.muli %gi, %nq : index",
+        "scf.for %row = %row0 to %rowend step %c1 {",
+        "  %rowcol = arith.muli %row, %cw : index",
         f"  %v = vector.load %x[%row, %off] : memref<{s.m}x{s.k}xf32>, vector<{g}xf32>",
         *[f"  {line}" for line in quantize_group_lines(g)],
     ]
