@@ -12,7 +12,8 @@ in float:
     y[n] = sum_g s[n, g] * dx[g] * sum_k q[n, g, k] * xq[g, k]   (+ m[n, g] * dx[g] * sum_k xq[g, k])
 
 q4 and q5 codes are unsigned (0..15, 0..31) and meet the signed activation
-directly; q8 codes are signed and take each ISA's signed form. A q5 step reads
+directly; q8 codes are signed: offset by 128 where the form's unsigned product is exact
+(`_offset_codes`), else met by each ISA's signed form. A q5 step reads
 the 32 nibble bytes of its 64 codes and their 8 bytes of fifth bits
 (`fifth_bit_lines`): 40 bytes where the same codes as q8 take 64. The dot-product lines come
 from kernels/isa.py (the shape's `isa`): on CPUs without VNNI the same
@@ -149,6 +150,16 @@ def supports(shape: Int8DotShape) -> bool:
             and (shape.fmt == "q8" or shape.has_min) and (shape.gate is None or shape.gate in GATES))
 
 
+
+
+def _offset_codes(s: Int8DotShape) -> bool:
+    """q8 codes met as q + 128 (unsigned) where the form's unsigned product is exact for any byte.
+
+    sum_k (q + 128) x = sum_k q x + 128 sum_k x, and the second term is the row-independent
+    dx * sum xq of each group (%cg) times 128 and the row's scale: one short dot per row takes it
+    out, as the mins' term does, where the signed form spent a second dot product per step.
+    """
+    return s.fmt == "q8" and s.isa.unsigned_bytes_exact
 
 
 def _codes_memref(s: Int8DotShape) -> str:
@@ -361,6 +372,12 @@ def _step(s: Int8DotShape, i: int, acc: str) -> list[str]:
                       *fifth_bit_lines(f"%fx{i}", f"%fb{i}", CODES_PER_STEP),
                       f"%q{i} = arith.ori %ql{i}, %fx{i} : vector<64xi8>"]
         lines += s.isa.dot_unsigned(f"%d{i}", "%isa_zi", f"%q{i}", f"%xs{i}")
+    elif _offset_codes(s):
+        lines += [
+            f"%q{i} = vector.load %codes[%row, %k{i}] : {_codes_memref(s)}, vector<64xi8>",
+            f"%qu{i} = arith.xori %q{i}, %q8_x128 : vector<64xi8>",  # q + 128, read unsigned
+            *s.isa.dot_unsigned(f"%d{i}", "%isa_zi", f"%qu{i}", f"%xs{i}"),
+        ]
     else:
         lines += [
             f"%q{i} = vector.load %codes[%row, %k{i}] : {_codes_memref(s)}, vector<64xi8>",
@@ -419,8 +436,23 @@ def _row(s: Int8DotShape) -> list[str]:
         lines += [f"%cgv = vector.load %cg[%c0] : memref<{G}xf32>, vector<{G}xf32>",
                   f"%mprod = arith.mulf {mrow}, %cgv : vector<{G}xf32>",
                   f"%msum = vector.reduction <add>, %mprod : vector<{G}xf32> into f32",
-                  "%total = arith.addf %sum, %msum : f32"]
-    out = "%total" if s.has_min else "%sum"
+                  "%withmin = arith.addf %sum, %msum : f32"]
+    out = "%withmin" if s.has_min else "%sum"
+    if _offset_codes(s):
+        # - sum_g s[n, g] * 128 * dx[g] * sum_k xq[g, k]: the codes' offset, taken out once per row
+        G, st = s.groups, s.scale_type
+        lines.append(f"%srow = vector.load %scales[%row, %c0] : {_scales_memref(s)}, vector<{G}x{st}>")
+        srow = "%srow"
+        if st == "f16":
+            lines.append(f"%srowf = arith.extf %srow : vector<{G}xf16> to vector<{G}xf32>")
+            srow = "%srowf"
+        lines += [f"%ocgv = vector.load %cg[%c0] : memref<{G}xf32>, vector<{G}xf32>",
+                  f"%oprod = arith.mulf {srow}, %ocgv : vector<{G}xf32>",
+                  f"%osum = vector.reduction <add>, %oprod : vector<{G}xf32> into f32",
+                  "%o128 = arith.constant 128.0 : f32",
+                  "%ooff = arith.mulf %osum, %o128 : f32",
+                  f"%unoffset = arith.subf {out}, %ooff : f32"]
+        out = "%unoffset"
     if s.residual:  # r + y, the graph's add (IEEE addition commutes exactly)
         lines += [f"%rrow = memref.load %res[%row] : memref<{s.n}xf32>", f"%withres = arith.addf %rrow, {out} : f32"]
         out = "%withres"
@@ -462,6 +494,7 @@ def int8_dot_executable(s: Int8DotShape) -> str:
         "%m15 = arith.constant dense<15> : vector<32xi8>",
         "%s4 = arith.constant dense<4> : vector<32xi8>",
         *(fifth_bit_constants(CODES_PER_STEP) if s.fmt == "q5" else []),
+        *(["%q8_x128 = arith.constant dense<-128> : vector<64xi8>"] if _offset_codes(s) else []),
         f"%nrows = arith.constant {rows} : index",
         "%rowbase = arith.muli %wg, %nrows : index",
         "%rowend = arith.addi %rowbase, %nrows : index",
