@@ -474,6 +474,7 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
         raise InputError(f"cpu and cpu_features apply to the cpu device, not {device!r}")
     if device == ONNX_DEVICE:
         return open_onnx(manifest, verify, threads)
+    nice = wait_nice()  # a bad $FOLDLINE_WAIT_NICE is refused before any file is read
     have = cpu_features(features) if device == "cpu" else None
     try:
         key = select_cpu_module(manifest, have, host_arch(), cpu) if device == "cpu" else manifest.module_keys(device)[0]
@@ -490,7 +491,6 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
         manifest.verify_tokenizer()
     if threads is not None and device != "cpu":
         raise InputError(f"threads applies to the cpu device, not {device!r}")
-    nice = wait_nice()  # a bad $FOLDLINE_WAIT_NICE is refused before anything loads
     config = _create_config(device, threads)
     instance = config.vm_instance
     modules = []
