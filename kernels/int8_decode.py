@@ -401,6 +401,19 @@ def _step(s: Int8DotShape, i: int, acc: str) -> list[str]:
     return lines
 
 
+def _dot_with_group_sums(s: Int8DotShape, per_group: str, tag: str) -> list[str]:
+    """Lines defining {tag}sum = sum_g per_group[%row, g] * %cg[g] (%cg: each group's dx * sum xq)."""
+    G, st = s.groups, s.scale_type
+    lines = [f"{tag}row = vector.load {per_group}[%row, %c0] : {_scales_memref(s)}, vector<{G}x{st}>"]
+    row = f"{tag}row"
+    if st == "f16":
+        lines.append(f"{tag}rowf = arith.extf {row} : vector<{G}xf16> to vector<{G}xf32>")
+        row = f"{tag}rowf"
+    return lines + [f"{tag}cgv = vector.load %cg[%c0] : memref<{G}xf32>, vector<{G}xf32>",
+                    f"{tag}prod = arith.mulf {row}, {tag}cgv : vector<{G}xf32>",
+                    f"{tag}sum = vector.reduction <add>, {tag}prod : vector<{G}xf32> into f32"]
+
+
 def _row(s: Int8DotShape) -> list[str]:
     """The body computing y[%row]: every step of the row unrolled, CHAINS independent accumulators."""
     steps = s.k // CODES_PER_STEP
@@ -424,31 +437,15 @@ def _row(s: Int8DotShape) -> list[str]:
         lines.append(f"%sum_a{c} = arith.addf {total}, {last[c]} : vector<16xf32>")
         total = f"%sum_a{c}"
     lines.append(f"%sum = vector.reduction <add>, {total} : vector<16xf32> into f32")
+    out = "%sum"
     if s.has_min:
         # sum_g m[n, g] * dx[g] * sum_k xq[g, k]: one short dot per row, not a term of every step
         # (docs/quantization.md, "The kernels")
-        G, st = s.groups, s.scale_type
-        lines.append(f"%mrow = vector.load %mins[%row, %c0] : {_scales_memref(s)}, vector<{G}x{st}>")
-        mrow = "%mrow"
-        if st == "f16":
-            lines.append(f"%mrowf = arith.extf %mrow : vector<{G}xf16> to vector<{G}xf32>")
-            mrow = "%mrowf"
-        lines += [f"%cgv = vector.load %cg[%c0] : memref<{G}xf32>, vector<{G}xf32>",
-                  f"%mprod = arith.mulf {mrow}, %cgv : vector<{G}xf32>",
-                  f"%msum = vector.reduction <add>, %mprod : vector<{G}xf32> into f32",
-                  "%withmin = arith.addf %sum, %msum : f32"]
-    out = "%withmin" if s.has_min else "%sum"
+        lines += [*_dot_with_group_sums(s, "%mins", "%m"), f"%withmin = arith.addf {out}, %msum : f32"]
+        out = "%withmin"
     if _offset_codes(s):
         # - sum_g s[n, g] * 128 * dx[g] * sum_k xq[g, k]: the codes' offset, taken out once per row
-        G, st = s.groups, s.scale_type
-        lines.append(f"%srow = vector.load %scales[%row, %c0] : {_scales_memref(s)}, vector<{G}x{st}>")
-        srow = "%srow"
-        if st == "f16":
-            lines.append(f"%srowf = arith.extf %srow : vector<{G}xf16> to vector<{G}xf32>")
-            srow = "%srowf"
-        lines += [f"%ocgv = vector.load %cg[%c0] : memref<{G}xf32>, vector<{G}xf32>",
-                  f"%oprod = arith.mulf {srow}, %ocgv : vector<{G}xf32>",
-                  f"%osum = vector.reduction <add>, %oprod : vector<{G}xf32> into f32",
+        lines += [*_dot_with_group_sums(s, "%scales", "%o"),
                   "%o128 = arith.constant 128.0 : f32",
                   "%ooff = arith.mulf %osum, %o128 : f32",
                   f"%unoffset = arith.subf {out}, %ooff : f32"]
