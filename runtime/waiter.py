@@ -63,7 +63,6 @@ class Waiter:
     """
 
     def __init__(self, nice: int):
-        self.nice = nice
         self._pool: ThreadPoolExecutor | None = None
         if nice and sys.platform.startswith("linux"):
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="foldline-wait",
