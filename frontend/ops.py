@@ -189,11 +189,9 @@ def _first_ring_slots(ring: Tensor, length) -> Tensor:
     that torch proves the cut in range; the lowering spells it for IREE's importer
     (backends/lowering.spell_min).
     """
-    b, h, window, d = ring.shape
+    window = ring.shape[2]
     tile = kv_tile_size(window)
-    cap = window // tile
-    tiles = torch.sym_min((length + tile - 1) // tile, cap)
-    return ring.view(b, h, cap, tile, d).narrow(2, 0, tiles).view(b, h, tiles * tile, d)
+    return _first_slots(ring, torch.sym_min((length + tile - 1) // tile, window // tile) * tile)
 
 
 def ring_attention_impl(
