@@ -14,7 +14,7 @@ import iree.compiler as ireec
 import iree.runtime as rt
 
 from ..contract.entry_points import row_entry_name
-from ..contract.manifest import FileEntry, Manifest, ModuleEntry, ParamsEntry, sha256_file
+from ..contract.manifest import MANIFEST, FileEntry, Manifest, ModuleEntry, ParamsEntry, sha256_file
 from ..contract.vmfb import vmfb_info
 from ..dtypes import FLOAT_DTYPES, DTypeError
 from ..frontend.export import ENTRY_POINTS, export_entry_point, parameter_target
@@ -24,6 +24,7 @@ from ..frontend.tensor_parallel import split_model
 from ..frontend.types import LoadedModel
 from ..kernels.attention import expand_decode_attention_ops
 from ..kernels.isa import FLOAT_KERNELS, Int8Kernels
+from ..kernels.mlir import HARDWARE_FLOAT, FloatIsa
 from ..kernels.qlinear import expand_qlinear_ops
 from ..kernels.select import choose_kernels, cpu_has_int8_dot
 from ..passes.manager import CompileUnit, run_pipeline
@@ -117,6 +118,7 @@ def compile_torch_module(mlir: str, flags: list[str]) -> tuple[bytes, ElideRepor
 # (kernels/qlinear.py), so longer chunks amortize it (docs/history.md, "Prefill chunk, and how
 # the kernels changed the figures").
 FLOAT_CHUNK = 16
+MLIR_FILE = "model.mlir"  # --keep-mlir: the torch-dialect MLIR as imported for the first target
 QUANTIZED_CHUNK = 64
 
 
@@ -294,8 +296,16 @@ def _compile_and_store(loaded: LoadedModel, out_dir: str | Path, options: BuildO
         out = _compile(loaded, out_dir, options, progress)
     if cache is not None and key is not None:
         cache.store(key, out, {"model": loaded.source, "name": loaded.config.name,
-                               "targets": [t.description for t in options.targets]})
+                               "targets": [t.description for t in options.targets]},
+                    files=bundle_files(out, options.keep_mlir))
     return out
+
+
+def bundle_files(out: Path, keep_mlir: bool) -> list[str]:
+    """The files a compile wrote into `out`: the manifest, every file it lists, and model.mlir when kept
+    (an IREE target's import writes it)."""
+    mlir = [MLIR_FILE] if keep_mlir and (out / MLIR_FILE).is_file() else []
+    return [MANIFEST, *Manifest.load(out).files(), *mlir]
 
 
 def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, progress: Progress) -> Path:
@@ -392,7 +402,7 @@ def _compile_iree(targets: list[Target], activations: list[str], unit: CompileUn
     del lowerings
     mlir, params = imported[kinds[0]]
     if options.keep_mlir:
-        (out / "model.mlir").write_text(mlir)
+        (out / MLIR_FILE).write_text(mlir)
     # One archive per device of a placed bundle (multi_device.device_scope), else params.irpa alone.
     per_device = (parameters_by_device(params.keys, placement) if placement is not None
                   else [set(params.tensors)])
@@ -451,10 +461,11 @@ def _compile_targets(targets: list[Target], activations: list[str], imported: di
         t1 = time.time()
         cpu = target.device == "cpu"
         int8 = choose_kernels(target.cpu_flags, target.arch) if acts == "int8" else FLOAT_KERNELS
+        float_isa = FloatIsa.of(target.cpu_flags, target.arch) if cpu else HARDWARE_FLOAT
         target_mlir, sites = expand_qlinear_ops(imported[import_kind(target, attention)][0], cpu_tiles=cpu,
-                                                int8=int8)
+                                                int8=int8, float_isa=float_isa)
         if cpu:
-            target_mlir, decode_attention = expand_decode_attention_ops(target_mlir)
+            target_mlir, decode_attention = expand_decode_attention_ops(target_mlir, float_isa)
             sites += decode_attention
         fused = count_fused_attention(target_mlir)
         if fused:

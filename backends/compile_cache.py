@@ -19,7 +19,9 @@ shapes a bundle:
 
 An entry is written to a temporary directory and renamed into place, so
 concurrent writers never expose a partial entry (the first rename wins, the
-loser discards its copy). The cache holds foldline's own outputs only and is
+loser discards its copy). An entry holds the bundle's own files (its manifest,
+the files the manifest lists, model.mlir when kept), never other files that lay
+in the output directory. The cache holds foldline's own outputs only and is
 bounded (FOLDLINE_CACHE_MAX_GB, default 20): the least recently used entries
 go first. `foldline cache ls|clear` lists and empties it.
 """
@@ -32,6 +34,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -117,14 +120,17 @@ class CompileCache:
         os.utime(entry / ENTRY_FILE)  # least-recently-used order
         return True
 
-    def store(self, key: str, bundle_dir: Path, info: dict[str, Any]) -> None:
-        """Keep a copy of a freshly written bundle; atomic against concurrent writers, then bounded."""
+    def store(self, key: str, bundle_dir: Path, info: dict[str, Any], files: Iterable[str]) -> None:
+        """Keep a copy of a freshly written bundle's `files` (names in bundle_dir: the bundle's own, never
+        whatever else lies beside them); atomic against concurrent writers, then bounded."""
         if (self._entry_dir(key) / ENTRY_FILE).is_file():
             return
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp-{uuid.uuid4().hex}"
         try:
-            shutil.copytree(bundle_dir, tmp / BUNDLE_DIR)
+            (tmp / BUNDLE_DIR).mkdir(parents=True)
+            for name in files:
+                shutil.copy2(Path(bundle_dir) / name, tmp / BUNDLE_DIR / name)
             (tmp / ENTRY_FILE).write_text(json.dumps({**info, "key": key, "created": time.time()}, indent=2))
             try:
                 os.rename(tmp, self._entry_dir(key))

@@ -227,7 +227,6 @@ def load_gguf(path: str | Path, max_context: int | None = None, defer_block_weig
             gguf_to_param = {tensor: param for param, tensor in tensor_name_map(cfg).items()}
             apply_hadamard_metadata(module, g.metadata, name_map=gguf_to_param)
         tokenizer_json = tokenizer_json_from_gguf(g.metadata) if g.get("tokenizer.ggml.tokens") else None
+        # A GGUF without a template is a base model (Gemma 3 270M): no chat format is made up for it.
         template = g.get("tokenizer.chat_template")
-        if template is None:
-            template = architecture_of(cfg).default_chat_template
     return LoadedModel(cfg, module, tokenizer_json, template, source=f"gguf:{path.name}", source_blocks=blocks)

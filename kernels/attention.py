@@ -40,7 +40,16 @@ import torch
 from iree.compiler import ir
 
 from ..frontend.types import MLIR_ELEMENTS
-from .mlir import f32_bits, memref_type, stream_executable, tensor_type
+from .mlir import (
+    HARDWARE_FLOAT,
+    FloatIsa,
+    f32_bits,
+    memref_type,
+    multiply_add,
+    stream_executable,
+    tensor_type,
+    widen_f16,
+)
 from .sites import (
     KernelCall,
     SiteError,
@@ -114,14 +123,16 @@ def _types(s: DecodeAttentionShape) -> dict[str, tuple[tuple[int, ...], str]]:
     }
 
 
-def _widen(elem: str, src: str, dst: str) -> list[str]:
+def _widen(elem: str, src: str, dst: str, isa: FloatIsa) -> list[str]:
     """`dst` = the vector `src` of `elem` as f32 (the products' widening of the stored dtype)."""
     if elem == "f32":
         return [f"{dst} = arith.addf {src}, %zf : vector<{LANES}xf32>"]  # folded away; keeps one name
+    if elem == "f16":
+        return widen_f16(src, dst, f"vector<{LANES}xf16>", isa)
     return [f"{dst} = arith.extf {src} : vector<{LANES}x{elem}> to vector<{LANES}xf32>"]
 
 
-def decode_attention_executable(s: DecodeAttentionShape) -> str:
+def decode_attention_executable(s: DecodeAttentionShape, isa: FloatIsa = HARDWARE_FLOAT) -> str:
     """The `stream.executable` for one shape: a workgroup per (row, query head), three passes over its keys."""
     if not supports(s):
         raise AttentionKernelError(f"no decode attention kernel for {s}")
@@ -142,11 +153,11 @@ def decode_attention_executable(s: DecodeAttentionShape) -> str:
     scores = []
     for c in range(chunks):
         scores += [f"  %kh{c} = vector.load %k[%b, %kvh, %l, %d{c}] : {kv_m}, {kv_vec}",
-                   *[f"  {line}" for line in _widen(s.cache_type, f"%kh{c}", f"%kf{c}")]]
+                   *[f"  {line}" for line in _widen(s.cache_type, f"%kh{c}", f"%kf{c}", isa)]]
     # two accumulator chains over the features, added at the end
     chain = {0: "%zf", 1: "%zf"}
     for c in range(chunks):
-        scores.append(f"  %a{c} = math.fma %q{c}, %kf{c}, {chain[c % 2]} : {vf}")
+        scores += [f"  {line}" for line in multiply_add(f"%a{c}", f"%q{c}", f"%kf{c}", chain[c % 2], vf, isa)]
         chain[c % 2] = f"%a{c}"
     scores += [f"  %dot = arith.addf {chain[0]}, {chain[1]} : {vf}",
                f"  %sum = vector.reduction <add>, %dot : {vf} into f32",
@@ -156,8 +167,8 @@ def decode_attention_executable(s: DecodeAttentionShape) -> str:
               f"  %pbv = vector.broadcast %pr : f32 to {vf}"]
     for c in range(chunks):
         values += [f"  %vh{c} = vector.load %v[%b, %kvh, %l, %d{c}] : {kv_m}, {kv_vec}",
-                   *[f"  {line}" for line in _widen(s.cache_type, f"%vh{c}", f"%vf{c}")],
-                   f"  %n{c} = math.fma %pbv, %vf{c}, %o{c} : {vf}"]
+                   *[f"  {line}" for line in _widen(s.cache_type, f"%vh{c}", f"%vf{c}", isa)],
+                   *[f"  {line}" for line in multiply_add(f"%n{c}", "%pbv", f"%vf{c}", f"%o{c}", vf, isa)]]
     values.append(f"  scf.yield {', '.join(f'%n{c}' for c in range(chunks))} : {', '.join([vf] * chunks)}")
     body = [
         "%c0 = arith.constant 0 : index",
@@ -188,7 +199,7 @@ def decode_attention_executable(s: DecodeAttentionShape) -> str:
         *offsets,
         *[line for c in range(chunks) for line in (
             f"%qs{c} = vector.load %q[%b, %h, %c0, %d{c}] : {q_m}, vector<{LANES}x{s.q_type}>",
-            *_widen(s.q_type, f"%qs{c}", f"%q{c}"))],
+            *_widen(s.q_type, f"%qs{c}", f"%q{c}", isa))],
         "scf.for %l = %lo to %hi step %c1 {",
         *scores,
         "}",
@@ -308,8 +319,9 @@ def covers(node: torch.fx.Node) -> bool:
     return supports(shape)
 
 
-def expand_decode_attention_ops(mlir: str) -> tuple[str, Counter[str]]:
-    """Replace every kept decode attention op with a call to its hand-written dispatch (CPU targets).
+def expand_decode_attention_ops(mlir: str, float_isa: FloatIsa = HARDWARE_FLOAT) -> tuple[str, Counter[str]]:
+    """Replace every kept decode attention op with a call to its hand-written dispatch (CPU targets),
+    spelt for `float_isa`: the FMA and f16 conversion the target's CPU has (mlir.FloatIsa.of).
 
     Returns the new module text and how many sites took the kernel.
     """
@@ -324,7 +336,7 @@ def expand_decode_attention_ops(mlir: str) -> tuple[str, Counter[str]]:
                     builtin_tensor(op.operands[2], kv), builtin_tensor(op.operands[3], tensor_type(*t["pos"]))]
 
         return KernelCall(at=op, callee=s.name, operands=operands, result_type=tensor_type(*t["q"]), replaces=[op],
-                          code=lambda: [decode_attention_executable(s), decode_attention_function(s)],
+                          code=lambda: [decode_attention_executable(s, float_isa), decode_attention_function(s)],
                           kind="attention decode")
 
     return rewrite_sites(mlir, OP_NAMES, plan)

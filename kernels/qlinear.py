@@ -17,7 +17,10 @@ replaces each one with a `util.call` to a generated `util.func`:
   copy of the weight exists, and each decode step reads only the quantized
   bytes (tests/test_quant_compile.py checks the dispatches). With several
   rows (decode of a batched bundle) the codes are read once for all of them.
-  Why this form, and what IREE does with the alternatives: docs/quantization.md;
+  Why this form, and what IREE does with the alternatives: docs/quantization.md.
+  On a CPU without FMA or F16C (`x86-64-v2`) it is spelt with a multiply and
+  an add, one row per step, and f32 scales converted by a dispatch before it
+  (`mlir.FloatIsa`, `fused_rows_code`);
 - decode (one row) on an x86 CPU with AVX2 or AVX-512 VNNI, int8 activations
   asked for (the default there): `int8_dot_mlir`, the hand-written int8-dot
   dispatch of kernels/int8_decode.py, in the target's best form
@@ -63,7 +66,16 @@ from .int8_decode import supports as supports_int8_dot
 from .int8_gemm import Int8GemmShape, gemm_executable, int8_gemm_dispatches, quantize_executable
 from .int8_gemm import supports as supports_int8_gemm
 from .isa import FLOAT, FLOAT_KERNELS, Int8Isa, Int8Kernels
-from .mlir import tensor_type
+from .mlir import (
+    HARDWARE_FLOAT,
+    FloatIsa,
+    f16_bits_to_f32,
+    memref_type,
+    multiply_add,
+    stream_executable,
+    tensor_type,
+    widen_f16,
+)
 from .sites import (
     KernelCall,
     SiteError,
@@ -133,11 +145,15 @@ def _half_lanes(spec: QLinearSpec) -> int | None:
     return lanes if spec.group % 2 == 0 and lanes >= 2 and spec.groups >= 2 else None
 
 
-def _rows_per_step(spec: QLinearSpec) -> int:
+def _rows_per_step(spec: QLinearSpec, isa: FloatIsa = HARDWARE_FLOAT) -> int:
     """Output rows per vector step of the half-group kernel: four for long or byte-code rows, else two.
 
-    Capped so that all activation rows times these rows stay within four chains' registers.
+    Capped so that all activation rows times these rows stay within four chains' registers; one
+    where the registers are narrow (SSE: four rows' partial sums would fill all sixteen, and the
+    spills made SmolLM2's q8 head 1.5x slower than one row per step, docs/quantization.md).
     """
+    if not isa.wide_registers:
+        return 1
     long = spec.fmt in ("q8", "q5") or spec.groups >= LONG_ROW_GROUPS  # q5 is read as q8 (_widen_q5)
     for rows in ((ROWS_PER_STEP_LONG, ROWS_PER_STEP) if long else (ROWS_PER_STEP,)):
         if spec.n % rows == 0 and spec.m * rows <= 4:
@@ -158,7 +174,8 @@ def _compilation_info(distribution: list[int], parallel: list[int], reduction: l
             f"translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>")
 
 
-def _body(spec: QLinearSpec, code: tuple[str, list[str]] | None = None) -> tuple[str, list[str], str]:
+def _body(spec: QLinearSpec, code: tuple[str, list[str]] | None = None,
+          isa: FloatIsa = HARDWARE_FLOAT) -> tuple[str, list[str], str]:
     """(block arguments, dequantization lines, the value holding the weight element) of the body.
 
     code: (block argument, lines making %qf from it) to read the code another
@@ -174,14 +191,14 @@ def _body(spec: QLinearSpec, code: tuple[str, list[str]] | None = None) -> tuple
     args = ["%a: f32", code_arg, f"%s: {st}"] + ([f"%mn: {st}"] if spec.has_min else [])
     scale = "%s"
     if st == "f16":
-        lines.append("%sf = arith.extf %s : f16 to f32")
+        lines += widen_f16("%s", "%sf", "f16", isa)
         scale = "%sf"
     lines.append(f"%w0 = arith.mulf {scale}, %qf : f32")
     if not spec.has_min:
         return ", ".join(args), lines, "%w0"
     low = "%mn"
     if st == "f16":
-        lines.append("%mf = arith.extf %mn : f16 to f32")
+        lines += widen_f16("%mn", "%mf", "f16", isa)
         low = "%mf"
     lines.append(f"%w = arith.addf %w0, {low} : f32")
     return ", ".join(args), lines, "%w"
@@ -321,9 +338,9 @@ def _function(spec: QLinearSpec, lines: list[str], params: list[str] | None = No
             f"  util.return %y : {y_t}\n}}")
 
 
-def fused_matvec_mlir(spec: QLinearSpec) -> str:
+def fused_matvec_mlir(spec: QLinearSpec, isa: FloatIsa = HARDWARE_FLOAT) -> str:
     """The decode kernel for one activation row: half-group lanes where the shape allows, else horizontal sums."""
-    return half_group_mlir(spec) if _half_lanes(spec) else horizontal_matvec_mlir(spec)
+    return half_group_mlir(spec, isa) if _half_lanes(spec) else horizontal_matvec_mlir(spec, isa)
 
 
 def fuses_rows(spec: QLinearSpec) -> bool:
@@ -336,9 +353,18 @@ def fuses_rows(spec: QLinearSpec) -> bool:
     return spec.m == 1 or (spec.m <= MAX_FUSED_ROWS and _half_lanes(spec) is not None)
 
 
-def fused_rows_mlir(spec: QLinearSpec) -> str:
+def fused_rows_mlir(spec: QLinearSpec, isa: FloatIsa = HARDWARE_FLOAT) -> str:
     """The fused decode kernel for spec.m rows: one row, or a few rows sharing each code read."""
-    return fused_matvec_mlir(spec) if spec.m == 1 else half_group_mlir(spec)
+    return fused_matvec_mlir(spec, isa) if spec.m == 1 else half_group_mlir(spec, isa)
+
+
+def fused_rows_code(spec: QLinearSpec, isa: FloatIsa = HARDWARE_FLOAT) -> list[str]:
+    """What a site taking the fused decode kernel needs in the module: the scale conversion's executable
+    where the kernel takes one (`_converts_scales`), then `fused_rows_mlir`'s util.func."""
+    half_group = spec.m > 1 or _half_lanes(spec) is not None
+    widen = [_widen_scales_executable(spec.n * spec.groups, 1 + spec.has_min)[1]] if (
+        half_group and _converts_scales(spec, isa)) else []
+    return [*widen, fused_rows_mlir(spec, isa)]
 
 
 def _half_code_inputs(spec: QLinearSpec, dims: str) -> tuple[list[str], list[str], list[str], list[str], list[str]]:
@@ -365,7 +391,74 @@ def _half_code_inputs(spec: QLinearSpec, dims: str) -> tuple[list[str], list[str
     return lines, ["%q0", "%q1"], [h_t, h_t], [row_map, row_map], body
 
 
-def half_group_mlir(spec: QLinearSpec) -> str:
+WIDEN_LANES = 8  # f16 values one vector step of the scale conversion takes (two SSE registers of f32)
+WIDEN_WORKGROUPS = 8
+
+
+def _widen_scales_executable(size: int, count: int) -> tuple[str, str]:
+    """(name, `stream.executable`) converting `count` arrays of `size` f16 bit patterns (i16) to f32.
+
+    Hand-written, as kernels/attention.py: IREE's own dispatch of the same generic drops the
+    tiles it is given and masks every vector of a partial tile element by element.
+    """
+    name = f"foldline_widen_f16_{size}x{count}"
+    per = size // WIDEN_WORKGROUPS
+    src_m, dst_m = memref_type((size,), "i16"), memref_type((size,), "f32")
+    v16, v32 = f"vector<{WIDEN_LANES}xi16>", f"vector<{WIDEN_LANES}xf32>"
+    body = ["%c0 = arith.constant 0 : index",
+            f"%step = arith.constant {WIDEN_LANES} : index",
+            f"%per = arith.constant {per} : index",
+            "%wg = stream.dispatch.workgroup.id[0] : index",
+            "%lo = arith.muli %wg, %per : index",
+            "%hi = arith.addi %lo, %per : index"]
+    for i in range(count):
+        body += [f"%src{i} = stream.binding.subspan %sb{i}[%c0] : !stream.binding -> {src_m}",
+                 f"%dst{i} = stream.binding.subspan %db{i}[%c0] : !stream.binding -> {dst_m}"]
+    body.append("scf.for %i = %lo to %hi step %step {")
+    for i in range(count):
+        body += [f"  %h{i} = vector.load %src{i}[%i] : {src_m}, {v16}",
+                 *[f"  {line}" for line in f16_bits_to_f32(f"%h{i}", f"%f{i}", v16)],
+                 f"  vector.store %f{i}, %dst{i}[%i] : {dst_m}, {v32}"]
+    body.append("}")
+    bindings = [f"%sb{i}: !stream.binding" for i in range(count)] + [f"%db{i}: !stream.binding" for i in range(count)]
+    return name, stream_executable(name, WIDEN_WORKGROUPS, bindings, body)
+
+
+def _converts_scales(spec: QLinearSpec, isa: FloatIsa) -> bool:
+    """Whether the half-group kernel reads f32 scales converted by `_widen_scales_executable`: f16 scales
+    on a CPU without F16C, N x G a whole number of vector steps per workgroup (else it converts them
+    in its loop)."""
+    return (spec.scale_type == "f16" and not isa.f16
+            and (spec.n * spec.groups) % (WIDEN_LANES * WIDEN_WORKGROUPS) == 0)
+
+
+def _scales_as_f32(spec: QLinearSpec, names: list[str]) -> list[str]:
+    """Lines making `{name}_f32` of each f16 [N, G] operand in `names` with `_widen_scales_executable`.
+
+    For a CPU without f16 conversion: the kernel's body then reads f32 scales instead of converting
+    each (row, group)'s scale and min in integer code inside its reduction, a third of the loop's
+    instructions on SmolLM2's Q4_1 rows (docs/quantization.md). The halves cross as i16: SSE has
+    no f16 vector loads (LLVM would insert them one at a time).
+    """
+    size = spec.n * spec.groups
+    t16, t32 = _scales_t(spec), tensor_type((spec.n, spec.groups), "f32")
+    bits2_t, bits_t, flat_t = tensor_type((spec.n, spec.groups), "i16"), tensor_type((size,), "i16"), \
+        tensor_type((size,), "f32")
+    name, _ = _widen_scales_executable(size, len(names))
+    wide = [f"{n}_f32" for n in names]
+    lines = []
+    for n, w in zip(names, wide):
+        lines += [f"{w}_h = flow.tensor.bitcast {n} : {t16} -> {bits2_t}",
+                  f"{w}_bits = " + _reshape("collapse", f"{w}_h", bits2_t, bits_t, [[0, 1]], [])]
+    lines.append(f"{', '.join(w + '_flat' for w in wide)} = flow.dispatch @{name}_exe::@{name}"
+                 f"({', '.join(w + '_bits' for w in wide)}) : ({', '.join([bits_t] * len(names))}) "
+                 f"-> ({', '.join([flat_t] * len(names))})")
+    lines += [f"{w} = " + _reshape("expand", f"{w}_flat", flat_t, t32, [[0, 1]], [spec.n, spec.groups])
+              for w in wide]
+    return lines
+
+
+def half_group_mlir(spec: QLinearSpec, isa: FloatIsa = HARDWARE_FLOAT) -> str:
     """Decode (1 to MAX_FUSED_ROWS activation rows) reading each code once, with one lane per half-group pair.
 
     Each group of g codes is two halves of g/2: lane l takes codes l and
@@ -411,32 +504,38 @@ def half_group_mlir(spec: QLinearSpec) -> str:
                      f": {xv_t} to {xh_t}")
     x_map = f"affine_map<({dims}) -> ({'b, ' if multi else ''}g, l)>"
     scale_ins = ["%scales"] + (["%mins"] if spec.has_min else [])
+    st = spec.scale_type
+    if _converts_scales(spec, isa):
+        lines += _scales_as_f32(spec, scale_ins)
+        scale_ins, st = [f"{name}_f32" for name in scale_ins], "f32"
     part_shape = (m, n, lanes) if multi else (n, lanes)
     part_t = tensor_type(part_shape, "f32")
     maps = ([x_map, x_map, *code_maps] + [f"affine_map<({dims}) -> (r, g)>"] * len(scale_ins)
             + [f"affine_map<({dims}) -> ({'b, ' if multi else ''}r, l)>"])
-    rows = _rows_per_step(spec)
+    rows = _rows_per_step(spec, isa)
     if multi:
         info = _compilation_info([m, min(ROWS_PER_WORKGROUP, n), 0, 0], [m, rows, lanes, 0], [0, 0, 0, 1])
     else:
         info = _compilation_info([min(ROWS_PER_WORKGROUP, n), 0, 0], [rows, lanes, 0], [0, 0, 1])
-    st = spec.scale_type
 
     def widened(v: str, out: str) -> list[str]:
-        return [f"{out} = arith.extf {v} : f16 to f32"] if st == "f16" else [f"{out} = arith.addf {v}, %zf : f32"]
+        return widen_f16(v, out, "f16", isa) if st == "f16" else [f"{out} = arith.addf {v}, %zf : f32"]
+
+    def fma(out: str, a: str, b: str, acc: str | None = None) -> list[str]:
+        return multiply_add(out, a, b, acc, "f32", isa)
 
     body = ["%zf = arith.constant 0.0 : f32", *unpack, *widened("%s", "%sf"),
-            "%pa = math.fma %xa_, %lo, %zf : f32", "%p = math.fma %xb_, %hi, %pa : f32"]
+            *fma("%pa", "%xa_", "%lo"), *fma("%p", "%xb_", "%hi", "%pa")]
     if spec.has_min:
-        body += [*widened("%mn", "%mf"), "%xs = arith.addf %xa_, %xb_ : f32", "%mx = math.fma %mf, %xs, %zf : f32",
-                 "%t = math.fma %sf, %p, %mx : f32"]
+        body += [*widened("%mn", "%mf"), "%xs = arith.addf %xa_, %xb_ : f32", *fma("%mx", "%mf", "%xs"),
+                 *fma("%t", "%sf", "%p", "%mx")]
     else:
-        body.append("%t = math.fma %sf, %p, %zf : f32")
+        body += fma("%t", "%sf", "%p")
     code_args = ["%b0: i8"] if spec.fmt == "q4" else ["%b0: i8", "%b1: i8"]
     bargs = ", ".join(["%xa_: f32", "%xb_: f32", *code_args, f"%s: {st}"] + ([f"%mn: {st}"] if spec.has_min else []))
     kinds = ", ".join(['"parallel"'] * (len(part_shape)) + ['"reduction"'])
     ins = ["%xa", "%xb", *code_ins, *scale_ins]
-    ins_t = [xh_t, xh_t, *code_ts, *([_scales_t(spec)] * len(scale_ins))]
+    ins_t = [xh_t, xh_t, *code_ts, *([tensor_type((n, g), st)] * len(scale_ins))]
     y2_t = tensor_type((m, n), "f32")
     lines += [
         "%zero = arith.constant 0.0 : f32",
@@ -476,10 +575,11 @@ def half_group_mlir(spec: QLinearSpec) -> str:
 
 
 def _dequantizing_reduction(result: str, spec: QLinearSpec, maps: list[str], iterators: list[str], out_t: str,
-                            ins: list[str], ins_t: list[str], attr: str, product: list[str]) -> list[str]:
+                            ins: list[str], ins_t: list[str], attr: str, product: list[str],
+                            isa: FloatIsa = HARDWARE_FLOAT) -> list[str]:
     """`result = linalg.generic`, zero-initialised: its body dequantizes one code into %w (`_body`), the
     `product` lines make %p from %a and %w, and %p is added to the accumulator. Needs %zero defined."""
-    bargs, deq, _ = _body(spec)
+    bargs, deq, _ = _body(spec, isa=isa)
     kinds = ", ".join(f'"{it}"' for it in iterators)
     return [
         f"{result}_empty = tensor.empty() : {out_t}",
@@ -494,7 +594,7 @@ def _dequantizing_reduction(result: str, spec: QLinearSpec, maps: list[str], ite
     ]
 
 
-def horizontal_matvec_mlir(spec: QLinearSpec) -> str:
+def horizontal_matvec_mlir(spec: QLinearSpec, isa: FloatIsa = HARDWARE_FLOAT) -> str:
     """One activation row in one generic reading the codes, reduced horizontally at each vector step.
 
     The fallback for shapes the half-group kernel cannot tile (one group per
@@ -514,12 +614,12 @@ def horizontal_matvec_mlir(spec: QLinearSpec) -> str:
     maps = ([f"affine_map<({dims}) -> (g, h, b)>", _code_map(spec, dims, "r", "g", "b", "h")]
             + [f"affine_map<({dims}) -> (r, g)>"] * len(scale_ins) + [f"affine_map<({dims}) -> (r)>"])
     attr = f" attrs = {{compilation_info = {_compilation_info(*_tiles(spec))}}}"
-    _, _, w = _body(spec)
+    _, _, w = _body(spec, isa=isa)
     lines += ["%zero = arith.constant 0.0 : f32"]
     lines += _dequantizing_reduction(
         "%acc", spec, maps, ["parallel", "reduction", "reduction", "reduction"], out_t,
         ["%xv", "%qw", *scale_ins], [xv_t, q_t, *([_scales_t(spec)] * len(scale_ins))], attr,
-        [f"%p = arith.mulf %a, {w} : f32"])
+        [f"%p = arith.mulf %a, {w} : f32"], isa)
     lines += [
         "%y2 = " + _reshape("expand", "%acc", out_t, y2_t, [[0, 1]], [1, n]),
         _rows_as_y(spec),
@@ -527,7 +627,7 @@ def horizontal_matvec_mlir(spec: QLinearSpec) -> str:
     return _function(spec, lines)
 
 
-def dequantize_matmul_mlir(spec: QLinearSpec, q4_bytes: bool = True) -> str:
+def dequantize_matmul_mlir(spec: QLinearSpec, q4_bytes: bool = True, isa: FloatIsa = HARDWARE_FLOAT) -> str:
     """A dequantization generic to a float [N, K] tile, then a matmul: once per call.
 
     Used where the fused generic is the wrong tool: prefill chunks on CPU (M > 1,
@@ -553,11 +653,11 @@ def dequantize_matmul_mlir(spec: QLinearSpec, q4_bytes: bool = True) -> str:
                   "%c4 = arith.constant 4 : i8", "%c15 = arith.constant 15 : i8", "%sh = arith.muli %hi, %c4 : i8",
                   "%nib = arith.shrui %q8, %sh : i8", "%q = arith.andi %nib, %c15 : i8",
                   "%qf = arith.uitofp %q : i8 to f32"]
-        bargs, deq, w = _body(spec, ("%q8: i8", nibble))
+        bargs, deq, w = _body(spec, ("%q8: i8", nibble), isa)
     else:
         lines, q_t = _codes_by_half(spec)
         code_map = _code_map(spec, dims, "n", "g", "b", "h")
-        bargs, deq, w = _body(spec)
+        bargs, deq, w = _body(spec, isa=isa)
     maps = [code_map] + [f"affine_map<({dims}) -> (n, g)>"] * len(scale_ins) + [f"affine_map<({dims}) -> (n, g, h, b)>"]
     lines += [
         f"%wempty = tensor.empty() : {w3_t}",
@@ -685,7 +785,8 @@ def int8_gemm_mlir(spec: QLinearSpec, isa: Int8Isa = AVX512_VNNI) -> list[str]:
     return [quantize_executable(shape), gemm_executable(shape), _function(spec, lines, _params(spec))]
 
 
-def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8: Int8Kernels = FLOAT_KERNELS) -> tuple[str, Counter[str]]:
+def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8: Int8Kernels = FLOAT_KERNELS,
+                       float_isa: FloatIsa = HARDWARE_FLOAT) -> tuple[str, Counter[str]]:
     """Replace every foldline::qlinear op in the module text with a call to its kernel.
 
     cpu_tiles: a CPU target: the fused, tiled kernel for single rows (decode) and
@@ -693,7 +794,8 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8: Int8Kernels = FLOAT_KER
     int8: the int8-activation kernels the target's CPU takes (select.choose_kernels), where int8
     activations are asked for: with int8.decode, one-row calls whose shape allows take the
     int8-dot kernel of that ISA (int8_decode.py); with int8.prefill, prefill chunks the int8
-    GEMM (int8_gemm.py). Every other call keeps its float kernel.
+    GEMM (int8_gemm.py). Every other call keeps its float kernel, spelt for `float_isa`: the
+    FMA and f16 conversion the target's CPU has (mlir.FloatIsa.of; CPU targets only).
 
     Returns the new module text and how many sites took each kind of kernel.
     """
@@ -728,11 +830,11 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8: Int8Kernels = FLOAT_KER
             name, kind, code = spec.name, f"qlinear prefill {int8.prefill.name}", \
                 (lambda: int8_gemm_mlir(spec, int8.prefill))
         elif cpu_tiles and fuses_rows(spec):
-            name, kind, code = spec.name, f"qlinear rows {FLOAT}", lambda: [fused_rows_mlir(spec)]
+            name, kind, code = spec.name, f"qlinear rows {FLOAT}", lambda: fused_rows_code(spec, float_isa)
         else:
             phase = "decode" if spec.m == 1 else "prefill"
             name, kind, code = spec.name, f"qlinear {phase} {FLOAT}", \
-                (lambda: [dequantize_matmul_mlir(spec, q4_bytes=cpu_tiles)])
+                (lambda: [dequantize_matmul_mlir(spec, q4_bytes=cpu_tiles, isa=float_isa)])
         # The call goes where every operand is defined: at the residual add when it takes one.
         return KernelCall(at=residual.add if residual else op, callee=name, operands=operands,
                           result_type=tensor_type((*rows, spec.n), "f32"),

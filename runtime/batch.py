@@ -49,7 +49,7 @@ from ..contract.entry_points import decode_inputs, kv_tiles_input, row_entry_nam
 from ..errors import InputError
 from .checks import ClosedOnExit, ContextFullError, SessionStateError, check_ids, check_usable
 from .prompt_cache import ReuseRule
-from .session_file import save_session_file
+from .session_file import held_spec, save_session_file
 
 
 class RowError(InputError):
@@ -116,6 +116,7 @@ class Batch(ClosedOnExit):
 
     # ---- rows ----------------------------------------------------------------
     def free_rows(self) -> list[int]:
+        """The rows not open, lowest first (a released row keeps its state for the prompt cache)."""
         return [r for r in range(self.rows) if not self.open[r]]
 
     def open_row(self, row: int | None = None) -> int:
@@ -135,20 +136,27 @@ class Batch(ClosedOnExit):
         self.positions[row], self.tokens[row], self.prefilled[row], self.open[row] = 0, [], 0, True
         return row
 
-    def open_row_reusing(self, prompt: Sequence[int]) -> tuple[int, int]:
-        """Open a free row for `prompt`: the one whose kept state serves its longest prefix; (row, tokens reused).
+    def open_row_reusing(self, prompt: Sequence[int], row: int | None = None) -> tuple[int, int]:
+        """Open a free row for `prompt`: `row`, or the one whose kept state serves its longest prefix;
+        (row, tokens reused).
 
-        With nothing to reuse, the lowest free row is zeroed and opened: a call computes the
-        rows up to the highest one it feeds (`Model.rows_for`), so at low load the work stays
-        on the first rows.
+        With nothing to reuse, the row (by default the lowest free one) is zeroed and opened: a
+        call computes the rows up to the highest one it feeds (`Model.rows_for`), so at low load
+        the work stays on the first rows.
         """
         self._check_usable()
         free = self.free_rows()
         if not free:
             raise RowError(f"all {self.rows} rows are in use")
-        row, reused = self.best_kept_row(prompt)
+        if row is None:
+            best, reused = self.best_kept_row(prompt)
+        elif row not in free:
+            raise RowError(f"row {row} is not free")
+        else:
+            best, reused = row, self.reuse.usable(self.tokens[row], prompt, self.prefilled[row])
         if reused == 0:
-            return self.open_row(free[0]), 0
+            return self.open_row(free[0] if row is None else row), 0
+        row = best
         self._losing(row, reused)
         self._rewind_open(row, reused)
         return row, reused
@@ -300,13 +308,31 @@ class Batch(ClosedOnExit):
         return reused
 
     def save_row(self, row: int, path: str | Path) -> Path:
-        """Write `row` to a session file (atomically); `load_row` or `Model.session_from` continue it."""
-        snap = self.snapshot_row(row)
-        return save_session_file(path, self.model.identity(), self.model.row_layout(), snap.buffers,
-                                 snap.position, snap.tokens, snap.prefilled)
+        """Write the slots `row` holds to a session file (owner-only, atomically); `load_row` or
+        `Model.session_from` continue it."""
+        return save_session_file(path, self.model.identity(), self.model.row_layout(), self.held_state(row),
+                                 self.positions[row], self.tokens[row], self.prefilled[row])
+
+    def held_state(self, row: int) -> list[np.ndarray]:
+        """Host copies of the slots of each buffer that `row` holds (session_file.held_spec): a file's
+        contents. Only those bytes cross to the host, not the row's whole context."""
+        self._check_usable()
+        self._check_row(row)
+        ctx, out = self.model.ctx, []
+        for buf, spec in zip(self.buffers, self.model.row_layout()):
+            held = held_spec(spec, self.positions[row])
+            start = row * spec.row_nbytes
+            if held.shape == spec.shape:
+                raw = ctx.read_range(buf, start, spec.row_nbytes)
+            else:  # each head's first slots: [1, heads, slots, head dim], slots cut
+                span, kept = spec.row_nbytes // spec.shape[1], held.row_nbytes // spec.shape[1]
+                raw = np.concatenate([ctx.read_range(buf, start + head * span, kept) for head in range(spec.shape[1])])
+            out.append(raw.view(spec.host_dtype).reshape(held.shape))
+        return out
 
     def load_row(self, row: int, path: str | Path) -> None:
-        """Restore `row` from a session file saved by any row of a bundle of the same model and layout."""
+        """Restore `row` from a session file saved by any row of a bundle of the same model and layout;
+        the slots the file does not hold are zeroed, as in a fresh row."""
         self.restore_row(row, self.model.read_snapshot(path))
 
     def check_snapshot(self, snap: Snapshot) -> None:

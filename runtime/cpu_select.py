@@ -15,8 +15,9 @@ from __future__ import annotations
 from ..contract.errors import BundleError
 from ..contract.manifest import Manifest, ModuleEntry
 
+FLOAT = "f32"  # the manifest's kernel_isa of float kernels (kernels/isa.py)
 # The manifest's kernel_isa names (kernels/isa.py), worst first (modules of one arch compete).
-KERNEL_RANK = ("f32", "int8-neon-dotprod", "int8-neon-i8mm", "int8-avx2", "int8-avxvnni", "int8-avx512vnni")
+KERNEL_RANK = (FLOAT, "int8-neon-dotprod", "int8-neon-i8mm", "int8-avx2", "int8-avxvnni", "int8-avx512vnni")
 # cpu_flags that name a module's ISA level in `foldline inspect`, widest first.
 ISA_LEVELS = ("avx512_vnni", "avx512f", "avx_vnni", "avx2", "avx", "sse4_2", "i8mm", "asimddp", "asimd")
 
@@ -81,3 +82,25 @@ def select_cpu_module(manifest: Manifest, have: set[str] | None, here: str, cpu:
                           f"({here}): {'; '.join(reasons)}; recompile with --cpu host on this machine "
                           "or add --cpu generic to the list")
     return max(fits, key=lambda k: kernel_rank(manifest.modules[k]))
+
+
+def fallback_notice(manifest: Manifest, key: str, have: set[str] | None, here: str) -> str | None:
+    """One line for a host that loads a float CPU module while the bundle has a better one for its arch
+    (kernel_rank: int8 kernels, or the same float kernels with FMA, F16C and AVX) that it cannot run,
+    naming the CPU flags it lacks for the nearest of them. None otherwise, or where the CPU's features
+    are unknown.
+
+    The float modules (`x86-64-v2`, `generic`) decode several times slower than the int8 ones, and a
+    host loads them without being asked: a VM whose CPU model hides AVX2 runs the bundle at a
+    fraction of its speed, and this line is how its user learns why.
+    """
+    entry = manifest.modules[key]
+    if have is None or (entry.kernel_isa or {}).get("decode", FLOAT) != FLOAT:
+        return None
+    better = [manifest.modules[k] for k in manifest.module_keys("cpu")
+              if manifest.modules[k].arch in (None, "", here) and kernel_rank(manifest.modules[k]) > kernel_rank(entry)]
+    lacking = [flags for flags in (missing_flags(other, have) for other in better) if flags]
+    if not lacking:
+        return None
+    return (f"foldline: this CPU lacks {', '.join(min(lacking, key=len))}: loaded the {_name(key, entry)} module "
+            "(float kernels, slower)")

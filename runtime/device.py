@@ -10,6 +10,7 @@ numpy arrays passed directly (and `DeviceArray.to_host`'s import path) produce.
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import threading
@@ -25,7 +26,7 @@ from ..contract.errors import BundleError
 from ..contract.manifest import Manifest, ModuleEntry
 from ..contract.vmfb import vmfb_info
 from ..errors import InputError
-from .cpu_select import missing_flags, select_cpu_module
+from .cpu_select import fallback_notice, missing_flags, select_cpu_module
 from .onnx_device import DEVICE as ONNX_DEVICE
 from .onnx_device import OnnxContext, open_onnx
 from .waiter import Waiter, inline, wait_nice
@@ -36,6 +37,9 @@ _ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
 # Pretend the CPU has only these flags (cpuinfo spelling, comma- or space-separated): which CPU
 # module a multi-ISA bundle loads, and which modules are refused, follow them.
 CPU_FEATURES_ENV = "FOLDLINE_CPU_FEATURES"
+# Where the fallback notice goes: with no logging set up, Python prints a warning's bare message on stderr.
+log = logging.getLogger("foldline")
+_notices_given: set[str] = set()  # each notice once per process, however often a bundle is loaded
 
 
 def normalize_arch(name: str) -> str:
@@ -217,6 +221,8 @@ class DeviceContext:
     devices: list[rt.HalDevice] = field(default_factory=list)
     # The thread module calls wait on (runtime/waiter.py): a lower-priority one for the CPU task driver.
     waiter: Waiter = field(default_factory=inline)
+    # Why this CPU runs a float module where the bundle has faster ones (cpu_select.fallback_notice).
+    cpu_fallback: str | None = None
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -524,4 +530,8 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
         raise BundleError(f"could not load {vmfb} on {device}: {e}") from e
     # local-task runs calls on its worker threads while this side waits: wait at a lower priority
     waiter = Waiter(nice) if device == "cpu" and str(config.device) != "local-sync" else inline()
-    return DeviceContext(device, config, config.device, loaded[-1], key, devices, waiter)
+    notice = fallback_notice(manifest, key, have, host_arch()) if device == "cpu" and cpu is None else None
+    if notice is not None and notice not in _notices_given:
+        _notices_given.add(notice)
+        log.warning(notice)
+    return DeviceContext(device, config, config.device, loaded[-1], key, devices, waiter, notice)

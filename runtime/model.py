@@ -20,6 +20,7 @@ from ..contract.state import StateBuffer
 from .batch import Batch, Snapshot
 from .checks import ClosedOnExit, SessionStateError, TokenIdError, check_ids, check_usable
 from .device import DeviceContext, open_device
+from .generation import Generation
 from .sampling import Sampler
 from .session_file import bundle_identity, load_session_file
 from .streaming import stream_pieces
@@ -40,6 +41,7 @@ class Model(ClosedOnExit):
         self.batch_size = manifest.batch
         self.eos_token_ids = tuple(self.config.get("eos_token_ids", ()))
         self._tokenizer = None
+        self._text_tokenizer = None
 
     @classmethod
     def load(cls, bundle_dir: str | Path, device: str = "cpu", verify: bool = True,
@@ -65,13 +67,21 @@ class Model(ClosedOnExit):
         return self.ctx.module_key
 
     @property
+    def cpu_fallback(self) -> str | None:
+        """Why this host runs a float CPU module where the bundle has faster ones: the line the runtime
+        logs on load (the CPU flags it lacks), or None."""
+        return self.ctx.cpu_fallback
+
+    @property
     def ctx(self) -> DeviceContext:
+        """The loaded module and its device; SessionStateError once the model is closed."""
         if self._ctx is None:
             raise SessionStateError(f"the model {self.manifest.root} is closed")
         return self._ctx
 
     @property
     def closed(self) -> bool:
+        """Whether `close()` has released the module and the device."""
         return self._ctx is None
 
     def close(self) -> None:
@@ -87,6 +97,7 @@ class Model(ClosedOnExit):
 
     @property
     def tokenizer(self):
+        """The bundle's `tokenizers.Tokenizer`, loaded on first use; BundleError if it has none."""
         if self._tokenizer is None:
             path = self.manifest.tokenizer_path
             if path is None:
@@ -95,6 +106,18 @@ class Model(ClosedOnExit):
 
             self._tokenizer = Tokenizer.from_file(str(path))
         return self._tokenizer
+
+    @property
+    def text_tokenizer(self):
+        """A copy of the tokenizer that reads control-token text (`<|im_start|>`) as plain text: for
+        what a user typed (runtime/chat.py). The model's own tokenizer keeps reading control tokens."""
+        if self._text_tokenizer is None:
+            from tokenizers import Tokenizer
+
+            copy = Tokenizer.from_str(self.tokenizer.to_str())
+            copy.encode_special_tokens = True
+            self._text_tokenizer = copy
+        return self._text_tokenizer
 
     def rows_for(self, rows: int) -> int:
         """The fewest rows an entry point of this bundle computes that cover the first `rows` rows."""
@@ -136,6 +159,7 @@ class Model(ClosedOnExit):
         return session
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """The token ids of `text`, after the model's BOS when `add_bos` and the model has one."""
         # encode_batch lets go of the GIL while it works (encode holds it), so a long prompt
         # tokenized on one thread does not stall the others (the server's event loop)
         ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
@@ -145,6 +169,7 @@ class Model(ClosedOnExit):
         return ids
 
     def decode_text(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of `ids`, whole (for text as it is generated: `Session.generate`, `stream_text`)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
@@ -162,6 +187,7 @@ class Session(ClosedOnExit):
         self.model = model
         self._batch = Batch(model)
         self._batch.open_row(self.ROW)
+        self._pending: int | None = None  # generated, not yet fed (`pending_token`)
 
     @property
     def ctx(self) -> DeviceContext:
@@ -174,10 +200,12 @@ class Session(ClosedOnExit):
 
     @property
     def position(self) -> int:
+        """How many tokens the state holds (the pending token not among them)."""
         return self._batch.positions[self.ROW]
 
     @property
     def tokens(self) -> list[int]:
+        """The token ids the state holds, in order (the pending token not among them)."""
         return self._batch.tokens[self.ROW]
 
     @property
@@ -187,10 +215,12 @@ class Session(ClosedOnExit):
 
     @property
     def closed(self) -> bool:
+        """Whether `close()` has freed the state buffers."""
         return self._batch.closed
 
     @property
     def allocated_bytes(self) -> int:
+        """Bytes of the state buffers on the device (every row of a batched bundle's)."""
         return sum(int(np.prod(b.shape)) * b.dtype.itemsize for b in self.buffers)
 
     def close(self) -> None:
@@ -206,11 +236,24 @@ class Session(ClosedOnExit):
         return check_ids(ids, self.model.vocab_size, self.position, self.model.max_context)
 
     # ---- steps -------------------------------------------------------------
-    def prefill(self, ids: Sequence[int]) -> np.ndarray:
-        """Feed tokens in chunks (the last one padded); returns logits after the last token."""
+    @property
+    def pending_token(self) -> int | None:
+        """The last generated token, which the state does not hold yet; the next step feeds it first."""
+        return self._pending
+
+    def _with_pending(self, ids: Sequence[int]) -> np.ndarray:
+        """`ids` checked, after the pending token (if any)."""
         arr = self._check_ids(ids)
+        if self._pending is None:
+            return arr
+        return self._check_ids(np.concatenate([np.array([self._pending], np.int64), arr]))
+
+    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        """Feed the pending token (if any) and `ids` in chunks (the last one padded); returns logits after the last."""
+        arr = self._with_pending(ids)
         if arr.size == 0:
             raise TokenIdError("prefill needs at least one token")
+        self._pending = None
         chunk = self.model.chunk
         logits = None
         for off in range(0, arr.size, chunk):
@@ -218,11 +261,26 @@ class Session(ClosedOnExit):
         return logits
 
     def decode(self, token: int) -> np.ndarray:
-        """Feed one token; returns the next-token logits."""
+        """Feed one token (after the pending one, if any); returns the next-token logits."""
         if isinstance(token, (list, tuple, np.ndarray)) and np.ndim(token) != 0:
             raise TokenIdError(f"decode takes one token id, got a sequence of {len(token)}; use prefill for several")
-        arr = self._check_ids([token])
+        arr = self._check_ids([token] if self._pending is None else [self._pending, token])
+        if arr.size == 2:
+            self.feed_pending()
+        return self._batch.step({self.ROW: arr[-1:]})[self.ROW]
+
+    def feed_pending(self) -> np.ndarray | None:
+        """Feed the pending token with a decode step; its logits, or None when there was none."""
+        if self._pending is None:
+            return None
+        arr = self._check_ids([self._pending])
+        self._pending = None
         return self._batch.step({self.ROW: arr})[self.ROW]
+
+    def drop_pending(self) -> int | None:
+        """Forget the pending token (a stop token an app replaces with its own); returns it."""
+        token, self._pending = self._pending, None
+        return token
 
     def generate_ids(
         self,
@@ -231,21 +289,42 @@ class Session(ClosedOnExit):
         sampler: Sampler | None = None,
         stop_ids: Sequence[int] | None = None,
         on_logits=None,
-    ) -> Iterator[int]:
-        """Yield new token ids; stops at EOS, a stop id, max_new_tokens or a full context."""
+    ) -> Generation[int]:
+        """Continue the sequence: feed the pending token and `prompt_ids`, then yield new token ids.
+
+        Stops at EOS or a stop id (finish_reason "stop"), max_new_tokens or a full context
+        ("length"), or `cancel()` ("cancelled"). The last token yielded is not fed yet
+        (`pending_token`): the next call, `snapshot` or `save` feeds it, so calls in a row make
+        one sequence. A token that finds the context full is not kept.
+        """
         sampler = sampler or Sampler()
         stops = set(self.model.eos_token_ids if stop_ids is None else stop_ids)
-        logits = self.prefill(prompt_ids)
-        for step in range(max_new_tokens):
-            if on_logits is not None:
-                on_logits(logits)
-            token = sampler(logits)
-            yield token
-            if token in stops or step == max_new_tokens - 1:
-                return
-            if self.position >= self.model.max_context:
-                return
-            logits = self.decode(token)
+
+        def run(gen: Generation[int]) -> Iterator[int]:
+            held = self.position
+            logits = self.prefill(prompt_ids)
+            gen.usage.cached_tokens, gen.usage.prompt_tokens = held, self.position
+            for step in range(max_new_tokens):
+                if on_logits is not None:
+                    on_logits(logits)
+                token = sampler(logits)
+                full = self.position >= self.model.max_context  # no slot left to feed it in
+                self._pending = None if full else int(token)
+                gen.usage.completion_tokens += 1
+                if token in stops:
+                    gen.finish_reason = "stop"
+                elif full or step == max_new_tokens - 1:
+                    gen.finish_reason = "length"
+                yield token
+                if gen.finish_reason is not None:
+                    return
+                if gen.cancelled:
+                    gen.finish_reason = "cancelled"
+                    return
+                logits = self.feed_pending()
+            gen.finish_reason = "length"  # max_new_tokens == 0
+
+        return Generation(run)
 
     def generate(
         self,
@@ -253,11 +332,17 @@ class Session(ClosedOnExit):
         max_new_tokens: int = 32,
         sampler: Sampler | None = None,
         stop_strings: Sequence[str] = (),
-        add_bos: bool = True,
-    ) -> Iterator[str]:
-        """Stream text pieces; the pieces concatenate to the decoded continuation."""
+        add_bos: bool | None = None,
+    ) -> Generation[str]:
+        """Stream text pieces continuing the sequence; the pieces concatenate to the decoded continuation.
+
+        add_bos: None (the default) adds the model's BOS only to the start of a sequence
+        (position 0), never in the middle of one.
+        """
+        if add_bos is None:
+            add_bos = self.position == 0 and self._pending is None
         ids = self.model.encode(prompt, add_bos=add_bos)
-        yield from self.stream_text(ids, max_new_tokens, sampler, stop_strings)
+        return self.stream_text(ids, max_new_tokens, sampler, stop_strings)
 
     def stream_text(
         self,
@@ -267,30 +352,44 @@ class Session(ClosedOnExit):
         stop_strings: Sequence[str] = (),
         on_logits=None,
         stop_ids: Sequence[int] | None = None,
-    ) -> Iterator[str]:
+    ) -> Generation[str]:
         """Generate from token ids and yield text as it becomes complete (runtime/streaming.py).
 
         Stops at EOS or a stop id (neither is part of the text), a stop string
-        (no part of it is ever yielded), max_new_tokens or a full context; the
-        pieces concatenate to the decoded continuation up to the stop.
+        (no part of it is ever yielded; finish_reason "stop"), max_new_tokens or a
+        full context; the pieces concatenate to the decoded continuation up to the stop.
         """
         stops = tuple(self.model.eos_token_ids if stop_ids is None else stop_ids)
         tokens = self.generate_ids(prompt_ids, max_new_tokens, sampler, stop_ids=stops, on_logits=on_logits)
-        yield from stream_pieces(tokens, self.model.tokenizer, stop_strings, stops)
+
+        def run(gen: Generation[str]) -> Iterator[str]:
+            try:
+                by_string = yield from stream_pieces(tokens, self.model.tokenizer, stop_strings, stops)
+            finally:
+                tokens.close()
+            gen.finish_reason = "stop" if by_string else tokens.finish_reason
+
+        return Generation(run, inner=tokens)
 
     # ---- snapshots -----------------------------------------------------------
     def snapshot(self) -> Snapshot:
-        """An exact host copy of the session: its row of every state buffer, the position and the tokens."""
+        """An exact host copy of the session: its row of every state buffer, the position and the tokens.
+
+        The pending token is fed first, so the copy holds every token generated so far.
+        """
         self._check_usable()
+        self.feed_pending()
         return self._batch.snapshot_row(self.ROW)
 
     def save(self, path: str | Path) -> Path:
         """Store the session (state buffers, position, tokens) in `path`; `Model.session_from` resumes it.
 
-        The file is written beside `path` and renamed over it, so an interrupted
-        save leaves any earlier file intact.
+        The pending token is fed first, so the file holds every token generated so far. The
+        file is written beside `path` and renamed over it, so an interrupted save leaves any
+        earlier file intact.
         """
         self._check_usable()
+        self.feed_pending()
         return self._batch.save_row(self.ROW, path)
 
     def restore(self, snap: Snapshot) -> None:
@@ -300,6 +399,7 @@ class Session(ClosedOnExit):
         self._batch.check_snapshot(snap)
         self._batch.broken = None  # a failed call left the state undefined: the session's one row is rewritten whole
         self._batch.restore_row(self.ROW, snap)
+        self._pending = None
 
     def reset(self) -> None:
         """Back to an empty sequence (a broken session included)."""
@@ -308,3 +408,26 @@ class Session(ClosedOnExit):
         self._batch.broken = None
         self._batch.release(self.ROW)
         self._batch.open_row(self.ROW)
+        self._pending = None
+
+    def rewind_for(self, ids: Sequence[int]) -> int:
+        """Keep the longest prefix of `ids` the state still serves exactly and drop the rest; returns its length.
+
+        The prompt cache's rules (runtime/prompt_cache.py): full caches keep any prefix their
+        prefill computed; rings and recurrent state only a continuation of every held token, so
+        where `ids` departs from what they hold, the session starts again from zero. A broken
+        session starts again from zero too.
+        """
+        if self.closed:
+            raise SessionStateError("this session is closed")
+        self._pending = None
+        if self.broken:
+            self.reset()
+            return 0
+        self._batch.release(self.ROW)
+        row, kept = self._batch.open_row_reusing(ids)
+        if row != self.ROW:  # another row was chosen: only row 0 can hold anything, so nothing is kept
+            self._batch.release(row)
+            self._batch.open_row(self.ROW)
+            kept = 0
+        return kept

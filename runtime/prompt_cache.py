@@ -20,6 +20,13 @@ holds:
   answers' tokens too, whose state the decode kernels wrote: logits then
   differ from a prefill from scratch by the kernels' rounding.
 
+Which free row a new prompt takes (`place`): the one that serves most of it
+while losing nothing it holds (it continues that conversation, or repeats its
+prompt); else an empty row (or one holding nothing worth keeping), so that two
+conversations sharing only a chat template's header do not take each other's
+rows; else, when every free row holds another conversation, the least recently
+used one (which serves what it can of the prompt, a shared header say).
+
 A batched decode call feeds every row, so a free row rides along on a pad
 token (runtime/batch.py). Fed at its next position, the pad lands in a slot
 that the row's next real token overwrites before anything reads it, so
@@ -78,6 +85,28 @@ class ReuseRule:
             return list(held) == list(other)
         mine, theirs = self.served(held, prefilled), self.served(other, other_prefilled)
         return theirs <= mine and common_prefix(held[:mine], other[:theirs]) == theirs
+
+
+def place(rule: ReuseRule, rows: Sequence[int], held: Sequence[Sequence[int]], prefilled: Sequence[int],
+          last_used: Sequence[float], prompt: Sequence[int]) -> tuple[int, int]:
+    """The row of `rows` (free rows; `held`, `prefilled`, `last_used` indexed by row) that `prompt`
+    takes, and how many of its tokens that row serves (the rules in the module docstring)."""
+    if not rows:
+        raise ValueError("no free row to place a prompt on")
+    best_keeping, oldest = None, None
+    for row in rows:
+        reuse = rule.usable(held[row], prompt, prefilled[row]) if prompt else 0
+        # what the row would hold after: the served part, and the prompt's last token fed again
+        keeps = reuse + 1 if prompt and reuse == len(prompt) - 1 else reuse
+        if rule.served(held[row], prefilled[row]) <= keeps:
+            if best_keeping is None or reuse > best_keeping[1]:  # ties: the lowest row
+                best_keeping = (row, reuse)
+        elif oldest is None or (-last_used[row], reuse) > oldest[0]:
+            oldest = ((-last_used[row], reuse), row, reuse)
+    if best_keeping is not None:
+        return best_keeping
+    assert oldest is not None
+    return oldest[1], oldest[2]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -23,10 +23,11 @@ Requests beyond the free rows wait in a bounded queue; a full queue is refused
 at submit (`QueueFullError`), which the server turns into HTTP 503.
 
 With the prompt cache, a new request takes the free row whose kept state
-serves most of its prompt (runtime/prompt_cache.py); with a slot store
-(`foldline serve --slots-dir`, runtime/slots.py), rows about to lose what they
-kept are saved to disk first, and a saved row that serves more of a prompt
-than any kept one is restored into the lowest free row.
+serves most of its prompt without losing what it holds, else an empty row,
+else the least recently used (runtime/prompt_cache.py `place`); with a slot
+store (`foldline serve --slots-dir`, runtime/slots.py), rows about to lose
+what they kept are saved to disk first, and a saved row that serves more of a
+prompt than any kept one is restored into the row an empty prompt would take.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import numpy as np
 
 from ..errors import FoldlineError, InputError
 from .checks import ContextFullError, check_ids
+from .prompt_cache import place
 from .sampling import Sampler, TokenLogprobs, token_logprobs
 from .session_file import SessionFileError
 from .slots import SlotStore
@@ -110,6 +112,8 @@ class Scheduler:
             raise InputError("saving rows to a slots directory needs the prompt cache, which is off")
         self.slots = slots  # rows' kept state saved to disk (runtime/slots.py)
         self.batch = self._new_batch()
+        self._row_used = [0] * self.batch.rows  # when each row was last opened: the prompt cache's LRU order
+        self._opened = 0
         self.max_queue = max_queue
         self.stall_timeout = stall_timeout
         self._waiting: collections.deque[Request] = collections.deque()
@@ -182,6 +186,11 @@ class Scheduler:
         """(running, waiting) request counts."""
         with self._wake:
             return len(self._running), len(self._waiting)
+
+    @property
+    def thread_alive(self) -> bool:
+        """The loop's thread is still running (after stop(): stuck in a module call)."""
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def alive(self) -> bool:
@@ -274,19 +283,29 @@ class Scheduler:
         (row, prompt tokens served)."""
         if not self.prompt_cache:
             return self.batch.open_row(), 0
+        row, kept = self._place(prompt)
         if self.slots is not None:
-            _, kept = self.batch.best_kept_row(prompt)
             slot, saved = self.slots.best(prompt)
             if slot is not None and saved > kept:
-                row = self.batch.free_rows()[0]  # as for a prompt with nothing kept: the work stays on the first rows
+                row, _ = self._place([])  # the row a prompt with nothing kept takes
                 try:
                     served = self.slots.restore(self.batch, row, slot, prompt)
                 except SessionFileError as e:
                     log.warning("a saved row could not be restored: %s", e)
                 else:
                     self.restored += served
-                    return row, served
-        return self.batch.open_row_reusing(prompt)
+                    return self._opened_now(row), served
+        row, kept = self.batch.open_row_reusing(prompt, row)
+        return self._opened_now(row), kept
+
+    def _place(self, prompt: list[int]) -> tuple[int, int]:
+        batch = self.batch
+        return place(batch.reuse, batch.free_rows(), batch.tokens, batch.prefilled, self._row_used, prompt)
+
+    def _opened_now(self, row: int) -> int:
+        self._opened += 1
+        self._row_used[row] = self._opened
+        return row
 
     def _new_batch(self):
         """The model's rows; with a slot store, a row about to lose what it kept is saved first."""

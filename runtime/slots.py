@@ -4,7 +4,9 @@ The prompt cache (runtime/prompt_cache.py) keeps a finished request's state in
 its row until a new request needs that row. With a slot store the row is saved
 first: when a free row whose kept tokens could serve a later prompt is about
 to be zeroed, rewound or overwritten (`Batch.before_evict`), its state goes to
-a session file in DIR (runtime/session_file.py: one row, written atomically).
+a session file in DIR (runtime/session_file.py: the slots the row holds,
+owner-only, written atomically), so a file costs the K/V of its tokens, not
+of the bundle's whole context.
 When a saved file serves a new prompt better than any kept row
 (`ReuseRule.usable` on the file's tokens), the scheduler restores it into a
 free row and prefills only the rest. The restored bytes are the ones the row
@@ -35,7 +37,7 @@ import numpy as np
 
 from ..errors import InputError
 from .prompt_cache import ReuseRule
-from .session_file import SessionFileError, read_session_header, save_session_file
+from .session_file import SessionFileError, held_nbytes, read_session_header
 
 log = logging.getLogger("foldline.slots")
 
@@ -90,8 +92,13 @@ class SlotStore:
 
     @property
     def file_nbytes(self) -> int:
-        """About the size of one file: one row of every state buffer."""
-        return sum(s.nbytes for s in self._layout)
+        """The state bytes of the largest file: a row holding the whole context."""
+        return held_nbytes(self._layout, self.model.max_context)
+
+    @property
+    def token_nbytes(self) -> int:
+        """The state bytes a file grows by per token held (until its rings are full), from its first token."""
+        return held_nbytes(self._layout, 1) - held_nbytes(self._layout, 0)
 
     def _index(self) -> None:
         """Read the headers of DIR's slot files, oldest first; skip (and keep) those of another bundle."""
@@ -116,20 +123,18 @@ class SlotStore:
 
     def save(self, batch: Any, row: int) -> Path | None:
         """Write `row` of `batch` unless a file already serves all it could; returns the file that holds it."""
-        snap = batch.snapshot_row(row)
-        if self.rule.served(snap.tokens, snap.prefilled) == 0:
+        tokens, prefilled = list(batch.tokens[row]), batch.prefilled[row]
+        if self.rule.served(tokens, prefilled) == 0:
             return None
         for slot in self.files.values():
-            if self.rule.covers(slot.tokens, slot.prefilled, snap.tokens, snap.prefilled):
+            if self.rule.covers(slot.tokens, slot.prefilled, tokens, prefilled):
                 self._touch(slot)
                 return slot.path
-        digest = hashlib.sha256(np.asarray(snap.tokens, np.int64).tobytes()).hexdigest()[:32]
-        path = save_session_file(self.dir / f"slot-{digest}.npz", self._identity, self._layout, snap.buffers,
-                                 snap.position, snap.tokens, snap.prefilled)
-        for slot in [s for s in self.files.values()
-                     if self.rule.covers(snap.tokens, snap.prefilled, s.tokens, s.prefilled)]:
+        digest = hashlib.sha256(np.asarray(tokens, np.int64).tobytes()).hexdigest()[:32]
+        path = batch.save_row(row, self.dir / f"slot-{digest}.npz")  # only the held slots leave the device
+        for slot in [s for s in self.files.values() if self.rule.covers(tokens, prefilled, s.tokens, s.prefilled)]:
             self._drop(slot)  # the same conversation, further on: the new file serves all it did
-        self.files[path] = SlotFile(path, list(snap.tokens), snap.prefilled)
+        self.files[path] = SlotFile(path, tokens, prefilled)
         self.saves += 1
         self._trim()
         return path

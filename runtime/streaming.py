@@ -13,7 +13,7 @@ a tail that is a prefix of one is held until the next piece decides it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Protocol
 
 REPLACEMENT = "\ufffd"
@@ -93,8 +93,11 @@ class StopStringFilter:
 
 
 def stream_pieces(tokens: Iterator[int], tokenizer: Decoder, stop_strings: Sequence[str] = (),
-                  stop_ids: Sequence[int] = ()) -> Iterator[str]:
-    """Text pieces for a stream of token ids, ending at a stop id or a stop string."""
+                  stop_ids: Sequence[int] = ()) -> Generator[str, None, bool]:
+    """Text pieces for a stream of token ids, ending at a stop id or a stop string.
+
+    Returns (the generator's return value, for `yield from`) whether a stop string ended it.
+    """
     detok, stops = IncrementalDetokenizer(tokenizer), StopStringFilter(stop_strings)
     stop_set = set(stop_ids)
     for token in tokens:
@@ -104,9 +107,10 @@ def stream_pieces(tokens: Iterator[int], tokenizer: Decoder, stop_strings: Seque
         if piece:
             yield piece
         if stops.stopped:
-            return
+            return True
     tail = stops.push(detok.flush())
     if not stops.stopped:
         tail += stops.flush()
     if tail:
         yield tail
+    return stops.stopped

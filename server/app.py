@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP app: /v1/chat/completions, /v1/completions, /v1/models, /health.
+"""The OpenAI-compatible HTTP app: /v1/chat/completions, /v1/completions, /v1/models, /health, /openapi.json.
 
 Starlette handles HTTP; generation runs on the scheduler's thread
 (server/served.py bridges it to asyncio). The event loop only moves bytes:
@@ -13,21 +13,26 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from importlib import metadata
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .connection import ClientGone, install_accept_backoff
+from .guard import Guard
 from .logprobs import LogprobFormatter
 from .protocol import ApiError, generation_params
-from .schema import ChatBody, CompletionBody, parse_body
+from .schema import ChatBody, CompletionBody, openapi_schema, parse_body
 from .served import Generation, ServedModel, ServeOptions
 
 __all__ = ["ServedModel", "ServeOptions", "create_app"]
@@ -38,30 +43,72 @@ DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its cli
 
 
 def _error(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
 
 
 def _refuse_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _surrogate_at(data: Any) -> str | None:
+    """Where the first string holding a lone surrogate (a JSON escape such as \\ud800) is: `messages[0].content`.
+
+    Iterative, so a body nested as deep as the JSON parser allows is walked too.
+    """
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path or "body"
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
+        elif isinstance(value, dict):
+            if any(_SURROGATE.search(key) for key in value):
+                return path or "body"
+            stack.extend((f"{path}.{k}" if path else k, v) for k, v in reversed(list(value.items())))
+    return None
+
+
+def _parse_json(raw: bytes) -> Any:
+    """The body as JSON text that can be tokenized: UTF-8 (strict: no encoded surrogates) without lone surrogates."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8 (at byte {e.start}: {e.reason})") from None
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    where = _surrogate_at(data)
+    if where is not None:
+        raise ApiError(400, f"{where}: the text holds a lone UTF-16 surrogate, which is not a character", param=where)
+    return data
+
+
 async def _json_body(request: HttpRequest, limit: int) -> Any:
-    """The parsed body; 413 past `limit` bytes (checked on the declared length and on the bytes read)."""
+    """The parsed body; 413 past `limit` bytes (checked on the declared length and on the bytes read).
+
+    Parsed in a worker thread: a 1 MiB body takes milliseconds the event loop does not give.
+    """
     too_large = ApiError(413, f"the request body is larger than this server's limit of {limit} bytes",
                          code="request_too_large")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks), parse_constant=_refuse_constant)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from e
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone("the client left before its request body was complete") from None
+    return await asyncio.to_thread(_parse_json, b"".join(chunks))
 
 
 def _sse(data: Any) -> str:
@@ -127,6 +174,11 @@ def create_app(served: ServedModel) -> Starlette:
             body["reason"] = problem
         return JSONResponse(body, status_code=200 if problem is None else 503)
 
+    schema = openapi_schema(_version())
+
+    async def openapi(_: HttpRequest) -> Response:
+        return JSONResponse(schema)
+
     async def models(_: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [
             {"id": served.model_id, "object": "model", "created": served.created, "owned_by": "foldline"}]})
@@ -144,11 +196,11 @@ def create_app(served: ServedModel) -> Starlette:
         data = await _json_body(request, options.max_body_bytes)
         if chat:
             body = parse_body(ChatBody, data)
-            params = generation_params(body, served.model_id, chat=True)
+            params = generation_params(body, served.model_id, chat=True, max_stop=options.max_stop)
             ids = await asyncio.to_thread(served.chat_ids, body.conversation())
             return Generation.start_choices(served, ids, params, prompt_param="messages")
         body = parse_body(CompletionBody, data)
-        params = generation_params(body, served.model_id, chat=False)
+        params = generation_params(body, served.model_id, chat=False, max_stop=options.max_stop)
         ids = await asyncio.to_thread(served.completion_ids, body.single_prompt())
         return Generation.start_choices(served, ids, params, prompt_param="prompt")
 
@@ -166,6 +218,8 @@ def create_app(served: ServedModel) -> Starlette:
             gens = await _start(request, chat)
         except ApiError as e:
             return _error(e)
+        except ClientGone:  # logged by the connection (server/connection.py)
+            return Response(status_code=400)  # nobody reads it: the connection is gone
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": served.model_id}
         if gens[0].params.stream:
@@ -232,24 +286,34 @@ def create_app(served: ServedModel) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        install_accept_backoff(asyncio.get_running_loop())
         served.scheduler.start()
         try:
             yield
         finally:
             served.scheduler.stop(timeout=5.0)
 
-    routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    ]
-    middleware = []
+    endpoints = [("/health", health, "GET"), ("/v1/models", models, "GET"), ("/openapi.json", openapi, "GET"),
+                 ("/v1/completions", completions, "POST"), ("/v1/chat/completions", chat_completions, "POST")]
+    # each path with and without a trailing slash: a redirect would lose a POST's body (and name the Host)
+    routes = [Route(path + slash, endpoint, methods=[method]) for path, endpoint, method in endpoints
+              for slash in ("", "/")]
+    middleware = [Middleware(Guard, hosts=options.allowed_hosts, bind_host=options.host,
+                             cors_origins=options.cors_origins)]
     if options.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=options.cors_origins,
                                      allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"]))
-    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
-                     exception_handlers={404: _not_found, 405: _not_allowed, Exception: _internal})
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+                    exception_handlers={404: _not_found, 405: _not_allowed, Exception: _internal})
+    app.router.redirect_slashes = False
+    return app
+
+
+def _version() -> str:
+    try:
+        return metadata.version("foldline")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 async def _watch_disconnect(request: HttpRequest, gen: Generation) -> None:
@@ -264,7 +328,12 @@ async def _not_found(request: HttpRequest, exc: Exception) -> Response:
 
 
 async def _not_allowed(request: HttpRequest, exc: Exception) -> Response:
-    return _error(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
+    """405 with the `Allow` header HTTP requires (Starlette's exception carries it)."""
+    response = _error(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
+    allow = (getattr(exc, "headers", None) or {}).get("Allow")
+    if allow:
+        response.headers["allow"] = allow
+    return response
 
 
 async def _internal(request: HttpRequest, exc: Exception) -> Response:

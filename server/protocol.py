@@ -12,6 +12,9 @@ from typing import Any
 
 from ..errors import FoldlineError
 
+DEFAULT_MAX_STOP = 4  # stop strings in one request, as OpenAI (foldline serve --max-stop)
+RETRY_AFTER_S = 1  # what every 503 tells its client to wait before trying again
+
 
 class ApiError(FoldlineError):
     """An error answered in the OpenAI format: {"error": {"message", "type", "param", "code"}}."""
@@ -23,6 +26,10 @@ class ApiError(FoldlineError):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        """Retry-After on every 503: the refusal (a full queue, a shutdown, too many connections) is temporary."""
+        return {"retry-after": str(RETRY_AFTER_S)} if self.status == 503 else {}
 
 
 @dataclass
@@ -48,8 +55,9 @@ class GenerationParams:
     n: int = 1  # choices, each sampled on its own row from the same prompt
 
 
-def generation_params(body: Any, served_model: str, chat: bool) -> GenerationParams:
-    """The parameters of a validated CompletionBody or ChatBody; the model must be the one served."""
+def generation_params(body: Any, served_model: str, chat: bool, max_stop: int = DEFAULT_MAX_STOP) -> GenerationParams:
+    """The parameters of a validated CompletionBody or ChatBody; the model must be the one served, and
+    at most `max_stop` stop strings (each one is searched for in every new piece of text)."""
     if body.model != served_model:
         raise ApiError(404, f"the model '{body.model}' does not exist; this server serves '{served_model}'",
                        param="model", code="model_not_found")
@@ -61,6 +69,8 @@ def generation_params(body: Any, served_model: str, chat: bool) -> GenerationPar
         max_tokens_param, logprobs = "max_tokens", body.logprobs
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # the OpenAI default for completions
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > max_stop:
+        raise ApiError(400, f"'stop' holds {len(stop)} strings; this server takes at most {max_stop}", param="stop")
     options = body.stream_options
     return GenerationParams(
         model=body.model,

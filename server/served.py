@@ -1,9 +1,11 @@
 """The served model: prompts to token ids, and one generation bridged from the scheduler thread to asyncio.
 
 The scheduler (runtime/scheduler.py) hands each sampled token to the
-request's asyncio queue; text is made on the event loop with the same
-incremental detokenizer and stop-string filter as the runtime's streaming, so
-a served answer equals `foldline generate`'s for the same prompt.
+request's callback on its own thread, which turns it into text with the same
+incremental detokenizer and stop-string filter as the runtime's streaming (so
+a served answer equals `foldline generate`'s for the same prompt) and passes
+the piece to the request's asyncio queue: the event loop only moves bytes, and
+a stop string ends the row before its next step.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from ..runtime.chat import chat_prompt
+from ..contract.errors import BundleError
+from ..runtime.chat import ChatTemplateError, encode_messages
 from ..runtime.checks import ContextFullError, TokenIdError
 from ..runtime.sampling import Sampler, TokenLogprobs
 from ..runtime.scheduler import QueueFullError, Request, Scheduler, SchedulerDownError
 from ..runtime.slots import DEFAULT_MAX_FILES, SlotStore
 from ..runtime.streaming import IncrementalDetokenizer, StopStringFilter
-from .protocol import ApiError, GenerationParams
+from .connection import default_max_connections
+from .protocol import DEFAULT_MAX_STOP, ApiError, GenerationParams
 
 MIB = 1 << 20
 
@@ -34,7 +38,15 @@ class ServeOptions:
     request_timeout: float | None = None  # seconds a request may take, queueing included
     stall_timeout: float = 60.0  # seconds without a step, with work waiting, before /health says 503
     shutdown_timeout: float = 10.0  # seconds running requests get to finish after SIGTERM
+    max_stop: int = DEFAULT_MAX_STOP  # stop strings in one request
+    header_timeout: float = 10.0  # seconds from a request's first byte to its last header line (then 408)
+    body_timeout: float = 30.0  # seconds for a request's whole body (then 408)
+    keep_alive_timeout: float = 5.0  # seconds an idle connection is kept between requests
+    max_connections: int = field(default_factory=default_max_connections)  # open at once; more get 503
     cors_origins: list[str] = field(default_factory=list)
+    # Host header values served (besides the bind address and the localhost names); "*" serves any
+    allowed_hosts: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"  # the bind address
     prompt_cache: bool = True  # a prompt that extends what a released row holds prefills only the rest
     slots_dir: str | None = None  # where rows the prompt cache must give up are saved (runtime/slots.py)
     slots_max: int = DEFAULT_MAX_FILES  # the most files kept there; the least recently used go first
@@ -66,20 +78,34 @@ class ServedModel:
     # ---- prompts (blocking: the app runs these in a worker thread) ----------------
     def completion_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
+            vocab = self.model.vocab_size
+            bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"prompt[{bad}] is token id {prompt[bad]}, outside this model's vocabulary "
+                               f"(0 to {vocab - 1})", param="prompt")
             return prompt
         return self._encode(prompt, add_bos=True, param="prompt")
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The conversation's ids; control-token text a message holds (`<|im_start|>system`) stays text,
+        so a user cannot open a turn of another role (runtime/chat.py `encode_messages`)."""
+        if not self.has_tokenizer:
+            raise ApiError(400, "this bundle has no tokenizer, so no chat template: use /v1/completions with "
+                                "token ids", param="messages")
         try:
-            text = chat_prompt(self.model, messages)
-        except Exception as e:
+            return encode_messages(self.model, messages)  # no BOS added: the template writes its own
+        except (ChatTemplateError, BundleError) as e:
             raise ApiError(400, f"the chat template could not be applied: {e}", param="messages") from e
-        return self._encode(text, add_bos=False, param="messages")  # the template writes its own BOS
+        except (TypeError, ValueError) as e:  # text the tokenizer cannot take (the app refuses surrogates before)
+            raise ApiError(400, f"'messages' could not be tokenized: {e}", param="messages") from e
 
     def _encode(self, text: str, add_bos: bool, param: str) -> list[int]:
         if not self.has_tokenizer:
             raise ApiError(400, "this bundle has no tokenizer: send the prompt as a list of token ids", param=param)
-        return self.model.encode(text, add_bos=add_bos)
+        try:
+            return self.model.encode(text, add_bos=add_bos)
+        except (TypeError, ValueError) as e:  # text the tokenizer cannot take (the app refuses surrogates before)
+            raise ApiError(400, f"'{param}' could not be tokenized: {e}", param=param) from e
 
     # ---- shutdown ------------------------------------------------------------------
     def begin_shutdown(self, timeout: float | None = None) -> None:
@@ -91,6 +117,13 @@ class ServedModel:
         self._drain_timer = threading.Timer(timeout, self.scheduler.cancel_all, args=("shutdown",))
         self._drain_timer.daemon = True
         self._drain_timer.start()
+
+    def close(self) -> None:
+        """Release the rows and the model, unless a module call that never returned still holds them."""
+        if self.scheduler.thread_alive:
+            return
+        self.scheduler.batch.close()
+        self.model.close()
 
     def health(self) -> str | None:
         """None when serving, else why not."""
@@ -136,11 +169,23 @@ class Generation:
                            "generated", param=params.max_tokens_param, code="context_length_exceeded")
         limits = [t for t in (params.timeout, served.options.request_timeout) if t is not None]
         put = self._events.put_nowait
+        self._text = _TextMaker(served, params.stop, frozenset(model.eos_token_ids))
+
+        def on_token(token: int, logprobs: TokenLogprobs | None) -> None:  # the scheduler thread
+            piece, stopped = self._text.push(token)
+            loop.call_soon_threadsafe(put, ("token", token, logprobs, piece, stopped))
+            if stopped:
+                self.request.cancel()  # the row is free before its next step
+
+        def on_finish(reason: str, error: str | None) -> None:  # the scheduler thread
+            tail, stopped = self._text.finish()
+            loop.call_soon_threadsafe(put, ("finish", reason, error, tail, stopped))
+
         self.request = Request(
             prompt_ids=ids,
             max_tokens=room if params.max_tokens is None else params.max_tokens,
-            on_token=lambda t, lp: loop.call_soon_threadsafe(put, ("token", t, lp)),
-            on_finish=lambda reason, err: loop.call_soon_threadsafe(put, ("finish", reason, err)),
+            on_token=on_token,
+            on_finish=on_finish,
             # choice i of n samples with seed + i: the choices differ, and each is reproducible
             sampler=Sampler(params.temperature, 0, params.top_p,
                             None if params.seed is None else (params.seed + index) % 2**64),
@@ -185,30 +230,24 @@ class Generation:
     async def pieces(self) -> AsyncIterator[str]:
         """Text pieces as they settle. Ends normally, or raises ApiError (failure, shutdown)."""
         outcome, stop_ids = self.outcome, self.request.stop_ids
-        detok = IncrementalDetokenizer(self.served.model.tokenizer) if self.served.has_tokenizer else None
-        stops = StopStringFilter(self.params.stop)
         try:
             while True:
                 event = await self._events.get()
                 if event[0] == "token":
-                    _, token, logprobs = event
+                    _, token, logprobs, piece, stopped = event
                     if token in stop_ids:
                         continue  # the end of turn is not part of the answer, nor of its count
                     outcome.completion_tokens += 1
                     if logprobs is not None:
                         outcome.logprobs.append((token, logprobs))
-                    if detok is None:
-                        continue
-                    piece = stops.push(detok.push(token))
                     if piece:
                         outcome.text += piece
                         yield piece
-                    if stops.stopped:
-                        self.request.cancel()
+                    if stopped:
                         outcome.finish_reason = "stop"
                         return
                     continue
-                _, reason, error = event
+                _, reason, error, tail, stopped = event
                 if reason == "error":
                     raise ApiError(500, f"generation failed: {error}", kind="server_error", code="generation_failed")
                 if reason == "shutdown":
@@ -216,16 +255,40 @@ class Generation:
                                    code="shutting_down")
                 if reason == "cancelled" and self.client_gone:
                     return
-                outcome.finish_reason = "stop" if reason == "stop" else "length"  # "timeout" reads as length
-                if detok is not None:
-                    tail = stops.push(detok.flush())
-                    if not stops.stopped:
-                        tail += stops.flush()
-                    else:
-                        outcome.finish_reason = "stop"
-                    if tail:
-                        outcome.text += tail
-                        yield tail
+                # "timeout" reads as length; a stop string completed by the held-back tail is a stop
+                outcome.finish_reason = "stop" if reason == "stop" or stopped else "length"
+                if tail:
+                    outcome.text += tail
+                    yield tail
                 return
         finally:
             self.request.cancel()  # a client gone mid-stream frees its row at the next step
+
+
+class _TextMaker:
+    """Token ids to text pieces, stop strings cut: run on the scheduler thread, one token at a time.
+
+    The work per token is bounded: a short decode window, and the stop strings (at most
+    `--max-stop` of at most schema.MAX_STOP_CHARS characters) searched for in the new text and
+    the tail held back.
+    """
+
+    def __init__(self, served: ServedModel, stop: list[str], stop_ids: frozenset[int]):
+        self.detok = IncrementalDetokenizer(served.model.tokenizer) if served.has_tokenizer else None
+        self.stops = StopStringFilter(stop)
+        self.stop_ids = stop_ids
+
+    def push(self, token: int) -> tuple[str, bool]:
+        """(the text `token` settles, whether a stop string has appeared)."""
+        if self.detok is None or token in self.stop_ids or self.stops.stopped:
+            return "", self.stops.stopped
+        return self.stops.push(self.detok.push(token)), self.stops.stopped
+
+    def finish(self) -> tuple[str, bool]:
+        """(the text held back at the end, whether it completed a stop string)."""
+        if self.detok is None or self.stops.stopped:
+            return "", False
+        tail = self.stops.push(self.detok.flush())
+        if not self.stops.stopped:
+            tail += self.stops.flush()
+        return tail, self.stops.stopped

@@ -15,15 +15,14 @@ class RunningServer:
     """uvicorn on a socket bound to a free port of 127.0.0.1, in a thread; stopped by close()."""
 
     def __init__(self, served):
-        from foldline.server.app import create_app
+        from foldline.server.run import uvicorn_config
 
         self.served = served
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(create_app(served), log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(uvicorn_config(served))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60

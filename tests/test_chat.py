@@ -1,4 +1,4 @@
-"""Chat templates in the runtime: rendering, the optional jinja2 dependency, no torch."""
+"""Chat templates in the runtime: rendering, message checks, a clear error without jinja2, no torch."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ from types import SimpleNamespace
 import pytest
 
 from foldline.contract.errors import BundleError
-from foldline.runtime.chat import ChatTemplateError, apply_chat_template, render_chat_template
+from foldline.runtime.chat import (
+    ChatTemplateError,
+    apply_chat_template,
+    check_messages,
+    render_chat_template,
+)
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -40,13 +45,6 @@ def test_bos_token_variable_comes_from_the_bundle():
     assert apply_chat_template(fake_model("[{{ bos_token }}]", bos=None), "x") == "[]"
 
 
-def test_gemma_fallback_template_format():
-    from foldline.frontend.arch.gemma3 import GEMMA_TURN_TEMPLATE
-
-    out = apply_chat_template(fake_model(GEMMA_TURN_TEMPLATE), " Hello ", system="Sys")
-    assert out == "<bos><start_of_turn>user\nSys\n\nHello<end_of_turn>\n<start_of_turn>model\n"
-
-
 def test_missing_template_is_a_bundle_error():
     with pytest.raises(BundleError, match="no chat template"):
         apply_chat_template(fake_model(None), "hi")
@@ -64,7 +62,7 @@ def test_sandbox_blocks_attribute_escape():
         render_chat_template("{{ messages.__class__.__mro__[1].__subclasses__() }}", [])
 
 
-def test_jinja2_is_optional(monkeypatch):
+def test_missing_jinja2_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "jinja2", None)
     monkeypatch.setitem(sys.modules, "jinja2.sandbox", None)
     with pytest.raises(ChatTemplateError, match="pip install jinja2"):
@@ -79,3 +77,12 @@ def test_chat_module_does_not_import_torch():
         "assert 'torch' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_messages_must_be_role_and_content_strings():
+    good = [{"role": "user", "content": "hi"}]
+    assert check_messages(good) == good
+    for bad, named in ((None, "list"), ([{"role": "user"}], "message 0"),
+                       ([*good, {"role": "user", "content": ["parts"]}], "message 1")):
+        with pytest.raises(ChatTemplateError, match=named):
+            check_messages(bad)

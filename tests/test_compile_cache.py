@@ -24,6 +24,9 @@ def _bundle(root: Path, text: str) -> Path:
     return root
 
 
+BUNDLE_FILES = ("manifest.json", "params.irpa")  # what _bundle writes
+
+
 def _digest(folder: Path) -> dict[str, str]:
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir())}
 
@@ -32,7 +35,7 @@ def test_store_then_fetch_copies_the_bundle(tmp_path):
     cache = CompileCache(tmp_path / "cache")
     src = _bundle(tmp_path / "b", "one")
     assert not cache.fetch("k1", tmp_path / "out0")
-    cache.store("k1", src, {"name": "m"})
+    cache.store("k1", src, {"name": "m"}, files=BUNDLE_FILES)
     assert cache.fetch("k1", tmp_path / "out")
     assert _digest(tmp_path / "out") == _digest(src)
     (tmp_path / "out" / "params.irpa").write_bytes(b"damaged")  # a copy: the entry stays intact
@@ -43,7 +46,7 @@ def test_store_then_fetch_copies_the_bundle(tmp_path):
 def test_concurrent_writers_leave_one_whole_entry(tmp_path):
     cache = CompileCache(tmp_path / "cache")
     sources = [_bundle(tmp_path / f"b{i}", "same") for i in range(6)]
-    threads = [threading.Thread(target=cache.store, args=("k", s, {})) for s in sources]
+    threads = [threading.Thread(target=cache.store, args=("k", s, {}, BUNDLE_FILES)) for s in sources]
     for t in threads:
         t.start()
     for t in threads:
@@ -56,7 +59,7 @@ def test_concurrent_writers_leave_one_whole_entry(tmp_path):
 def test_the_bound_drops_least_recently_used_entries(tmp_path):
     cache = CompileCache(tmp_path / "cache", max_bytes=10**9)
     for i in range(3):
-        cache.store(f"k{i}", _bundle(tmp_path / f"b{i}", "x" * 1000), {})
+        cache.store(f"k{i}", _bundle(tmp_path / f"b{i}", "x" * 1000), {}, files=BUNDLE_FILES)
         os.utime(cache.root / f"k{i}" / "entry.json", (1000 + i, 1000 + i))
     assert cache.fetch("k0", tmp_path / "out")  # k0 is now the most recently used
     sizes = {e.key: e.size for e in cache.entries()}  # entries differ by a byte or two (their timestamps)
@@ -64,6 +67,40 @@ def test_the_bound_drops_least_recently_used_entries(tmp_path):
     assert cache.evict() == ["k1"]
     assert {e.key for e in cache.entries()} == {"k0", "k2"}
     assert cache.clear() > 0 and cache.entries() == []
+
+
+def test_an_entry_holds_only_the_files_named(tmp_path):
+    cache = CompileCache(tmp_path / "cache")
+    src = _bundle(tmp_path / "b", "one")
+    (src / "notes.txt").write_text("the user's, not the bundle's")
+    cache.store("k", src, {}, files=BUNDLE_FILES)
+    assert sorted(p.name for p in (cache.root / "k" / "bundle").iterdir()) == sorted(BUNDLE_FILES)
+    assert cache.fetch("k", tmp_path / "out") and sorted(_digest(tmp_path / "out")) == sorted(BUNDLE_FILES)
+
+
+@pytest.mark.slow
+def test_a_compile_caches_its_bundle_files_only(tmp_path, monkeypatch, bundle_factory):
+    """A compile into a directory that holds other files stores the bundle's files alone (its manifest and what
+    the manifest lists). The IREE stages are replaced by copying an already compiled bundle in."""
+    import shutil
+
+    from foldline.backends import build
+
+    compiled = bundle_factory("llama-tiny")
+
+    def copy_compiled(loaded, out_dir, options, progress):
+        shutil.copytree(compiled, out_dir, dirs_exist_ok=True)
+        return Path(out_dir)
+
+    monkeypatch.setattr(build, "_compile", copy_compiled)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("not part of the bundle")
+    cache = CompileCache(tmp_path / "cache")
+    build.compile_spec("llama-tiny", out, BuildOptions(), progress=lambda _m: None, cache=cache)
+    [entry] = cache.entries()
+    assert _digest(entry.path / "bundle") == _digest(compiled)
+    assert "notes.txt" not in _digest(entry.path / "bundle")
 
 
 def test_file_fingerprint_full_and_sampled(tmp_path):

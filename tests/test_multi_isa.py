@@ -2,16 +2,21 @@
 
 The selection rules run on manifests alone (no compile). One quantized
 llama-tiny (q4 codes, MLP width 128 so every product takes an int8 kernel) is
-compiled once with `--cpu x86-64-v3,cascadelake`; the runtime, with its CPU
-features forced, must load the AVX2 module, the AVX-512 VNNI one, or refuse
-with the missing features named, and both modules must give the float32 eager
+compiled once with `--cpu x86-64-v2,x86-64-v3,cascadelake`; the runtime, with its CPU
+features forced, must load the float module, the AVX2 one, the AVX-512 VNNI one, or refuse
+with the missing features named; the two int8 modules must give the float32 eager
 model's logits within the int8 bound (tests/test_avx2_kernels.py) and each
-other's.
+other's, the float one (no FMA, no F16C) within float32 rounding, and a host that
+loads it is told once, in one line, which CPU flags it lacks.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +33,7 @@ from foldline.kernels.select import ISAS
 from foldline.kernels.x86 import AVX2, AVX512_VNNI
 from foldline.runtime import BundleError, Manifest, Model
 from foldline.runtime import device as runtime_device
-from foldline.runtime.cpu_select import KERNEL_RANK, select_cpu_module
+from foldline.runtime.cpu_select import KERNEL_RANK, fallback_notice, select_cpu_module
 from foldline.runtime.device import CPU_FEATURES_ENV, cpu_features, host_cpu_features
 
 HOST = host_cpu_features() or set()
@@ -141,7 +146,10 @@ def test_concurrent_compiles_are_bounded_by_cores_and_memory():
 
 # ---- one compiled bundle ------------------------------------------------------------------------
 
-CPUS = "x86-64-v3,cascadelake"
+CPUS = "x86-64-v3,cascadelake"  # the int8 modules
+FLOAT_CPU = "x86-64-v2"  # the float module: no AVX, FMA or F16C
+FALLBACK_LINE = ("foldline: this CPU lacks avx, avx2, fma, f16c, bmi2: loaded the x86-64-v2 module "
+                 "(float kernels, slower)")
 needs_avx2 = pytest.mark.skipif(not AVX2.available(HOST), reason="this CPU has no AVX2")
 needs_vnni = pytest.mark.skipif(not AVX512_VNNI.available(HOST), reason="this CPU has no AVX-512 VNNI")
 
@@ -153,7 +161,7 @@ def multi_isa_bundle(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("multi-isa") / "bundle"
     compile_model(_blocked("llama-tiny", "q4", 128), out,
-                  BuildOptions(targets=make_targets("cpu", cpu=CPUS), weights="auto"),
+                  BuildOptions(targets=make_targets("cpu", cpu=f"{FLOAT_CPU},{CPUS}"), weights="auto"),
                   progress=lambda _m: None)
     return out
 
@@ -177,11 +185,13 @@ def _run(bundle, **load) -> tuple[str, np.ndarray]:
 def test_each_cpu_gets_its_module_and_the_weights_are_shared(multi_isa_bundle):
     manifest = json.loads((multi_isa_bundle / "manifest.json").read_text())
     modules = manifest["modules"]
-    assert list(modules) == ["cpu-x86-64-v3", "cpu-cascadelake"]
+    assert list(modules) == ["cpu-x86-64-v2", "cpu-x86-64-v3", "cpu-cascadelake"]
+    assert modules["cpu-x86-64-v2"]["kernel_isa"] == {"decode": FLOAT, "prefill": FLOAT}
     assert modules["cpu-x86-64-v3"]["kernel_isa"] == {"decode": "int8-avx2", "prefill": "int8-avx2"}
     assert modules["cpu-cascadelake"]["kernel_isa"] == {"decode": "int8-avx512vnni", "prefill": "int8-avx512vnni"}
     assert sorted(p.name for p in multi_isa_bundle.iterdir()) == [
-        "manifest.json", "model.cpu-cascadelake.vmfb", "model.cpu-x86-64-v3.vmfb", "params.irpa"]
+        "manifest.json", "model.cpu-cascadelake.vmfb", "model.cpu-x86-64-v2.vmfb", "model.cpu-x86-64-v3.vmfb",
+        "params.irpa"]
     assert {m["params_sha256"] for m in modules.values()} == {manifest["params"]["sha256"]}
     from foldline.contract.vmfb import vmfb_info
 
@@ -198,9 +208,10 @@ def test_forced_features_pick_the_module(multi_isa_bundle, monkeypatch):
     assert Model.load(multi_isa_bundle, cpu_features=avx2_host).module_key == "cpu-x86-64-v3"
     monkeypatch.setenv(CPU_FEATURES_ENV, ",".join(avx2_host))
     assert Model.load(multi_isa_bundle).module_key == "cpu-x86-64-v3"
-    with pytest.raises(BundleError, match=r"model.cpu-x86-64-v3.vmfb needs avx, avx2, fma, f16c, bmi2; .*"
-                                          rf"\(CPU features from \${CPU_FEATURES_ENV}=sse4_1,sse4_2\)"):
-        monkeypatch.setenv(CPU_FEATURES_ENV, "sse4_1,sse4_2")
+    with pytest.raises(BundleError, match=r"model.cpu-x86-64-v2.vmfb needs sse4_2; "
+                                          r"model.cpu-x86-64-v3.vmfb needs sse4_2, avx, avx2, fma, f16c, bmi2; .*"
+                                          rf"\(CPU features from \${CPU_FEATURES_ENV}=sse4_1\)"):
+        monkeypatch.setenv(CPU_FEATURES_ENV, "sse4_1")
         Model.load(multi_isa_bundle)
     monkeypatch.delenv(CPU_FEATURES_ENV)
     with pytest.raises(BundleError, match=r"the cpu module needs CPU features this machine lacks: avx512_vnni"):
@@ -229,3 +240,42 @@ def test_both_modules_match_eager_and_each_other(multi_isa_bundle, eager):
     a, b = results.values()
     assert not np.array_equal(a, b)  # two kernels, not one module loaded twice
     assert (np.abs(a - b).max(axis=1) / np.abs(eager).max(axis=1)).max() < SCALED_TOL_INT8
+
+
+def test_a_host_that_loads_the_float_module_is_told_which_flags_it_lacks():
+    """Named after the nearest module it cannot run; nothing where it runs the best one, or nothing better
+    is there, or its features are unknown."""
+    manifest = _manifest()
+    assert fallback_notice(manifest, "cpu-x86-64-v2", set(X86_V2), "x86_64") == FALLBACK_LINE
+    assert fallback_notice(manifest, "cpu-x86-64-v2", set(X86_V2) | {"avx", "avx2"}, "x86_64") == (
+        "foldline: this CPU lacks fma, f16c, bmi2: loaded the x86-64-v2 module (float kernels, slower)")
+    assert fallback_notice(manifest, "cpu-x86-64-v3", set(X86_V3), "x86_64") is None  # int8 kernels: no notice
+    assert fallback_notice(manifest, "cpu-x86-64-v2", None, "x86_64") is None
+    assert fallback_notice(_manifest(["x86-64-v2"]), "cpu-x86-64-v2", set(X86_V2), "x86_64") is None
+
+
+@pytest.mark.slow
+def test_the_float_module_matches_eager_and_its_host_is_told_once(multi_isa_bundle, eager, monkeypatch, caplog):
+    """x86-64-v2's kernels spell out FMA and the f16 conversion (kernels/mlir.FloatIsa): within float32
+    rounding of eager. The Python API logs the line once and keeps it on the model; the CLI prints it
+    once on stderr."""
+    from foldline.testing.parity import SCALED_TOL_FP32
+
+    monkeypatch.setenv(CPU_FEATURES_ENV, ",".join(X86_V2))
+    monkeypatch.setattr(runtime_device, "_notices_given", set())
+    with caplog.at_level(logging.WARNING, logger="foldline"):
+        key, got = _run(multi_isa_bundle)
+        with Model.load(multi_isa_bundle) as model:
+            assert model.cpu_fallback == FALLBACK_LINE
+    assert key == "cpu-x86-64-v2"
+    assert [r.getMessage() for r in caplog.records if r.name == "foldline"] == [FALLBACK_LINE]
+    scaled = np.abs(got - eager).max(axis=1) / np.abs(eager).max(axis=1)
+    assert scaled.max() <= SCALED_TOL_FP32, f"worst scaled difference {scaled.max():.2e}"
+    assert (got.argmax(axis=1) == eager.argmax(axis=1)).all()
+    with Model.load(multi_isa_bundle, cpu=FLOAT_CPU, cpu_features=HOST) as pinned:
+        assert pinned.cpu_fallback is None  # asked for: no notice
+    out = subprocess.run([sys.executable, "-m", "foldline.tools.cli", "generate", str(multi_isa_bundle),
+                          "--prompt-ids", "3,4,5", "--max-new-tokens", "2"], capture_output=True, text=True,
+                         env={**os.environ, CPU_FEATURES_ENV: ",".join(X86_V2)})
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines().count(FALLBACK_LINE) == 1, out.stderr

@@ -282,3 +282,30 @@ def test_windowed_layers_holding_full_caches_run_as_group_query_attention(onnx_b
     gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
     got = sorted(next(a.i for a in n.attribute if a.name == "local_window_size") for n in gqa)
     assert got == windows and -1 in got and cfg.sliding_window in got
+
+
+def test_a_saved_session_holding_its_windows_in_order_resumes_to_the_bit(onnx_bundles, tmp_path):
+    """gemma3-tiny's windowed caches in window order (the module's window_order): a session file stores
+    their filled rows, before the window fills and after, and a session resumed from it, fresh or over a
+    longer conversation, gives the uninterrupted logits to the bit (tests/test_session_file.py: rings)."""
+    from foldline.runtime.session_file import held_nbytes
+
+    _module, bundle = onnx_bundles("gemma3-tiny")
+    rng = np.random.default_rng(2)
+    path = tmp_path / "chat.session"
+    with Model.load(bundle, device="onnxruntime") as model:
+        assert model.identity()["window_order"] == "recent"
+        for prompt_length in (7, 40):
+            prompt, other, later = (rng.integers(1, model.vocab_size, n).tolist() for n in (prompt_length, 90, 20))
+            with model.session() as uninterrupted:
+                uninterrupted.prefill(prompt)
+                uninterrupted.decode(5)
+                uninterrupted.save(path)
+                want = [uninterrupted.decode(9), uninterrupted.prefill(later)]
+            assert path.stat().st_size < held_nbytes(model.row_layout(), prompt_length + 1) + (16 << 10)
+            with model.session_from(path) as fresh, model.session() as used:
+                used.prefill(other)
+                used.restore(model.read_snapshot(path))
+                for session in (fresh, used):
+                    got = [session.decode(9), session.prefill(later)]
+                    assert all(np.array_equal(w, g) for w, g in zip(want, got)), prompt_length

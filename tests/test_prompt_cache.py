@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from foldline.runtime import Model
-from foldline.runtime.prompt_cache import ReuseRule, common_prefix
+from foldline.runtime.prompt_cache import ReuseRule, common_prefix, place
 
 
 def spec(kind: str, slots: int = 64) -> SimpleNamespace:
@@ -42,6 +42,24 @@ def test_common_prefix():
     assert common_prefix([1, 2], [1, 2, 3]) == 2
     assert common_prefix([], [1]) == 0
     assert common_prefix([7], [8]) == 0
+
+
+def test_a_prompt_takes_its_own_row_then_an_empty_one_then_the_least_recently_used():
+    """Two chats share a template header: the second takes an empty row, not the first chat's row."""
+    full = ReuseRule(whole_only=False, ride_along_keeps=True)
+    header, chat_a, chat_b = [1, 2, 3], [1, 2, 3, 10, 11, 12], [1, 2, 3, 20, 21, 22]
+    held, prefilled = [chat_a, [], [], []], [len(chat_a), 0, 0, 0]
+    used = [1, 0, 0, 0]
+    assert place(full, [0, 1, 2, 3], held, prefilled, used, chat_b) == (1, 0), "an empty row, the lowest"
+    assert place(full, [0, 1, 2, 3], held, prefilled, used, [*chat_a, 13, 14]) == (0, 6), "its own row"
+    held, prefilled, used = [chat_a, chat_b, [*header, 30], [*header, 40]], [6, 6, 4, 4], [4, 1, 3, 2]
+    assert place(full, [0, 1, 2, 3], held, prefilled, used, [*header, 50, 51]) == (1, 3), "the least recently used"
+    assert place(full, [0, 2, 3], held, prefilled, used, [*header, 50, 51]) == (3, 3)
+    assert place(full, [0, 1, 2, 3], held, prefilled, used, [1, 2, 3, 10, 99, 98]) == (1, 3), "LRU, not chat A's"
+    assert place(full, [0, 1, 2, 3], held, prefilled, used, chat_a) == (0, 5), "the same prompt again: its row"
+    ring = ReuseRule(whole_only=True, ride_along_keeps=True)
+    assert place(ring, [0, 1], [chat_a, []], [0, 0], [1, 0], chat_b) == (1, 0)
+    assert place(ring, [0, 1], [chat_a, chat_b], [0, 0], [1, 2], []) == (0, 0), "a row for a restore: LRU"
 
 
 def _feed(batch, row: int, ids: list[int], chunk: int) -> np.ndarray:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 from foldline.backends.targets import cpu_target
 from foldline.frontend.quant import pack_q5
 from foldline.kernels import qlinear as qk
+from foldline.kernels.mlir import FloatIsa, widen_f16
 
 
 def _module(spec: qk.QLinearSpec, kernel: str) -> str:
@@ -138,3 +141,63 @@ def test_which_calls_fuse():
     assert not qk.fuses_rows(qk.QLinearSpec("q4", 32, "f16", True, (1, 64, 256), 96)), "prefill chunks dequantize"
     with pytest.raises(qk.QuantKernelError):
         qk.half_group_mlir(qk.QLinearSpec("q4", 32, "f16", True, (9, 256), 96))
+
+
+# ---- CPUs without FMA or F16C (x86-64-v2, generic x86-64): the float kernels spell both out ----
+
+SOFT_FLOAT = FloatIsa.of(cpu_target("generic").cpu_flags, "x86_64")
+LIBRARY_CALLS = {"fmaf", "__extendhfsf2"}  # what LLVM calls per element for math.fma and extf from f16 there
+
+
+def _library_calls(tmp_path) -> set[str]:
+    """The functions the dumped code of the last _compile_and_check calls."""
+    asm = "\n".join(p.read_text() for p in (tmp_path / "dump").glob("*.s"))
+    return set(re.findall(r"\bcall[lq]?\s+(\w+)", asm))
+
+
+@pytest.mark.parametrize("spec", [CASES[0], CASES[2], CASES[6], MULTIROW_CASES[1],
+                                  qk.QLinearSpec("q4", 32, "f16", True, (1, 96), 48),  # N x G = 144: in the loop
+                                  qk.QLinearSpec("q4", 32, "f16", True, (4, 256), 96)], ids=lambda s: s.name)
+def test_float_kernels_without_fma_or_f16c_match_numpy_without_library_calls(spec, tmp_path):
+    """Decode (half-group with its scales converted before it or in its loop, horizontal, several rows) and
+    prefill forms: exact, one row per step (SSE's registers), and neither `fmaf` nor `__extendhfsf2`
+    called per element (fifty times slower)."""
+    assert not SOFT_FLOAT.fma and not SOFT_FLOAT.f16 and not SOFT_FLOAT.wide_registers
+    if qk.fuses_rows(spec):
+        text = "\n".join(qk.fused_rows_code(spec, SOFT_FLOAT))
+        half_group = spec.m > 1 or qk._half_lanes(spec) is not None
+        assert ("foldline_widen_f16" in text) == (half_group and spec.n * spec.groups % 64 == 0)
+        configured = _compile_and_check(spec, text, tmp_path, seeds=2)
+        if qk._half_lanes(spec) and spec.m == 1:
+            assert f"vector_common_parallel = [1, {spec.group // 2}, 0]" in configured
+    else:
+        _compile_and_check(spec, qk.dequantize_matmul_mlir(spec, isa=SOFT_FLOAT), tmp_path, seeds=2)
+    assert not _library_calls(tmp_path) & LIBRARY_CALLS
+
+
+def test_f16_widened_without_f16c_is_exact_for_every_bit_pattern(tmp_path):
+    """Normal, subnormal, zero, infinite and NaN halves of both signs: the integer form gives the f32 that
+    numpy (and F16C) gives, bit for bit (NaN for NaN)."""
+    import iree.compiler as ireec
+    import iree.runtime as rt
+
+    t16, t32 = "tensor<65536xf16>", "tensor<65536xf32>"
+    body = "\n".join(f"      {line}" for line in widen_f16("%h", "%f", "f16", SOFT_FLOAT))
+    module = (f"module {{\nutil.func public @main(%x: {t16}) -> {t32} {{\n"
+              f"  %e = tensor.empty() : {t32}\n"
+              "  %y = linalg.generic {indexing_maps = [affine_map<(i) -> (i)>, affine_map<(i) -> (i)>], "
+              f'iterator_types = ["parallel"]}} ins(%x : {t16}) outs(%e : {t32}) {{\n'
+              f"    ^bb0(%h: f16, %o: f32):\n{body}\n      linalg.yield %f : f32\n  }} -> {t32}\n"
+              f"  util.return %y : {t32}\n}}\n}}")
+    dump = tmp_path / "dump"
+    vmfb = ireec.compile_str(module, extra_args=[*cpu_target("generic").flags,
+                                                 f"--iree-hal-dump-executable-files-to={dump}"])
+    config = rt.Config("local-sync")
+    ctx = rt.SystemContext(config=config)
+    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+    halves = np.arange(65536, dtype=np.uint16).view(np.float16)
+    got, want = ctx.modules.module["main"](halves).to_host(), halves.astype(np.float32)
+    nan = np.isnan(want)
+    assert np.isnan(got[nan]).all()
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    assert not _library_calls(tmp_path) & LIBRARY_CALLS

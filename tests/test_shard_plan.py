@@ -235,8 +235,8 @@ def test_parse_size():
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--devices", "0"], "--devices must be positive"),
-    (["--devices", "-2"], "--devices must be positive"),
+    (["--devices", "0"], "argument --devices: must be a positive integer"),
+    (["--devices", "-2"], "argument --devices: must be a positive integer"),
     (["--devices", "8", "--device-memory", "80XB"], "--device-memory '80XB'"),
     (["--device-memory", "80GB"], "only with --devices"),
     (["--attention", "decomposed"], "only with --devices"),

@@ -103,3 +103,26 @@ def test_stream_pieces_end_at_stop_ids_and_strings(tokenizer):
     assert "".join(stream_pieces(iter(ids), tokenizer, ["\n\n"])) == "First line."
     assert "".join(stream_pieces(iter(ids), tokenizer, stop_ids=[ids[3]])) == tokenizer.decode(ids[:3])
     assert "".join(stream_pieces(iter(ids), tokenizer, ["🎉"])) == tokenizer.decode(ids).split("🎉")[0]
+
+
+class _Letters:
+    """Ids are code points: a decoder with no tokenizer behind it."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+def _drain(gen):
+    pieces = []
+    while True:
+        try:
+            pieces.append(next(gen))
+        except StopIteration as end:
+            return "".join(pieces), end.value
+
+
+def test_stream_pieces_says_whether_a_stop_string_ended_it():
+    ids = [ord(c) for c in "one two. three"]
+    assert _drain(stream_pieces(iter(ids), _Letters(), [". "])) == ("one two", True)
+    assert _drain(stream_pieces(iter(ids), _Letters(), ["four"])) == ("one two. three", False)
+    assert _drain(stream_pieces(iter(ids), _Letters(), [". "], stop_ids=[ord("w")])) == ("one t", False)

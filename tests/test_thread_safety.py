@@ -18,6 +18,7 @@ import pytest
 from foldline.errors import InputError
 from foldline.runtime import Model
 from foldline.runtime import device as runtime_device
+from foldline.runtime.prompt_cache import ReuseRule
 from foldline.runtime.scheduler import Request, Scheduler
 
 
@@ -78,6 +79,8 @@ class _Batch:
 
     def __init__(self):
         self.closed, self.positions, self.open = False, [0, 0], set()
+        self.tokens, self.prefilled = [[], []], [0, 0]  # nothing kept: the prompt cache serves nothing
+        self.reuse = ReuseRule(whole_only=False, ride_along_keeps=True)
 
     def free_rows(self) -> list[int]:
         return [r for r in range(self.rows) if r not in self.open]
@@ -88,7 +91,7 @@ class _Batch:
         self.positions[row] = 0
         return row
 
-    def open_row_reusing(self, _prompt: list[int]) -> tuple[int, int]:
+    def open_row_reusing(self, _prompt: list[int], _row: int | None = None) -> tuple[int, int]:
         return self.open_row(), 0
 
     def release(self, row: int) -> None:

@@ -7,58 +7,71 @@
 
 from __future__ import annotations
 
+from .cli import positive_int, require_extra
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure prefill/decode tokens/s and peak memory of a bundle (and torch eager)")
     p.add_argument("bundle", help="bundle directory")
-    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens to prefill (default 128)")
-    p.add_argument("--new-tokens", type=int, default=128, help="tokens to decode after the prompt (default 128)")
+    p.add_argument("--prompt-len", type=positive_int, default=128, help="prompt tokens to prefill (default 128)")
+    p.add_argument("--new-tokens", type=positive_int, default=128, help="tokens to decode after the prompt (default 128)")
     p.add_argument("--llama-cpp", nargs="?", const="auto", default=None, metavar="GGUF",
-                   help="also time llama.cpp (llama-cpp-python) on GGUF (default: the GGUF the bundle came from)")
+                   help="also time llama.cpp (llama-cpp-python) on GGUF (default: not timed; GGUF defaults to "
+                        "the GGUF the bundle came from)")
     p.add_argument("--llama-python", default=None, metavar="PYTHON",
                    help="interpreter that has llama-cpp-python (default: this one)")
     p.add_argument("--ort-genai", default=None, metavar="DIR",
                    help="also time ONNX Runtime GenAI on DIR, the model its builder made of the same checkpoint "
-                        "(scripts/build_ort_genai_peer.py)")
+                        "(scripts/build_ort_genai_peer.py; default: not timed)")
     p.add_argument("--genai-python", default=None, metavar="PYTHON",
                    help="interpreter that has onnxruntime-genai (default: this one)")
     p.add_argument("--also", action="append", default=None, metavar="BUNDLE",
                    help="also time another bundle of the same model in the same run (e.g. its --target onnx "
-                        "bundle beside the CPU one); repeatable")
+                        "bundle beside the CPU one); repeatable (default: none)")
     p.add_argument("--hf", nargs="?", const="auto", default=None, metavar="MODEL",
-                   help="also time HF transformers eager on MODEL, a .gguf or HF directory "
-                        "(default: the GGUF the bundle came from)")
+                   help="also time HF transformers eager on MODEL, a .gguf or HF directory (default: not "
+                        "timed; MODEL defaults to the GGUF the bundle came from; needs torch and transformers)")
     p.add_argument("--eager", default=None, metavar="MODEL",
-                   help="also time foldline's own torch reference module on MODEL (what compiling buys; not a peer)")
-    p.add_argument("--rounds", type=int, default=3,
+                   help="also time foldline's own torch reference module on MODEL (what compiling buys; not a "
+                        "peer; default: not timed; needs the compiler extra)")
+    p.add_argument("--rounds", type=positive_int, default=3,
                    help="run the engines in turn this many times and report medians (default 3)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="threads for foldline and every peer alike (default: all cores)")
     p.add_argument("--cpu", default=None, metavar="NAME",
                    help="bench the CPU module compiled for NAME (e.g. x86-64-v3: the AVX2 kernels on any "
-                        "x86 host with AVX2), beside a llama.cpp built for the same ISA (--llama-python)")
-    p.add_argument("--peer-context", type=int, default=None, metavar="N",
+                        "x86 host with AVX2), beside a llama.cpp built for the same ISA (--llama-python; "
+                        "default: the best module this CPU runs)")
+    p.add_argument("--peer-context", type=positive_int, default=None, metavar="N",
                    help="llama.cpp's context (KV capacity; default: the bundle's max_context, so both hold "
                         "caches of the same size)")
     p.add_argument("--held", default=None, metavar="N,N,...",
                    help="instead: decode tok/s with N tokens already held, for each N (e.g. 128,1024,4096,8192): "
-                        "prefill N tokens, then decode --new-tokens (default 32 here)")
+                        "prefill N tokens, then decode --new-tokens (default 32 here; default: off)")
     p.add_argument("--streams", default=None, metavar="N,N,...",
                    help="instead: aggregate decode tok/s with N concurrent streams through the serving scheduler "
-                        "(a bundle compiled with --batch; e.g. 1,4,8; prompt 32 and 64 new tokens unless given)")
-    p.add_argument("--chat", type=int, default=None, metavar="TURNS",
+                        "(a bundle compiled with --batch; e.g. 1,4,8; prompt 32 and 64 new tokens unless given; "
+                        "default: off)")
+    p.add_argument("--chat", type=positive_int, default=None, metavar="TURNS",
                    help="instead: a TURNS-turn chat (32 new user tokens and 16 answer tokens per turn unless "
                         "--prompt-len / --new-tokens say otherwise): time to the first answer token with the "
-                        "prompt cache on and off, beside llama.cpp with and without prefix reuse (--llama-cpp)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "vulkan", "cuda", "onnxruntime"])
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
+                        "prompt cache on and off, beside llama.cpp with and without prefix reuse (--llama-cpp; "
+                        "default: off)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "vulkan", "cuda", "onnxruntime"],
+                   help="device the bundle runs on (default cpu)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids (default 0)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON (default: not written)")
     p.add_argument("--hadamard-online", default=None, metavar="BUNDLE",
-                   help="the same model compiled with --hadamard online: report the rotation's cost per decode step")
+                   help="the same model compiled with --hadamard online: report the rotation's cost per decode "
+                        "step (default: not measured)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.eager is not None:
+        require_extra("compiler", ("torch",), what="--eager")
+    if args.hf is not None:
+        require_extra("compiler", ("torch", "gguf"), what="--hf")
     from ..bench import modes
     from ..contract.manifest import Manifest
 

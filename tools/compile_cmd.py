@@ -5,14 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..dtypes import canonical
-from .cli import CliError
-from .compile_progress import CompileProgress
+from .cli import CliError, positive_int, require_extra
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("compile", help="compile a model (preset, .gguf, HF dir, shipped name) into a bundle")
     p.add_argument("model", help="preset name, shipped model name, .gguf file or config.json+safetensors dir")
-    p.add_argument("-o", "--output", required=True, type=Path, help="bundle directory to write")
+    p.add_argument("-o", "--output", required=True, type=Path,
+                   help="bundle directory to write: a new or empty directory, or an existing bundle with "
+                        "--force (required)")
+    p.add_argument("--force", action="store_true",
+                   help="replace the bundle already in --output; the old one stays until the new one is "
+                        "complete (default: refuse)")
     p.add_argument("--target", action="append", choices=["cpu", "vulkan", "cuda", "onnx"],
                    help="compile target (repeat for several; default cpu). onnx: ONNX graphs that a stock "
                         "onnxruntime runs (docs/onnx.md), loaded with --device onnxruntime")
@@ -22,19 +26,20 @@ def add_parser(sub) -> None:
                         "per CPU sharing params.irpa; the runtime loads the best one the CPU runs "
                         "(default: x86-all on an x86-64 machine, so the bundle runs at full speed on every "
                         "x86-64 CPU; host elsewhere)")
-    p.add_argument("--triple", default=None, help="cross-compile triple, e.g. aarch64-unknown-linux-gnu")
+    p.add_argument("--triple", default=None,
+                   help="cross-compile triple, e.g. aarch64-unknown-linux-gnu (default: this machine's)")
     p.add_argument("--vulkan-target", default="host",
                    help="IREE Vulkan target: host (the Vulkan device here; lavapipe -> llvmpipe), "
-                        "or a device family such as llvmpipe, ampere, rdna3")
+                        "or a device family such as llvmpipe, ampere, rdna3 (default: host)")
     p.add_argument("--cuda-arch", default="sm_80", help="CUDA SM architecture, e.g. sm_80 (default; runs on Ampere and newer), sm_86, sm_89")
-    p.add_argument("--chunk", type=int, default=None,
+    p.add_argument("--chunk", type=positive_int, default=None,
                    help="static prefill chunk length (default: 64 with quantized weights, else 16)")
-    p.add_argument("--batch", type=int, default=1,
+    p.add_argument("--batch", type=positive_int, default=1,
                    help="rows per call: sequences the runtime advances together (default 1)")
     p.add_argument("--rows", default=None, metavar="K,K,...",
                    help="with --batch N: row counts below N that get entry points of their own, so that a call "
                         "computes only the rows in use (default 1; 'none' for none)")
-    p.add_argument("--max-context", type=int, default=None,
+    p.add_argument("--max-context", type=positive_int, default=None,
                    help="context length the bundle supports (default: the model's trained context, at most 8192)")
     p.add_argument("--dtype", choices=["auto", "f32", "f16", "bf16"], default="auto",
                    help="compute dtype (default auto: f32 on every target; a bf16 or f16 checkpoint widens "
@@ -42,18 +47,23 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-dtype", choices=["auto", "f32", "f16", "bf16"], default="auto",
                    help="attention K/V cache element type (default auto: f16 beside quantized weights, "
                         "else the compute dtype); f16 and bf16 halve the caches")
-    p.add_argument("--passes", default=None, help="comma-separated pass pipeline (default: the target's)")
-    p.add_argument("--no-pass", action="append", default=[], metavar="NAME", help="drop a pass")
+    p.add_argument("--passes", default=None,
+                   help="comma-separated pass pipeline (default: the default pipeline, see foldline passes)")
+    p.add_argument("--no-pass", action="append", default=[], metavar="NAME",
+                   help="drop a pass from the pipeline (repeatable; default: none dropped)")
     p.add_argument("--dump-after", nargs=2, action="append", default=[], metavar=("PASS", "DIR"),
-                   help="write the graph after PASS to DIR")
-    p.add_argument("--keep-mlir", action="store_true", help="also write model.mlir (torch dialect, as imported for the first target) into the bundle")
+                   help="write the graph after PASS to DIR (repeatable; default: none); such a compile "
+                        "is not cached")
+    p.add_argument("--keep-mlir", action="store_true",
+                   help="also write model.mlir (torch dialect, as imported for the first target) into the "
+                        "bundle (default: not written)")
     p.add_argument("--hadamard", choices=["fold", "online"], default="fold",
                    help="Hadamard-folded weights: fold the rotation into float weights (default) or keep it online")
     p.add_argument("--weights", choices=["auto", "f32", "int8", "int4"], default="auto",
                    help="weight precision: auto (default: keep a GGUF's block-quantized weights, floats stay "
                         "floats), f32, or int8 / int4 block formats (groupwise round-to-nearest where the "
                         "checkpoint has none)")
-    p.add_argument("--group", type=int, default=32, help="group size for --weights int8/int4 (default 32)")
+    p.add_argument("--group", type=positive_int, default=32, help="group size for --weights int8/int4 (default 32)")
     p.add_argument("--activations", choices=["auto", "int8", "f32"], default="auto",
                    help="what quantized weights meet in prefill and decode: auto (default: int8 activations per weight "
                         "group with VNNI dot products where the CPU target has AVX-512 VNNI, as llama.cpp; "
@@ -63,7 +73,7 @@ def add_parser(sub) -> None:
                         "scratch does not grow with the context), decomposed (scores and softmax as separate "
                         "ops), or auto (default: fused on CUDA, decomposed on CPU, where IREE's attention "
                         "codegen is slower; Vulkan and ONNX always decomposed)")
-    p.add_argument("--devices", type=int, default=1, metavar="N",
+    p.add_argument("--devices", type=positive_int, default=1, metavar="N",
                    help="run the model on N devices (CPU devices; for cuda and vulkan, one GPU each), split as "
                         "--scheme says (default 1)")
     p.add_argument("--scheme", choices=["pipeline", "tensor"], default="pipeline",
@@ -73,7 +83,7 @@ def add_parser(sub) -> None:
                         "split `foldline plan MODEL --devices N --scheme ...` prints")
     p.add_argument("--no-cache", action="store_true",
                    help="compile even when the compile cache ($FOLDLINE_CACHE/compiled) holds this bundle, "
-                        "and store nothing in it")
+                        "and store nothing in it (default: use the cache)")
     p.set_defaults(func=run)
 
 
@@ -90,6 +100,7 @@ def _pipeline(args) -> list[str]:
 
 
 def run(args) -> int:
+    require_extra("compiler")
     # Only what an unchanged compile needs is imported before the cache is asked: the compiler
     # stages (torch, torch.export) take seconds to import.
     from ..backends.compile_cache import CompileCache
@@ -100,8 +111,12 @@ def run(args) -> int:
         from_cache,
         row_counts,
     )
+    from ..backends.output_dir import check_output_dir, staged_output
     from ..backends.targets import default_cpu, make_targets
     from ..frontend.fingerprint import checkpoint_fingerprint
+    from .compile_progress import CompileProgress
+
+    check_output_dir(args.output, args.force)  # before anything is computed: a wrong -o fails at once
 
     targets = [
         target
@@ -109,8 +124,6 @@ def run(args) -> int:
         for target in make_targets(t, cpu=args.cpu or default_cpu(args.triple), triple=args.triple,
                                    vulkan=args.vulkan_target, cuda_arch=args.cuda_arch)
     ]
-    if args.batch < 1:
-        raise CliError(f"--batch must be at least 1, got {args.batch}")
     rows = _row_counts(args.rows, args.batch)
     options = BuildOptions(
         targets=targets,
@@ -134,14 +147,34 @@ def run(args) -> int:
     row_counts(options)  # refuse row counts outside 1..--batch before anything is loaded
     check_devices(options)
     cache = None if args.no_cache else CompileCache()
-    with CompileProgress() as progress:
+    with staged_output(args.output) as staging, CompileProgress(shown_as={staging: args.output}) as progress:
         key = build_cache_key(checkpoint_fingerprint(args.model, options.max_context), options)
-        if from_cache(cache, key, args.output, progress):
+        if from_cache(cache, key, staging, progress):
             return 0
+        check_model(args.model)  # after the cache: an unknown name is never in it, and presets import torch
         from ..backends.build import compile_spec
 
-        compile_spec(args.model, args.output, options, progress=progress, cache=cache)
+        compile_spec(args.model, staging, options, progress=progress, cache=cache)
     return 0
+
+
+def check_model(spec: str) -> None:
+    """Refuse a MODEL that is no file, directory, preset or shipped name, listing what there is."""
+    from ..frontend.arch import PRESETS
+    from ..frontend.shipped import SHIPPED
+
+    if spec in SHIPPED or Path(spec).exists():
+        return
+    configs = {name: factory() for name, factory in sorted(PRESETS.items())}
+    if spec in configs and not configs[spec].planning_only:
+        return
+    presets = ", ".join(name + (" (plan only)" if cfg.planning_only else "") for name, cfg in configs.items())
+    shipped = ", ".join(sorted(SHIPPED))
+    if spec in configs:
+        raise CliError(f"{spec} is a planning-only config (no weights): foldline plan {spec} sizes it; "
+                       f"presets: {presets}; shipped models: {shipped}")
+    raise CliError(f"unknown model {spec!r}: not a file or directory; presets: {presets}; shipped models: "
+                   f"{shipped}; or a .gguf file or a directory with config.json and safetensors")
 
 
 def _row_counts(text: str | None, batch: int) -> tuple[int, ...] | None:

@@ -4,10 +4,13 @@ backends/build.StageClock calls `start_stage(name, total)` when a stage begins
 and `advance(detail)` after each unit of it (an entry point imported, a
 target compiled); every other message is printed above the bars. On a
 terminal that is not interactive (CI logs, pipes) rich draws no live bars
-and the messages come out as plain lines.
+and the messages come out as plain lines. rich comes with the compiler extra:
+only `foldline compile` imports this module.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import (
@@ -23,8 +26,11 @@ from rich.progress import (
 class CompileProgress:
     """A progress callable for backends.build with one rich task per stage."""
 
-    def __init__(self, console: Console | None = None):
+    def __init__(self, console: Console | None = None, shown_as: dict[Path, Path] | None = None):
+        """shown_as: paths that messages show as other paths (the staging directory a bundle is
+        written into, as the output directory it becomes)."""
         self.console = console or Console(stderr=True, highlight=False)
+        self.shown_as = {str(k): str(v) for k, v in (shown_as or {}).items()}
         self.bars = Progress(SpinnerColumn(), TextColumn("{task.description:<13}"), BarColumn(),
                              MofNCompleteColumn(), TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
                              console=self.console, transient=False)
@@ -36,9 +42,13 @@ class CompileProgress:
 
     def __exit__(self, *exc) -> None:
         self._finish_task()
+        if not self.bars.tasks:  # no stage ran (a cache hit, an error): no empty bar table at the end
+            self.bars.live.transient = True
         self.bars.stop()
 
     def __call__(self, message: str) -> None:
+        for path, shown in self.shown_as.items():
+            message = message.replace(path, shown)
         self.bars.console.print(message, markup=False, soft_wrap=True)
 
     def start_stage(self, name: str, total: int | None) -> None:

@@ -1,4 +1,4 @@
-"""foldline generate BUNDLE (--prompt TEXT | --prompt-ids 1,2,3)"""
+"""foldline generate BUNDLE (--prompt TEXT | --prompt-ids 1,2,3) [--chat] [--session FILE]"""
 
 from __future__ import annotations
 
@@ -9,31 +9,36 @@ from pathlib import Path
 import numpy as np
 
 from .cli import CliError
+from .run_options import (
+    add_load_options,
+    add_sampling_options,
+    check_output_file,
+    load_model,
+    make_sampler,
+)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate from a compiled bundle")
+    p = sub.add_parser("generate", help="generate from a compiled bundle",
+                       description="Continue a prompt, or answer one chat turn (--chat). With --session, "
+                                   "resume the sequence or conversation saved in FILE and save it there again.")
     p.add_argument("bundle", help="bundle directory")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text (needs a bundle with a tokenizer)")
-    src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--device", default="cpu", choices=["cpu", "vulkan", "cuda", "onnxruntime"])
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--logits-out", default=None, help="save every generated step's logits as float32 [steps, vocab] .npy")
-    p.add_argument("--no-verify", action="store_true", help="skip the bundle hash check at load")
-    p.add_argument("--cpu", default=None, metavar="NAME",
-                   help="of a bundle with several CPU modules, load the one compiled for NAME "
-                        "(default: the best one this CPU runs)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (default: one per physical core; 1 runs on the calling thread)")
+    src.add_argument("--prompt", metavar="TEXT", help="prompt text (needs a bundle with a tokenizer); "
+                     "this or --prompt-ids is required")
+    src.add_argument("--prompt-ids", metavar="IDS", help="comma-separated prompt token ids; the output is ids too")
+    add_sampling_options(p, max_new_tokens=32, what="after the prompt")
+    p.add_argument("--chat", action="store_true",
+                   help="treat the prompt as a user message of a conversation in the model's chat template "
+                        "(default: plain text)")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="with --chat: the system prompt of a new conversation (default: the template's own)")
     p.add_argument("--session", default=None, metavar="FILE",
-                   help="continue the conversation saved in FILE (if it exists) and save it there afterwards")
+                   help="continue the sequence (with --chat: the conversation) saved in FILE if it exists, "
+                        "and save it there afterwards (default: none)")
+    p.add_argument("--logits-out", default=None, metavar="FILE",
+                   help="save every generated step's logits as float32 [steps, vocab] .npy (default: none)")
+    add_load_options(p)
     p.set_defaults(func=run)
 
 
@@ -45,60 +50,58 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def run(args) -> int:
-    from ..runtime import Model, Sampler
-
-    model = Model.load(args.bundle, device=args.device, verify=not args.no_verify, threads=args.threads, cpu=args.cpu)
+    if args.chat and args.prompt is None:
+        raise CliError("--chat takes a --prompt (text), not --prompt-ids")
+    if args.system is not None and not args.chat:
+        raise CliError("--system needs --chat")
+    ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    check_output_file(args.session)
+    check_output_file(args.logits_out, "--logits-out")
+    sampler = make_sampler(args)
+    model = load_model(args)
     resume = args.session is not None and Path(args.session).exists()
-    session = model.session_from(args.session) if resume else model.session()
-    base_sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
-    sampled: list[int] = []
-
-    def sampler(logits: np.ndarray) -> int:
-        sampled.append(base_sampler(logits))
-        return sampled[-1]
-
     logits_log: list[np.ndarray] = []
     on_logits = logits_log.append if args.logits_out else None
-    t0 = time.perf_counter()
-    n = 0
-    if args.prompt_ids is not None:
-        ids = _parse_ids(args.prompt_ids)
-        out = []
-        for token in session.generate_ids(ids, args.max_new_tokens, sampler, on_logits=on_logits):
-            out.append(token)
-            n += 1
-        print(",".join(str(t) for t in out))
+    if args.chat:
+        conversation = _open_conversation(args, model, resume)
+        session, save = conversation.session, conversation.save
+        stream = conversation.send(args.prompt, args.max_new_tokens, sampler, args.stop, on_logits=on_logits)
     else:
-        prompt = args.prompt
-        if args.chat:
-            from ..runtime.chat import apply_chat_template
-
-            prompt = apply_chat_template(model, prompt)
-        ids = model.encode(prompt, add_bos=not args.chat and session.position == 0)
-        counted = []
-
-        def count(logits):
-            counted.append(1)
-            if on_logits is not None:
-                on_logits(logits)
-
-        for piece in session.stream_text(ids, args.max_new_tokens, sampler, args.stop, on_logits=count):
+        session = model.session_from(args.session) if resume else model.session()
+        save = session.save
+        if ids is not None:
+            stream = session.generate_ids(ids, args.max_new_tokens, sampler, on_logits=on_logits)
+        else:
+            prompt_ids = model.encode(args.prompt, add_bos=session.position == 0)
+            stream = session.stream_text(prompt_ids, args.max_new_tokens, sampler, args.stop, on_logits=on_logits)
+    t0 = time.perf_counter()
+    if args.prompt_ids is not None:
+        print(",".join(str(t) for t in stream))
+    else:
+        for piece in stream:
             sys.stdout.write(piece)
             sys.stdout.flush()
-        n = len(counted)
         sys.stdout.write("\n")
     dt = time.perf_counter() - t0
+    usage = stream.usage
+    print(f"[{usage.completion_tokens} tokens ({stream.finish_reason}) in {dt:.2f} s: "
+          f"{usage.completion_tokens / dt:.1f} tokens/s incl. prefill of {usage.fed_tokens}]", file=sys.stderr)
     if args.session is not None:
-        _save_session(session, sampled, args.session)
-    print(f"[{n} tokens in {dt:.2f} s: {n / dt:.1f} tokens/s incl. prefill of {len(ids)}]", file=sys.stderr)
+        save(args.session)
+        print(f"[session saved to {args.session}: {session.position} tokens]", file=sys.stderr)
     if args.logits_out:
         np.save(args.logits_out, np.stack(logits_log).astype(np.float32))
     return 0
 
 
-def _save_session(session, sampled: list[int], path: str) -> None:
-    """Feed the last sampled token (the state lacks it) and save: the file holds every token so far."""
-    if sampled and session.position < session.model.max_context:
-        session.decode(sampled[-1])
-    session.save(path)
-    print(f"[session saved to {path}: {session.position} tokens]", file=sys.stderr)
+def _open_conversation(args, model, resume: bool):
+    """The conversation in --session FILE, or a new one."""
+    from ..runtime import Conversation
+
+    conversation = Conversation(model, system=args.system)
+    if resume:
+        conversation.load(args.session)
+        if args.system is not None and args.system != conversation.system:
+            raise CliError(f"--system: {args.session} holds a conversation with another system prompt "
+                           "(it applies to a new conversation only)")
+    return conversation

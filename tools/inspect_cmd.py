@@ -8,7 +8,7 @@ import json
 def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="describe a compiled bundle (model, state buffers, modules, passes)")
     p.add_argument("bundle", help="bundle directory")
-    p.add_argument("--json", action="store_true", help="print the raw manifest")
+    p.add_argument("--json", action="store_true", help="print the raw manifest (default: a summary)")
     p.set_defaults(func=run)
 
 

@@ -11,27 +11,30 @@ from collections import defaultdict
 
 from ..dtypes import ALIASES as DTYPES
 from ..passes.shard_plan import SCHEMES, SEARCH_DEVICES, fmt_bytes
+from .cli import positive_int, require_extra
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="state memory the runtime allocates for MODEL at a context length")
     p.add_argument("model", help="preset name, shipped model name, .gguf file or HF directory")
-    p.add_argument("--context", type=int, default=None, help="context length in positions (default: the config's)")
+    p.add_argument("--context", type=positive_int, default=None, help="context length in positions (default: the config's)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="compute dtype (default: as compile's auto, float32; a planning-only config's own)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", *sorted(DTYPES)],
                    help="K/V cache dtype (default auto, as compile: f16 for block-quantized GGUF weights, "
                         "else the compute dtype)")
-    p.add_argument("--batch", type=int, default=1, help="sequences held at once (default 1)")
-    p.add_argument("--summary", action="store_true", help="only the per-kind and total lines")
-    p.add_argument("--devices", type=int, default=None, metavar="N",
+    p.add_argument("--batch", type=positive_int, default=1, help="sequences held at once (default 1)")
+    p.add_argument("--summary", action="store_true",
+                   help="only the per-kind and total lines (default: every state buffer too)")
+    p.add_argument("--devices", type=positive_int, default=None, metavar="N",
                    help="plan MODEL split over N devices: each device's weights, state and scratch, and the "
-                        "bytes they exchange per decode step (docs/scaling.md)")
+                        "bytes they exchange per decode step (docs/scaling.md; default: one device, no split)")
     p.add_argument("--scheme", default="tensor", choices=SCHEMES,
                    help="with --devices: tensor parallel (default; heads, MLP features and vocabulary split) "
                         "or pipeline (contiguous runs of layers)")
     p.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="with --devices: the memory of one device (24GiB, 80GB, or bytes): whether the plan "
-                        f"fits, and the fewest devices of {', '.join(map(str, SEARCH_DEVICES))} that do")
+                        f"fits, and the fewest devices of {', '.join(map(str, SEARCH_DEVICES))} that do "
+                        "(default: no fit check)")
     p.add_argument("--weight-bits", type=float, default=None, metavar="B",
                    help="with --devices: bits per weight of the projections and embedding tables "
                         "(4.5 for Q4_0 blocks; default: the compute dtype's)")
@@ -43,6 +46,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    # Reading a config goes through the model definitions (frontend/arch), which import torch.
+    require_extra("compiler", ("torch", "gguf"))
     from ..contract.entry_points import kv_tile_size
     from ..frontend.config import ConfigError
     from ..frontend.sources import holds_block_quantized_weights, resolve_config
@@ -58,10 +63,6 @@ def run(args) -> int:
         cfg = cfg.replace(kv_dtype=DTYPES[args.kv_dtype])
     elif not cfg.planning_only:
         cfg = cfg.replace(kv_dtype=cfg.auto_cache_dtype(holds_block_quantized_weights(args.model)))
-    if args.context is not None and args.context <= 0:
-        raise ConfigError("--context must be positive")
-    if args.batch <= 0:
-        raise ConfigError("--batch must be positive")
     if args.devices is None:
         given = [flag for flag, value in (("--device-memory", args.device_memory), ("--weight-bits", args.weight_bits),
                                           ("--scheme", None if args.scheme == "tensor" else args.scheme),
@@ -69,8 +70,6 @@ def run(args) -> int:
                  if value is not None]
         if given:
             raise ConfigError(f"{', '.join(given)}: only with --devices N (a split over devices)")
-    elif args.devices <= 0:
-        raise ConfigError(f"--devices must be positive (got {args.devices})")
     memory = parse_size(args.device_memory) if args.device_memory is not None else None
     context = args.context if args.context is not None else cfg.max_context
     try:

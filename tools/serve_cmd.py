@@ -6,6 +6,8 @@ import sys
 
 from .cli import CliError
 
+DEFAULT_MAX_STOP = 4  # server/protocol.py's, without importing the serve extra to build the parser
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a bundle over an OpenAI-compatible HTTP API")
@@ -27,7 +29,21 @@ def add_parser(sub) -> None:
     p.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="/health answers 503 when generation makes no step this long with work queued (default 60)")
     p.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
-                   help="allow browser requests from ORIGIN (repeatable; '*' for any)")
+                   help="allow browser requests from ORIGIN (repeatable; '*' for any); other cross-origin "
+                        "requests get HTTP 403 (default: none)")
+    p.add_argument("--allowed-hosts", action="append", default=[], metavar="HOST",
+                   help="also answer requests whose Host header names HOST (repeatable; '*' for any; default: "
+                        "the --host address and localhost); others get HTTP 400")
+    p.add_argument("--max-stop", type=int, default=DEFAULT_MAX_STOP, metavar="N",
+                   help=f"stop strings one request may give (default {DEFAULT_MAX_STOP}, as OpenAI)")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="open connections at once; more get HTTP 503 (default 1024, or half the open-file limit)")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="time a client has to send a request's headers, then HTTP 408 (default 10)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="time a client has to send a request's whole body, then HTTP 408 (default 30)")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="time an idle connection is kept open between requests (default 5)")
     p.add_argument("--no-prompt-cache", action="store_true",
                    help="prefill every prompt in full, instead of reusing the tokens a released row holds")
     p.add_argument("--slots-dir", default=None, metavar="DIR",
@@ -49,10 +65,11 @@ def run(args) -> int:
     from ..runtime import Model
     from ..runtime.slots import DEFAULT_MAX_FILES, check_slots_dir
 
-    for name in ("max_queue",):
+    for name in ("max_queue", "max_stop"):
         if getattr(args, name) < 0:
             raise CliError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    for name in ("max_body_bytes", "request_timeout", "shutdown_timeout", "stall_timeout", "slots_max"):
+    for name in ("max_body_bytes", "request_timeout", "shutdown_timeout", "stall_timeout", "slots_max",
+                 "max_connections", "header_timeout", "body_timeout", "keep_alive_timeout"):
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise CliError(f"--{name.replace('_', '-')} must be > 0, got {value}")
@@ -66,8 +83,13 @@ def run(args) -> int:
     options = ServeOptions(max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                            request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
                            stall_timeout=args.stall_timeout, cors_origins=list(args.cors),
+                           allowed_hosts=list(args.allowed_hosts), host=args.host, max_stop=args.max_stop,
+                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                           keep_alive_timeout=args.keep_alive_timeout,
                            prompt_cache=not args.no_prompt_cache, slots_dir=args.slots_dir,
                            slots_max=args.slots_max or DEFAULT_MAX_FILES)
+    if args.max_connections is not None:
+        options.max_connections = args.max_connections
     model = Model.load(args.bundle, device=args.device, verify=not args.no_verify, threads=args.threads)
     model_id = args.model_id or str(model.manifest.model_name or "foldline")
     served = ServedModel(model, model_id, options=options)
@@ -76,7 +98,8 @@ def run(args) -> int:
     slots = served.scheduler.slots
     if slots is not None:
         print(f"foldline serve: saving rows to {slots.dir} ({len(slots.files)} found, at most {slots.max_files} "
-              f"files of {slots.file_nbytes / (1 << 20):.1f} MiB)", file=sys.stderr, flush=True)
+              f"files of {slots.token_nbytes / 1024:.1f} KiB per token held, {slots.file_nbytes / (1 << 20):.1f} MiB "
+              "at most)", file=sys.stderr, flush=True)
     serve(served, args.host, args.port)
     print("foldline serve: stopped", file=sys.stderr, flush=True)
     return 0

@@ -7,28 +7,34 @@ from pathlib import Path
 
 import numpy as np
 
+from .cli import positive_int, require_extra
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("verify", help="compile MODEL and check the compiled module against torch eager")
     p.add_argument("model", help="preset name, shipped model name, .gguf file or HF directory")
-    p.add_argument("--target", default="cpu", choices=["cpu", "vulkan", "cuda", "onnx"])
-    p.add_argument("--cpu", default="host", help="CPU for llvm-cpu: host, generic or an LLVM CPU name")
+    p.add_argument("--target", default="cpu", choices=["cpu", "vulkan", "cuda", "onnx"],
+                   help="compile target to check (default cpu)")
+    p.add_argument("--cpu", default="host", help="CPU for llvm-cpu: host, generic or an LLVM CPU name (default host)")
     p.add_argument("--vulkan-target", default="host", help="IREE Vulkan target (default: the device here)")
     p.add_argument("--cuda-arch", default="sm_80", help="CUDA SM architecture (default sm_80)")
-    p.add_argument("--steps", type=int, default=48, help="greedy decode steps after the prompt")
-    p.add_argument("--prompt-len", type=int, default=40, help="random prompt length (token ids)")
-    p.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: as foldline compile)")
-    p.add_argument("--max-context", type=int, default=None)
-    p.add_argument("--passes", default=None, help="comma-separated pass pipeline (default pipeline)")
+    p.add_argument("--steps", type=positive_int, default=48, help="greedy decode steps after the prompt (default 48)")
+    p.add_argument("--prompt-len", type=positive_int, default=40,
+                   help="random prompt length in token ids (default 40)")
+    p.add_argument("--chunk", type=positive_int, default=None, help="prefill chunk (default: as foldline compile)")
+    p.add_argument("--max-context", type=positive_int, default=None,
+                   help="context length of the compiled bundle (default: as foldline compile)")
+    p.add_argument("--passes", default=None, help="comma-separated pass pipeline (default: the default pipeline)")
     p.add_argument("--tol", type=float, default=None, help="scaled-error tolerance (default 1e-4 for fp32)")
-    p.add_argument("--bundle", type=Path, default=None, help="keep the bundle here (default: temp dir)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bundle", type=Path, default=None, help="keep the bundle here (default: a temporary directory)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids (default 0)")
     p.add_argument("--attention", choices=["auto", "fused", "decomposed"], default="auto",
-                   help="prefill attention form, as foldline compile --attention")
+                   help="prefill attention form, as foldline compile --attention (default auto)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    require_extra("compiler")
     from ..backends.build import BuildOptions, compile_model, resolve_dtypes
     from ..backends.fused_attention import attention_form
     from ..backends.targets import make_target

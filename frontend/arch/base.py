@@ -48,5 +48,3 @@ class Architecture:
     gguf_tensor_names: Callable[[ModelConfig], dict[str, str]] | None = None
     gguf_tensor_value: Callable[[str, np.ndarray, ModelConfig], np.ndarray] = keep_value
     gguf_skip_tensor: Callable[[str, ModelConfig], bool] = skip_nothing
-    # Used when a GGUF file carries no tokenizer.chat_template.
-    default_chat_template: str | None = None

@@ -17,23 +17,6 @@ from ..hf_config import common_fields as hf_common_fields
 from ..model import parameter_names
 from .base import Architecture
 
-# Compile-time context when the user gives none (GGUF files): room for a
-# >512-token prompt, so the 512 window matters, small enough for fast CPU builds.
-
-# Gemma's published turn format, used when a gemma3 GGUF carries no
-# tokenizer.chat_template (the shipped 270M file has none). A system message is
-# folded into the first user turn, as Gemma's own template does.
-GEMMA_TURN_TEMPLATE = (
-    "{{ bos_token }}{% set ns = namespace(system='') %}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}"
-    "{% else %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "<start_of_turn>{{ role }}\n{% if role == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
-    "{{ message['content'] | trim }}<end_of_turn>\n"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-)
-
 
 def gemma3_tiny() -> ModelConfig:
     """Gemma 3's block at small size: 5 local : 1 global, sandwich norms, tied head."""
@@ -157,5 +140,4 @@ ARCHITECTURE = Architecture(
     gguf_architecture="gemma3",
     config_from_gguf=config_from_gguf,
     gguf_tensor_names=gguf_tensor_names,
-    default_chat_template=GEMMA_TURN_TEMPLATE,
 )
