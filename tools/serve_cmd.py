@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .cli import CliError
+from .cli import CliError, require_extra
 
 DEFAULT_MAX_STOP = 4  # server/protocol.py's, without importing the serve extra to build the parser
 
@@ -56,14 +56,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    try:
-        from ..server.run import serve
-        from ..server.served import ServedModel, ServeOptions
-    except ImportError as e:
-        raise CliError(f"foldline serve needs the serve extra ({e.name} is missing): pip install 'foldline[serve]'") \
-            from e
+    require_extra("serve")  # before any import of it: one line naming the extra, not a traceback
     from ..runtime import Model
     from ..runtime.slots import DEFAULT_MAX_FILES, check_slots_dir
+    from ..server.run import serve
+    from ..server.served import ServedModel, ServeOptions
 
     for name in ("max_queue", "max_stop"):
         if getattr(args, name) < 0:
