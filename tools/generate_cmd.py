@@ -82,6 +82,7 @@ def run(args) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
+    sys.stdout.flush()  # the text before the stats line on stderr, also through a pipe
     dt = time.perf_counter() - t0
     usage = stream.usage
     print(f"[{usage.completion_tokens} tokens ({stream.finish_reason}) in {dt:.2f} s: "
