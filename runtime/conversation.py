@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from .chat import ChatTemplateError, check_messages, encode_messages, end_of_tur
 from .checks import ClosedOnExit, ContextFullError
 from .generation import Generation
 from .sampling import Sampler
+from .session_file import write_private_atomically
 
 MESSAGES_FORMAT = "foldline-conversation"
 MESSAGES_VERSION = 1
@@ -159,15 +159,8 @@ class Conversation(ClosedOnExit):
         path = self.session.save(path)
         record = {"format": MESSAGES_FORMAT, "version": MESSAGES_VERSION, "messages": self.messages,
                   "tokens_sha256": _tokens_sha256(self.session.tokens)}
-        target = messages_path(path)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        try:  # owner-only, as the session file: a conversation is private
-            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-                f.write(json.dumps(record, ensure_ascii=False, indent=1))
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
+        text = json.dumps(record, ensure_ascii=False, indent=1).encode()
+        write_private_atomically(messages_path(path), lambda f: f.write(text))  # owner-only, as the session file
         return path
 
     def load(self, path: str | Path) -> None:

@@ -31,10 +31,10 @@ import os
 import secrets
 import zipfile
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -114,7 +114,7 @@ def save_session_file(path: str | Path, identity: dict[str, Any], layout: list[S
             raise ValueError(f"state buffer {spec.name!r} is {buf.dtype}{list(buf.shape)}; one row of it is "
                              f"{held.host_dtype}{list(spec.shape)}, its held slots {list(held.shape)}")
         arrays[f"state_{i}"] = np.ascontiguousarray(kept).reshape(-1).view(np.uint8)
-    _write_private_atomically(path, arrays)
+    write_private_atomically(path, lambda f: np.savez(f, **arrays))
     return path
 
 
@@ -126,13 +126,14 @@ def _state_entry(spec: StateBuffer, position: int | None = None) -> dict[str, An
     return entry
 
 
-def _write_private_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Write `arrays` as an .npz at `path`: a 0600 temporary file beside it, fsynced, renamed over it."""
+def write_private_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write a private file (a conversation's state or messages): `write(f)` fills a 0600 temporary
+    file beside `path`, which is fsynced and renamed over it, so a crash leaves any old file whole."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
