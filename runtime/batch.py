@@ -30,6 +30,12 @@ model, weights and per-row state layout (a `Session` is such a row). A row's
 kept tokens are about to be lost when it is zeroed, rewound or overwritten;
 `before_evict` (the server's slot store, runtime/slots.py) is told first.
 
+With checkpoints (`Batch(model, checkpoints=N)`, runtime/prompt_cache.py), a
+row whose prompt is prefilled from position 0 in whole chunks keeps a host
+copy of its ring and recurrent state at each chunk boundary (the latest N);
+a prompt that leaves what the row holds after one of them resumes there. Only
+those buffers are copied: full caches keep their slots below any position.
+
 A bundle compiled with row counts below its batch (`row_counts` in the
 manifest; by default 1) has entry points over the first k rows of the same
 state buffers: each call takes the fewest rows that cover the rows it feeds,
@@ -46,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from ..contract.entry_points import decode_inputs, kv_tiles_input, row_entry_name
+from ..contract.state import RECURRENT_KINDS, SEQ_DIM
 from ..errors import InputError
 from .checks import ClosedOnExit, ContextFullError, SessionStateError, check_ids, check_usable
 from .prompt_cache import ReuseRule
@@ -70,6 +77,14 @@ class Snapshot:
     prefilled: int = 0
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """A row's rings and recurrent state (host copies, in `Batch.volatile` order) after its first `position` tokens."""
+
+    position: int
+    buffers: list[np.ndarray]
+
+
 class Batch(ClosedOnExit):
     """The rows of a batched bundle; one call advances any subset of them.
 
@@ -78,7 +93,7 @@ class Batch(ClosedOnExit):
     beside it.
     """
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, checkpoints: int = 0):
         self.model = model  # a runtime Model (not imported: model.py builds batches)
         self.rows = model.batch_size
         layout = model.state_layout()
@@ -93,6 +108,17 @@ class Batch(ClosedOnExit):
         self.open = [False] * self.rows
         self._written = [False] * self.rows  # rows a call computed since they were last zeroed
         self.reuse = ReuseRule.for_state(model.manifest.state, model.max_context)
+        # the buffers a position does not index (rings, recurrent state): what a checkpoint copies
+        self.volatile = [i for i, s in enumerate(layout) if self.reuse.whole_only and not _position_indexed(s, model)]
+        if type(checkpoints) is not int or checkpoints < 0:
+            raise InputError(f"checkpoints must be a count of 0 or more, not {checkpoints!r}")
+        self.max_checkpoints = checkpoints if self.volatile else 0
+        self.checkpoints: list[list[Checkpoint]] = [[] for _ in range(self.rows)]
+        # per row: its volatile state follows its tokens (False after a pad ride-along: only a checkpoint serves)
+        self.live = [True] * self.rows
+        # per row: every token so far fed by prefill calls that start at multiples of the chunk, from 0, as a
+        # prefill from scratch feeds them: a checkpoint taken then is that prefill's state, to the bit
+        self._aligned = [True] * self.rows
         # called with a row whose kept tokens are about to be lost, while its state still holds them
         self.before_evict: Callable[[int], None] | None = None
         self.broken: str | None = None
@@ -134,6 +160,7 @@ class Batch(ClosedOnExit):
                             for buf, nbytes in zip(self.buffers, self._row_bytes)]
             self._written[row] = False
         self.positions[row], self.tokens[row], self.prefilled[row], self.open[row] = 0, [], 0, True
+        self.checkpoints[row], self.live[row], self._aligned[row] = [], True, True
         return row
 
     def open_row_reusing(self, prompt: Sequence[int], row: int | None = None) -> tuple[int, int]:
@@ -153,7 +180,7 @@ class Batch(ClosedOnExit):
         elif row not in free:
             raise RowError(f"row {row} is not free")
         else:
-            best, reused = row, self.reuse.usable(self.tokens[row], prompt, self.prefilled[row])
+            best, reused = row, self.usable(row, prompt)
         if reused == 0:
             return self.open_row(free[0] if row is None else row), 0
         row = best
@@ -161,20 +188,69 @@ class Batch(ClosedOnExit):
         self._rewind_open(row, reused)
         return row, reused
 
+    def usable(self, row: int, prompt: Sequence[int]) -> int:
+        """How many leading tokens of `prompt` the kept `row` serves (runtime/prompt_cache.py)."""
+        return self.reuse.usable(self.tokens[row], prompt, self.prefilled[row], self.checkpoint_positions(row),
+                                 self.live[row])
+
+    def served(self, row: int) -> int:
+        """The most leading tokens of what `row` holds that any prompt can reuse."""
+        return self.reuse.served(self.tokens[row], self.prefilled[row], self.checkpoint_positions(row), self.live[row])
+
+    def checkpoint_positions(self, row: int) -> list[int]:
+        """The positions at which `row` keeps a checkpoint, oldest first."""
+        return [c.position for c in self.checkpoints[row]]
+
     def best_kept_row(self, prompt: Sequence[int]) -> tuple[int, int]:
         """The free row whose kept state serves the longest prefix of `prompt`, and how many tokens (0: none)."""
-        reused, row = max(((self.reuse.usable(self.tokens[r], prompt, self.prefilled[r]), r)
-                           for r in self.free_rows()), default=(0, -1))
+        reused, row = max(((self.usable(r, prompt), r) for r in self.free_rows()), default=(0, -1))
         return row, reused
 
     def _rewind_open(self, row: int, keep: int) -> None:
-        """Open `row` holding only its first `keep` tokens (the rest is written over as the row is fed)."""
+        """Open `row` holding only its first `keep` tokens (the rest is written over as the row is fed).
+
+        Rings and recurrent state that do not already follow those tokens are rewound to the
+        checkpoint at `keep` (the prompt cache served no more than one).
+        """
+        whole = self.live[row] and keep == len(self.tokens[row])
+        if self.volatile and not whole:
+            self._write_checkpoint(row, next(c for c in self.checkpoints[row] if c.position == keep))
+            self._aligned[row] = True
+        else:
+            self._aligned[row] = self._aligned[row] and keep % self.model.chunk == 0 and keep <= self.prefilled[row]
         self.positions[row], self.tokens[row], self.open[row] = keep, self.tokens[row][:keep], True
         self.prefilled[row] = min(self.prefilled[row], keep)
+        self.checkpoints[row] = [c for c in self.checkpoints[row] if c.position <= keep]
+        self.live[row] = True
+
+    def _write_checkpoint(self, row: int, checkpoint: Checkpoint) -> None:
+        """Put a checkpoint's rings and recurrent state back into `row`'s slice of those buffers."""
+        ctx, layout, buffers = self.model.ctx, self.model.row_layout(), list(self.buffers)
+        for i, data in zip(self.volatile, checkpoint.buffers):
+            buffers[i] = ctx.write_range(buffers[i], row * layout[i].row_nbytes, data)
+        if any(new is not old for new, old in zip(buffers, self.buffers)):
+            self.buffers = buffers  # a device that could not write in place gave fresh buffers
+        self._written[row] = True
+
+    def _take_checkpoint(self, row: int) -> None:
+        """Copy `row`'s rings and recurrent state to the host at its position, keeping the latest few."""
+        ctx, layout = self.model.ctx, self.model.row_layout()
+        copies = [ctx.read_range(self.buffers[i], row * layout[i].row_nbytes, layout[i].row_nbytes)
+                  .view(layout[i].host_dtype).reshape(layout[i].shape) for i in self.volatile]
+        kept = [c for c in self.checkpoints[row] if c.position < self.positions[row]]
+        self.checkpoints[row] = [*kept, Checkpoint(self.positions[row], copies)][-self.max_checkpoints:]
+
+    def checkpoint_nbytes(self) -> int:
+        """The bytes one checkpoint of one row holds (0 when the bundle has nothing to checkpoint)."""
+        layout = self.model.row_layout()
+        return sum(layout[i].row_nbytes for i in self.volatile) if self.max_checkpoints else 0
 
     def _losing(self, row: int, keep: int) -> None:
         """Tell `before_evict` when `row` is about to keep only `keep` of its tokens and held more worth serving."""
-        if self.before_evict is not None and self.reuse.served(self.tokens[row], self.prefilled[row]) > keep:
+        if self.before_evict is not None and self.served(row) > keep:
+            if not self.live[row]:  # what a save reads must follow the row's tokens: its last checkpoint
+                self._write_checkpoint(row, self.checkpoints[row][-1])
+                self.live[row] = True
             self.before_evict(row)
 
     def release(self, row: int) -> None:
@@ -192,8 +268,17 @@ class Batch(ClosedOnExit):
         keeps = self.tokens[row] and self.positions[row] < self.model.max_context
         if keeps and (not decode or self.reuse.ride_along_keeps):
             return self.positions[row]
+        if keeps and self.checkpoints[row]:
+            # the pad spoils the live rings and recurrent state; the full caches below the row's last
+            # checkpoint, and the checkpoint itself, still serve its tokens up to there
+            last = self.checkpoints[row][-1].position
+            self._losing(row, keep=last)
+            self.positions[row], self.tokens[row] = last, self.tokens[row][:last]
+            self.prefilled[row], self.live[row] = min(self.prefilled[row], last), False
+            return last
         self._losing(row, keep=0)
         self.positions[row], self.tokens[row], self.prefilled[row] = 0, [], 0  # what it held is overwritten now
+        self.checkpoints[row], self.live[row] = [], True
         return 0
 
     # ---- steps ---------------------------------------------------------------
@@ -251,11 +336,15 @@ class Batch(ClosedOnExit):
             self.broken = f"{name} failed: {type(e).__name__}: {e}"
             raise
         out = {}
+        chunk = self.model.chunk
         for r, ids in checked.items():
             if not is_decode and self.prefilled[r] == self.positions[r]:
                 self.prefilled[r] += ids.size
+            self._aligned[r] = self._aligned[r] and not is_decode and self.positions[r] % chunk == 0
             self.positions[r] += ids.size
             self.tokens[r].extend(int(t) for t in ids)
+            if self.max_checkpoints and self._aligned[r] and self.positions[r] % chunk == 0:
+                self._take_checkpoint(r)
             out[r] = logits[r].reshape(-1)
         return out
 
@@ -289,6 +378,7 @@ class Batch(ClosedOnExit):
         self._written[row] = True
         self.positions[row], self.tokens[row], self.open[row] = snap.position, list(snap.tokens), True
         self.prefilled[row] = snap.prefilled
+        self.checkpoints[row], self.live[row], self._aligned[row] = [], True, False
 
     def open_row_from(self, row: int, snap: Snapshot, prompt: Sequence[int]) -> int:
         """Open the free `row` from `snap` (a saved conversation) for `prompt`; returns the prompt tokens it serves.
@@ -356,6 +446,7 @@ class Batch(ClosedOnExit):
     # ---- lifetime ------------------------------------------------------------
     def close(self) -> None:
         self.buffers, self.closed = [], True
+        self.checkpoints = [[] for _ in range(self.rows)]
 
     def _check_usable(self) -> None:
         check_usable("batch", self.closed, self.broken, self.model, "its rows' state is undefined")
@@ -363,3 +454,9 @@ class Batch(ClosedOnExit):
     def _check_row(self, row: int) -> None:
         if type(row) is not int or not 0 <= row < self.rows:
             raise RowError(f"row {row!r} does not exist; this bundle has rows 0..{self.rows - 1}")
+
+
+def _position_indexed(spec: Any, model: Any) -> bool:
+    """Whether a state buffer holds one slot per position of the whole context (a full cache): a row
+    rewound below what it holds finds every lower slot intact."""
+    return spec.kind not in RECURRENT_KINDS and spec.kind.endswith("_kv") and spec.shape[SEQ_DIM] >= model.max_context

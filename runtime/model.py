@@ -127,9 +127,10 @@ class Model(ClosedOnExit):
         """One sequence: row 0 of a batch of its own (on a batched bundle, through the one-row functions)."""
         return Session(self)
 
-    def batch(self) -> Batch:
-        """All rows of the bundle (`foldline compile --batch N`), advanced together (runtime/batch.py)."""
-        return Batch(self)
+    def batch(self, checkpoints: int = 0) -> Batch:
+        """All rows of the bundle (`foldline compile --batch N`), advanced together (runtime/batch.py);
+        `checkpoints`: how many copies of its rings and recurrent state each row keeps for the prompt cache."""
+        return Batch(self, checkpoints)
 
     def state_layout(self) -> list[StateBuffer]:
         """The state buffers over every row, in the module's argument order (from the manifest)."""

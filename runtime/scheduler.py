@@ -24,7 +24,11 @@ at submit (`QueueFullError`), which the server turns into HTTP 503.
 
 With the prompt cache, a new request takes the free row whose kept state
 serves most of its prompt without losing what it holds, else an empty row,
-else the least recently used (runtime/prompt_cache.py `place`); with a slot
+else the least recently used (runtime/prompt_cache.py `place`); a request that
+names its conversation (`cache_key`) takes back the row that conversation last
+used whenever it serves some of the prompt. With checkpoints, rows keep copies
+of their rings and recurrent state along their prompts, so an edited turn of a
+hybrid model resumes from the last one before the edit. With a slot
 store (`foldline serve --slots-dir`, runtime/slots.py), rows about to lose
 what they kept are saved to disk first, and a saved row that serves more of a
 prompt than any kept one is restored into the row an empty prompt would take.
@@ -84,6 +88,7 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     logprobs: int | None = None
     deadline: float | None = None
+    cache_key: str | None = None  # the conversation this request continues (the prompt cache prefers its row)
     cancelled: threading.Event = field(default_factory=threading.Event)
     cancel_reason: str = "cancelled"
     # set by the scheduler
@@ -105,14 +110,18 @@ class Scheduler:
     """Runs requests on the rows of `model.batch()` from one background thread."""
 
     def __init__(self, model, max_queue: int = 64, stall_timeout: float = 60.0, prompt_cache: bool = True,
-                 slots: SlotStore | None = None):
+                 slots: SlotStore | None = None, checkpoints: int = 0):
         self.model = model  # a runtime Model
         self.prompt_cache = prompt_cache  # reuse what a released row holds (runtime/prompt_cache.py)
         if slots is not None and not prompt_cache:
             raise InputError("saving rows to a slots directory needs the prompt cache, which is off")
         self.slots = slots  # rows' kept state saved to disk (runtime/slots.py)
+        if checkpoints and not prompt_cache:
+            raise InputError("checkpoints serve the prompt cache, which is off")
+        self.checkpoints = checkpoints  # per row, copies of its rings and recurrent state (runtime/batch.py)
         self.batch = self._new_batch()
         self._row_used = [0] * self.batch.rows  # when each row was last opened: the prompt cache's LRU order
+        self._row_key: list[str | None] = [None] * self.batch.rows  # the conversation each row last served
         self._opened = 0
         self.max_queue = max_queue
         self.stall_timeout = stall_timeout
@@ -268,7 +277,7 @@ class Scheduler:
                 if not self._waiting or not self.batch.free_rows():
                     return
                 request = self._waiting[0]  # popped after the row opens: a failure here leaves it queued, not lost
-            row, cached = self._open_row_for(request.pending)
+            row, cached = self._open_row_for(request.pending, request.cache_key)
             with self._wake:
                 if not self._waiting or self._waiting[0] is not request:  # stop() ended it meanwhile
                     self.batch.release(row)
@@ -278,12 +287,12 @@ class Scheduler:
                 self.cached += cached
                 self._running[row] = request
 
-    def _open_row_for(self, prompt: list[int]) -> tuple[int, int]:
+    def _open_row_for(self, prompt: list[int], key: str | None = None) -> tuple[int, int]:
         """Open a row for `prompt` from what serves most of it (a kept row, a saved one), else zeroed;
         (row, prompt tokens served)."""
         if not self.prompt_cache:
             return self.batch.open_row(), 0
-        row, kept = self._place(prompt)
+        row, kept = self._place(prompt, key)
         if self.slots is not None:
             slot, saved = self.slots.best(prompt)
             if slot is not None and saved > kept:
@@ -294,22 +303,25 @@ class Scheduler:
                     log.warning("a saved row could not be restored: %s", e)
                 else:
                     self.restored += served
-                    return self._opened_now(row), served
+                    return self._opened_now(row, key), served
         row, kept = self.batch.open_row_reusing(prompt, row)
-        return self._opened_now(row), kept
+        return self._opened_now(row, key), kept
 
-    def _place(self, prompt: list[int]) -> tuple[int, int]:
-        batch = self.batch
-        return place(batch.reuse, batch.free_rows(), batch.tokens, batch.prefilled, self._row_used, prompt)
+    def _place(self, prompt: list[int], key: str | None = None) -> tuple[int, int]:
+        batch, free = self.batch, self.batch.free_rows()
+        own = [r for r in free if key is not None and self._row_key[r] == key]
+        preferred = max(own, key=self._row_used.__getitem__) if own else None
+        return place(batch.reuse, free, batch.tokens, batch.prefilled, self._row_used, prompt,
+                     [batch.checkpoint_positions(r) for r in range(batch.rows)], batch.live, preferred)
 
-    def _opened_now(self, row: int) -> int:
+    def _opened_now(self, row: int, key: str | None = None) -> int:
         self._opened += 1
-        self._row_used[row] = self._opened
+        self._row_used[row], self._row_key[row] = self._opened, key
         return row
 
     def _new_batch(self):
         """The model's rows; with a slot store, a row about to lose what it kept is saved first."""
-        batch = self.model.batch()
+        batch = self.model.batch(self.checkpoints)
         if self.slots is not None:
             batch.before_evict = lambda row: self._save_row(batch, row)
         return batch

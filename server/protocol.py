@@ -53,6 +53,7 @@ class GenerationParams:
     logprobs: int | None
     timeout: float | None
     n: int = 1  # choices, each sampled on its own row from the same prompt
+    cache_key: str | None = None  # prompt_cache_key: the conversation whose row the prompt cache prefers
 
 
 def generation_params(body: Any, served_model: str, chat: bool, max_stop: int = DEFAULT_MAX_STOP) -> GenerationParams:
@@ -85,4 +86,5 @@ def generation_params(body: Any, served_model: str, chat: bool, max_stop: int = 
         logprobs=logprobs,
         timeout=body.timeout,
         n=1 if body.n is None else body.n,
+        cache_key=body.prompt_cache_key,
     )

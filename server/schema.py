@@ -20,6 +20,7 @@ from .protocol import ApiError
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI
 MAX_MESSAGES = 1024  # turns in one chat request
+MAX_CACHE_KEY_CHARS = 256  # a prompt_cache_key
 MAX_STOP_CHARS = 256  # the length of one stop string (their number: ServeOptions.max_stop)
 
 
@@ -86,6 +87,8 @@ class _Common(_Model):
                                 _published({"const": 0})] = None
     logit_bias: Annotated[dict[str, float] | None, _published({"type": "object", "maxProperties": 0})] = None
     user: str | None = None
+    # OpenAI's name for a conversation's cache bucket: a free row last used under the key is taken back
+    prompt_cache_key: Annotated[str, Field(max_length=MAX_CACHE_KEY_CHARS)] | None = None
     timeout: Seconds | None = None
 
     def refuse_unsupported(self) -> None:

@@ -27,6 +27,7 @@ from .connection import default_max_connections
 from .protocol import DEFAULT_MAX_STOP, ApiError, GenerationParams
 
 MIB = 1 << 20
+DEFAULT_CHECKPOINTS = 4  # per row (foldline serve --checkpoints)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class ServeOptions:
     prompt_cache: bool = True  # a prompt that extends what a released row holds prefills only the rest
     slots_dir: str | None = None  # where rows the prompt cache must give up are saved (runtime/slots.py)
     slots_max: int = DEFAULT_MAX_FILES  # the most files kept there; the least recently used go first
+    checkpoints: int = DEFAULT_CHECKPOINTS  # per row, copies of its rings and recurrent state (runtime/batch.py)
 
 
 class ServedModel:
@@ -67,7 +69,8 @@ class ServedModel:
             slots = SlotStore(self.options.slots_dir, model, self.options.slots_max)
         self.scheduler = Scheduler(model, max_queue=self.options.max_queue,
                                    stall_timeout=self.options.stall_timeout,
-                                   prompt_cache=self.options.prompt_cache, slots=slots)
+                                   prompt_cache=self.options.prompt_cache, slots=slots,
+                                   checkpoints=self.options.checkpoints if self.options.prompt_cache else 0)
         self.draining = False  # set on the first SIGTERM: new requests get 503
         self._drain_timer: threading.Timer | None = None
 
@@ -192,6 +195,7 @@ class Generation:
             stop_ids=frozenset(model.eos_token_ids),
             logprobs=params.logprobs,
             deadline=time.monotonic() + min(limits) if limits else None,
+            cache_key=params.cache_key,
         )
         try:
             served.scheduler.submit(self.request)

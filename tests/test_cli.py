@@ -220,3 +220,13 @@ def test_force_replaces_a_bundle_whole(tmp_path, monkeypatch, capsys, bundle_fac
     assert _tree(old) == _tree(compiled)
     assert [p.name for p in tmp_path.iterdir()] == ["bundle"]
     Manifest.load(old).verify_params()
+
+
+def test_serve_defaults_in_the_parser_are_the_servers():
+    """The parser spells serve's defaults without importing the serve extra: they must stay the server's."""
+    pytest.importorskip("starlette")
+    from foldline.server import protocol, served
+    from foldline.tools import serve_cmd
+
+    assert serve_cmd.DEFAULT_MAX_STOP == protocol.DEFAULT_MAX_STOP == served.ServeOptions().max_stop
+    assert serve_cmd.DEFAULT_CHECKPOINTS == served.DEFAULT_CHECKPOINTS == served.ServeOptions().checkpoints

@@ -182,3 +182,93 @@ def test_recurrent_state_is_kept_until_a_row_rides_along(bundle_factory):
     assert batch.tokens[a] == [] and batch.positions[a] == 0
     batch.release(b)
     assert batch.open_row_reusing([*follow, 1])[1] == 0
+
+
+def test_checkpoints_serve_a_prompt_that_leaves_a_ring_or_recurrent_row():
+    """A whole-only row serves a diverging prompt from its last checkpoint at or before the divergence."""
+    ring = ReuseRule(whole_only=True, ride_along_keeps=True)
+    held = list(range(1, 41))
+    edited = [*held[:29], 99, 98]
+    assert ring.usable(held, edited) == 0, "without checkpoints: nothing"
+    assert ring.usable(held, edited, checkpoints=[8, 16, 24, 32]) == 24, "the last checkpoint before the edit"
+    assert ring.usable(held, [*held, 7], checkpoints=[8, 16]) == 40, "a continuation still takes the whole row"
+    assert ring.usable(held, [*held, 7], checkpoints=[8, 16], live=False) == 16, "a spoiled row: its checkpoints only"
+    assert ring.usable(held, held[:16], checkpoints=[8, 16]) == 8, "the last prompt token is always fed"
+    assert ring.served(held, checkpoints=[8, 16]) == 40 and ring.served(held, checkpoints=[8, 16], live=False) == 16
+
+
+def test_a_conversation_takes_back_its_row_and_a_prompt_asked_again_its_own():
+    """`preferred` (a prompt_cache_key's row) wins when it serves anything; a prompt that repeats all a row's
+    prefill computed takes that row back (it loses at most an answer), also when an empty row is free."""
+    ring = ReuseRule(whole_only=True, ride_along_keeps=True)
+    prompt = list(range(1, 33))
+    held = [*prompt, 70, 71, 72]  # the prompt and an answer
+    edited = [*prompt[:20], 90, 91]
+    rows, used = [0, 1], [1, 0]
+    marks = [[8, 16, 24, 32], []]
+    assert place(ring, rows, [held, []], [32, 0], used, edited, marks) == (1, 0), "an empty row first"
+    assert place(ring, rows, [held, []], [32, 0], used, edited, marks, preferred=0) == (0, 16), "its own row"
+    assert place(ring, rows, [held, []], [32, 0], used, [9, 9, 9], marks, preferred=0) == (1, 0), \
+        "its row serves nothing: the usual rules"
+    assert place(ring, rows, [held, []], [32, 0], used, prompt, marks) == (0, 24), "asked again"
+    full = ReuseRule(whole_only=False, ride_along_keeps=True)
+    assert place(full, rows, [held, []], [32, 0], used, edited) == (1, 0)
+    assert place(full, rows, [held, []], [32, 0], used, edited, preferred=0) == (0, 20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["gemma3-tiny", "qwen35-tiny"])
+def test_checkpoints_resume_an_edited_prompt_to_the_bit(bundle_factory, preset):
+    """gemma3-tiny (rings of 16 slots, wrapped four times) and qwen35-tiny (gated delta net): a row keeps
+    its rings and recurrent state at its prompt's chunk boundaries (the latest 3); a prompt edited after
+    one resumes there and its logits are a prefill from scratch's, to the bit. A decode call that feeds the
+    free row a pad spoils a recurrent row's live state, not its checkpoints."""
+    model = Model.load(bundle_factory(preset, batch=2))
+    chunk = model.chunk
+    rng = np.random.default_rng(14)
+    prompt = rng.integers(1, model.vocab_size, 4 * chunk + 11).tolist()
+    batch = model.batch(checkpoints=3)
+    assert batch.volatile and batch.checkpoint_nbytes() > 0
+    assert Model.batch(model).max_checkpoints == 0, "none unless asked for"
+    row, reused = batch.open_row_reusing(prompt)
+    assert reused == 0
+    _feed(batch, row, prompt, chunk)
+    assert batch.checkpoint_positions(row) == [2 * chunk, 3 * chunk, 4 * chunk], "the latest 3 chunk boundaries"
+    for token in (3, 4, 5):
+        batch.step({row: [token]})
+    assert batch.checkpoint_positions(row) == [2 * chunk, 3 * chunk, 4 * chunk], "decode steps take none"
+    batch.release(row)
+
+    edit_at = 3 * chunk + 5
+    edited = [*prompt[:edit_at], *rng.integers(1, model.vocab_size, 20).tolist()]
+    row, reused = batch.open_row_reusing(edited, row)
+    assert reused == 3 * chunk and batch.positions[row] == 3 * chunk, "the last checkpoint before the edit"
+    assert np.array_equal(_feed(batch, row, edited[reused:], chunk), _fresh(model, edited)), \
+        f"{preset}: an edited prompt resumed from a checkpoint"
+    assert batch.checkpoint_positions(row) == [2 * chunk, 3 * chunk, 4 * chunk], "later ones taken anew"
+    batch.step({row: [6]})
+    batch.release(row)
+
+    # another row's decode steps feed this free row a pad token
+    other = batch.open_row(1 - row)
+    batch.step({other: [1, 2, 3]})
+    saved = []
+    batch.before_evict = lambda r: saved.append(batch.snapshot_row(r))
+    batch.step({other: [7]})
+    if batch.reuse.ride_along_keeps:  # rings: the pad lands in a slot the row's next token overwrites
+        assert batch.live[row] and len(batch.tokens[row]) == len(edited) + 1 and not saved
+    else:  # recurrent state summed the pad: only the checkpoints serve, the tail was saved first
+        assert not batch.live[row] and batch.tokens[row] == edited[:4 * chunk]
+        assert len(saved) == 1 and saved[0].tokens == [*edited, 6]
+    batch.release(other)
+    prompt_again = edited[:4 * chunk + 3]
+    row_again, reused = batch.open_row_reusing(prompt_again, row)
+    assert reused == 4 * chunk
+    assert np.array_equal(_feed(batch, row_again, prompt_again[reused:], chunk), _fresh(model, prompt_again)), \
+        f"{preset}: resumed after riding along"
+    batch.release(row_again)
+
+    # a row zeroed for another prompt forgets its checkpoints; one restored from a snapshot has none
+    batch.before_evict = None
+    batch.open_row(row)
+    assert batch.checkpoint_positions(row) == []

@@ -828,3 +828,38 @@ def test_a_second_signal_exits_at_once(bundle):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_an_edited_prompt_resumes_from_a_checkpoint(bundle):
+    """gemma3-tiny's rings (16 slots) wrap in a 75-token prompt, so without checkpoints an edited prompt is
+    prefilled in full. With them (the default, 4 per row), a prompt edited at token 53 under its conversation's
+    `prompt_cache_key` resumes from its row's checkpoint at 48 (`cached_tokens`), another conversation takes
+    the empty row, and every answer equals a server without the prompt cache."""
+    cached, plain = RunningServer(_served(bundle)), RunningServer(_served(bundle, prompt_cache=False))
+    try:
+        assert cached.served.scheduler.batch.max_checkpoints == 4
+        rng = np.random.default_rng(15)
+        prompt = rng.integers(1, 250, 75).tolist()
+        edited = [*prompt[:53], *rng.integers(1, 250, 6).tolist()]
+
+        def ask(server, ids, **fields) -> tuple[list[int], int]:
+            body = post(server, complete(prompt=ids, logprobs=0, max_tokens=5, **fields)).json()
+            return token_ids(body["choices"][0]), body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        first, hit = ask(cached, prompt, prompt_cache_key="chat-1")
+        assert hit == 0 and first == ask(plain, prompt)[0]
+        answer, hit = ask(cached, edited, prompt_cache_key="chat-1")
+        assert hit == 48, "the row's last checkpoint before the edit"
+        assert answer == ask(plain, edited)[0]
+        assert cached.served.scheduler.batch.checkpoint_positions(0) == [16, 32, 48], "the edit's own chunks"
+        other = [*prompt[:40], *rng.integers(1, 250, 6).tolist()]
+        reply, hit = ask(cached, other, prompt_cache_key="chat-2")
+        assert hit == 0, "another conversation sharing 40 tokens takes the empty row"
+        assert reply == ask(plain, other)[0]
+        follow = [*edited, *answer, 7]
+        reply, hit = ask(cached, follow)
+        assert hit == len(edited) + len(answer) - 1, "a continuation of a row (all its answer's fed tokens) needs no key"
+        assert reply == ask(plain, follow)[0]
+    finally:
+        cached.close()
+        plain.close()

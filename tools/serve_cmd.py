@@ -7,6 +7,7 @@ import sys
 from .cli import CliError, require_extra
 
 DEFAULT_MAX_STOP = 4  # server/protocol.py's, without importing the serve extra to build the parser
+DEFAULT_CHECKPOINTS = 4  # server/served.py's
 
 
 def add_parser(sub) -> None:
@@ -46,6 +47,10 @@ def add_parser(sub) -> None:
                    help="time an idle connection is kept open between requests (default 5)")
     p.add_argument("--no-prompt-cache", action="store_true",
                    help="prefill every prompt in full, instead of reusing the tokens a released row holds")
+    p.add_argument("--checkpoints", type=int, default=DEFAULT_CHECKPOINTS, metavar="N",
+                   help="per row, copies of a hybrid model's ring and recurrent state kept along its prompt, so "
+                        "that a prompt edited after one resumes there (default "
+                        f"{DEFAULT_CHECKPOINTS}; 0: none; models with full caches only need none)")
     p.add_argument("--slots-dir", default=None, metavar="DIR",
                    help="save the conversation a row must give up to DIR (an existing writable directory) and "
                         "restore it when its next turn arrives (default: rows only)")
@@ -62,7 +67,7 @@ def run(args) -> int:
     from ..server.run import serve
     from ..server.served import ServedModel, ServeOptions
 
-    for name in ("max_queue", "max_stop"):
+    for name in ("max_queue", "max_stop", "checkpoints"):
         if getattr(args, name) < 0:
             raise CliError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ("max_body_bytes", "request_timeout", "shutdown_timeout", "stall_timeout", "slots_max",
@@ -84,7 +89,7 @@ def run(args) -> int:
                            header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                            keep_alive_timeout=args.keep_alive_timeout,
                            prompt_cache=not args.no_prompt_cache, slots_dir=args.slots_dir,
-                           slots_max=args.slots_max or DEFAULT_MAX_FILES)
+                           slots_max=args.slots_max or DEFAULT_MAX_FILES, checkpoints=args.checkpoints)
     if args.max_connections is not None:
         options.max_connections = args.max_connections
     model = Model.load(args.bundle, device=args.device, verify=not args.no_verify, threads=args.threads)
@@ -92,6 +97,11 @@ def run(args) -> int:
     served = ServedModel(model, model_id, options=options)
     print(f"foldline serve: {model_id} ({model.batch_size} rows, context {model.max_context}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    batch = served.scheduler.batch
+    if batch.max_checkpoints:
+        each = batch.checkpoint_nbytes()
+        print(f"foldline serve: up to {batch.max_checkpoints} checkpoints per row of {each / (1 << 20):.1f} MiB each "
+              f"({batch.rows * batch.max_checkpoints * each / (1 << 20):.1f} MiB at most)", file=sys.stderr, flush=True)
     slots = served.scheduler.slots
     if slots is not None:
         print(f"foldline serve: saving rows to {slots.dir} ({len(slots.files)} found, at most {slots.max_files} "
