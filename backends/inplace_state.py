@@ -10,8 +10,8 @@ IREE's torch input conversion ends every function that mutates an argument with
     hal.tensor.barrier join(%a, ...)
 
 The scatter already writes into the caller's buffer (its result is tied to the
-imported %t), but the alias re-imports %arg as a separate resource, which IREE
-3.13 cannot prove is the same buffer: it copies the whole cache on every call.
+imported %t), but the alias re-imports %arg as a separate resource, which the pinned
+IREE (targets.IREE_VERSION) cannot prove is the same buffer: it copies the whole cache on every call.
 For a global layer that copy is max_context slots per step, the largest cost
 of a decode step in a long-context bundle (docs/architecture.md, "Attention that
 reads the tokens held").

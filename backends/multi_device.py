@@ -51,10 +51,6 @@ def device_scope(index: int) -> str:
     return PARAM_SCOPE if index == 0 else f"device{index}"
 
 
-def params_file(index: int) -> str:
-    return "params.irpa" if index == 0 else f"params.{device_scope(index)}.irpa"
-
-
 def weight_device(global_name: str, placement: Placement) -> int | None:
     """The device a weight's util.global lives on (the importer drops the `model.` of a target); None for
     a constant the placement does not name, which IREE places by its uses (its parameter: device 0's)."""

@@ -53,8 +53,8 @@ from .onnx_gqa import (
 from .onnx_gqa import translation as gqa_translation
 from .onnx_nbits import ACCURACY_LEVEL, fits, placeholder_translation, to_matmul_nbits
 from .onnx_norms import fuse_rms_norms
+from .targets import ONNX_DEVICE
 
-DEVICE = "onnxruntime"  # the runtime device that runs an ONNX module (runtime/onnx_device.py)
 DATA_FILE = "model.onnx.data"
 EXTERNAL_MIN_BYTES = 1024  # smaller initializers stay in their graph
 # The step inputs of each entry point, in order (contract/entry_points.py).
@@ -231,6 +231,6 @@ def export_module(programs: dict[str, tuple[ExportedProgram, int]], state: list[
     finally:
         weights.close()
     entry = FileEntry.of(out / DATA_FILE)
-    return ModuleEntry(entry.file, entry.sha256, entry.size, device=DEVICE,
+    return ModuleEntry(entry.file, entry.sha256, entry.size, device=ONNX_DEVICE,
                        description=f"ONNX opset {max(opsets)} for ONNX Runtime", executable_formats=["onnx"],
                        activations=activations, parts=parts, window_order=WINDOW_ORDER if window_caches else None)

@@ -24,7 +24,7 @@ Progress = Callable[[str], None]
 class BuildOptions:
     targets: list[Target] = field(default_factory=lambda: [make_target("cpu")])
     passes: list[str] | None = None  # None: the default pipeline
-    chunk: int | None = None  # prefill chunk; None: build.default_chunk()
+    chunk: int | None = None  # prefill chunk; None: policy.default_chunk()
     batch: int = 1
     rows: tuple[int, ...] | None = None  # row counts below batch with entry points of their own; None: (1,) if batch > 1
     max_context: int | None = None
@@ -33,8 +33,8 @@ class BuildOptions:
     hadamard: str = "fold"  # fuse-hadamard mode: "fold" rotations into float weights, or keep them "online"
     weights: str = "auto"  # quantize-weights mode: auto (the checkpoint's blocks), f32, int8, int4
     group: int = 32  # quantization group for requantized weights
-    kv_dtype: str = "auto"  # attention cache element type: auto (build.default_kv_dtype), float32, float16, bfloat16
-    dtype: str = "auto"  # compute dtype: auto (build.default_compute_dtype), float32, float16, bfloat16
+    kv_dtype: str = "auto"  # attention cache element type: auto (policy.default_kv_dtype), float32, float16, bfloat16
+    dtype: str = "auto"  # compute dtype: auto (policy.default_compute_dtype), float32, float16, bfloat16
     activations: str = "auto"  # quantized products: auto (int8 where the CPU has AVX2 or VNNI), int8, f32
     attention: str = "auto"  # prefill attention: auto, fused (one flash-style op), decomposed (backends/fused_attention.py)
     devices: int = 1  # devices the model is placed on (passes/place_devices.py, backends/multi_device.py)

@@ -1,6 +1,6 @@
 """IREE target presets: the iree-compile flags for each foldline target.
 
-Facts about IREE 3.13 that shape these presets (checked with iree-compile):
+Facts about the pinned IREE (`IREE_VERSION`) that shape these presets (checked with iree-compile):
 
 - Vulkan: there is no target called "generic". The default profile,
   `vp_android_baseline_2022`, has no 64-bit integer compute, and our modules
@@ -35,9 +35,15 @@ func.func @probe(%a: tensor<4xf32>) -> tensor<4xf32> {
 }
 """
 
+# The IREE release foldline is built against: pyproject.toml pins iree-base-compiler and
+# iree-base-runtime to it (tests/test_backends.py checks the pins and the installed packages), and
+# what the code and docs say IREE does or cannot do was found with it.
+IREE_VERSION = "3.13"
+ONNX_DEVICE = "onnxruntime"  # the runtime device that runs an ONNX module (runtime/onnx_device.py)
+
 DEFAULT_VULKAN_TARGET = "host"
 DEFAULT_CUDA_ARCH = "sm_80"
-# CUDA archs iree-compile 3.13 rejects, with what to use instead.
+# CUDA archs the pinned iree-compile rejects, with what to use instead.
 UNSUPPORTED_CUDA_ARCHS = {
     "sm_90": "sm_80 (its PTX is JIT-compiled by the driver on Hopper)",
     "sm_90a": "sm_80 (its PTX is JIT-compiled by the driver on Hopper)",
@@ -219,7 +225,7 @@ def vulkan_target(name: str = DEFAULT_VULKAN_TARGET) -> Target:
     """SPIR-V for one named Vulkan device family (`host`: the device on this machine)."""
     if name == "generic":
         raise TargetError(
-            "iree-compile 3.13 has no portable Vulkan target that compiles these models "
+            f"iree-compile {IREE_VERSION} has no portable Vulkan target that compiles these models "
             "(its baseline profile lacks 64-bit integers); "
             f"name the device family with --vulkan-target: host, {VULKAN_SUGGESTIONS}"
         )
@@ -232,7 +238,7 @@ def cuda_target(arch: str = DEFAULT_CUDA_ARCH) -> Target:
     """PTX for one SM architecture; compiles without a GPU or a CUDA toolkit."""
     if arch in UNSUPPORTED_CUDA_ARCHS:
         raise TargetError(
-            f"iree-compile 3.13 cannot compile for {arch} (missing GPU target); "
+            f"iree-compile {IREE_VERSION} cannot compile for {arch} (missing GPU target); "
             f"use --cuda-arch {UNSUPPORTED_CUDA_ARCHS[arch]}"
         )
     flags = ["--iree-hal-target-backends=cuda", f"--iree-cuda-target={arch}"]
@@ -249,7 +255,7 @@ def make_target(name: str, cpu: str = "host", triple: str | None = None,
     if name == "cuda":
         return cuda_target(cuda_arch)
     if name == "onnx":
-        return Target("onnxruntime", [], "ONNX for ONNX Runtime (backends/onnx_export.py)")
+        return Target(ONNX_DEVICE, [], "ONNX for ONNX Runtime (backends/onnx_export.py)")
     raise TargetError(f"unknown target {name!r}; expected cpu, vulkan, cuda or onnx")
 
 

@@ -27,7 +27,7 @@ def eos_ids(value: Any) -> tuple[int, ...]:
 
 def checkpoint_dtype(raw: dict[str, Any]) -> str:
     """The dtype the checkpoint's weights are stored in (config.json `dtype`); the module is built
-    in it, and `foldline compile --dtype` picks the compute dtype from it (backends/build.py)."""
+    in it, and `foldline compile --dtype` picks the compute dtype from it (backends/policy.py)."""
     name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     return name if name in FLOAT_DTYPES else "float32"
 

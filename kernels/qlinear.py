@@ -37,10 +37,11 @@ replaces each one with a `util.call` to a generated `util.func`:
   SPIR-V. CPU modules compile without constant-expression hoisting, so the
   tile is never moved into a load-time float copy of every weight.
 
-Alternatives that lose with IREE 3.13 (docs/quantization.md gives the figures):
+Alternatives that lose with the pinned IREE (backends/targets.IREE_VERSION; docs/quantization.md
+gives the figures):
 
 - a dequant generic followed by a matmul for decode is not fused by default
-  (`--iree-dispatch-creation-block-matmul-producer-fusion`, on in 3.13); with
+  (`--iree-dispatch-creation-block-matmul-producer-fusion` is on and blocks it); with
   the fusion forced it runs several times slower than the fused matvec;
 - nibble unpacking with shifts and masks in the torch graph is never fused;
   torch.uint4 does not import;
@@ -226,7 +227,7 @@ def _widen_q5(spec: QLinearSpec) -> list[str]:
     """Lines making %codes [N, K] (one byte per code, 0..31, in k order) from %codes_q5, the stored planes.
 
     The float kernels then read q5 codes as they read q8 ones: the portable form, which copies
-    the planes apart and writes the widened codes each call (IREE 3.13 fuses neither into the
+    the planes apart and writes the widened codes each call (the pinned IREE fuses neither into the
     kernel's dispatch; reading the planes in place crashes the compiler). The int8 kernels read
     the planes as they lie; where a bundle would run the float kernels at every step, the
     quantize-weights pass widens the codes once instead (docs/quantization.md). Code
@@ -471,7 +472,7 @@ def half_group_mlir(spec: QLinearSpec, isa: FloatIsa = HARDWARE_FLOAT) -> str:
     takes less time per call on every shape measured (docs/quantization.md,
     "The kernels").
 
-    IREE 3.13 constraints the form keeps: the accumulator is combined by an
+    The pinned IREE's constraints the form keeps: the accumulator is combined by an
     `addf` (a `math.fma` on %out is not a reduction the vectorizer recognises:
     the op stays scalar); the products are `math.fma` (a mulf+addf body is
     recognised as a contraction and lowered lane by lane); no operand has a
@@ -631,7 +632,7 @@ def dequantize_matmul_mlir(spec: QLinearSpec, q4_bytes: bool = True, isa: FloatI
     """A dequantization generic to a float [N, K] tile, then a matmul: once per call.
 
     Used where the fused generic is the wrong tool: prefill chunks on CPU (M > 1,
-    where IREE 3.13 runs the fused form far below float32 matmul speed, so
+    where the pinned IREE runs the fused form far below float32 matmul speed, so
     dequantizing once per chunk costs less CPU per token) and GPU targets (the
     fused form's CPU-sized vectors do not lower to SPIR-V). With constant-expression
     hoisting off (backends/targets.py) the float tile lives only during the call.

@@ -39,7 +39,7 @@ from .graph_edit import LiftedInputs, copy_graph_module, remove_dead_code
 from .registry import CompileUnit, PassResult, register_pass
 
 NAME = "quantize-weights"
-FIVE_BIT_CODES = "five_bit_codes"  # unit option: False widens q5 checkpoint blocks to q8 (backends/build.py)
+FIVE_BIT_CODES = "five_bit_codes"  # unit option: False widens q5 checkpoint blocks to q8 (backends/policy.keeps_five_bit_codes)
 MODES = ("auto", "f32", "int8", "int4")
 FORMAT_OF_MODE = {"int8": "q8", "int4": "q4"}
 DEFAULT_GROUP = 32

@@ -1,12 +1,18 @@
-"""Target presets: flags, recorded arch, and the clear refusals (no model compile here)."""
+"""Target presets: flags, recorded arch, and the clear refusals; the IREE release the compiler is built
+against; what importing the compiler loads (no model compile here)."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
 from foldline.backends.targets import (
+    IREE_VERSION,
     X86_ISA_FLAGS,
     TargetError,
     cpu_target,
@@ -132,7 +138,7 @@ def test_unknown_target():
 
 @pytest.mark.parametrize("arch, ok", [("sm_80", True), ("sm_89", True), ("sm_90", False)])
 def test_iree_cuda_arch_support_matches_our_refusals(tmp_path: Path, arch: str, ok: bool):
-    """iree-compile 3.13 compiles sm_80/sm_89 but not sm_90; when that changes, lift the refusal."""
+    """The pinned iree-compile compiles sm_80/sm_89 but not sm_90; when that changes, lift the refusal."""
     import iree.compiler as ireec
 
     args = ["--iree-hal-target-backends=cuda", f"--iree-cuda-target={arch}"]
@@ -186,3 +192,25 @@ def test_copy_to_host_map_and_staging_paths(device, allow_map):
         assert out.dtype == src.dtype and out.flags.writeable
         out[...] = 0  # an owned copy: the device buffer is untouched
         np.testing.assert_array_equal(copy_to_host(dev, arr._buffer_view), src)
+
+
+def test_iree_version_names_the_installed_and_pinned_release():
+    """IREE_VERSION is the one spelling of the IREE release: the installed compiler and runtime are that
+    release, and pyproject.toml pins both packages to it."""
+    for package in ("iree-base-compiler", "iree-base-runtime"):
+        assert metadata.version(package).startswith(IREE_VERSION + "."), package
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    pins = dict(re.findall(r'"(iree-base-(?:compiler|runtime))==([^"]+)"', pyproject))
+    assert set(pins) == {"iree-base-compiler", "iree-base-runtime"}
+    assert all(v.startswith(IREE_VERSION + ".") for v in pins.values()), pins
+
+
+def test_importing_the_compiler_loads_no_onnx_exporter():
+    """The ONNX exporter (onnx, onnxscript and the backends' onnx_* modules) loads only for an ONNX target:
+    a fresh process that imports backends.build has none of it."""
+    probe = ("import sys, foldline.backends.build; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('onnx', 'onnxscript', 'onnxruntime') "
+             "or m.startswith('foldline.backends.onnx_')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

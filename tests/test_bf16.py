@@ -97,7 +97,8 @@ def test_device_bf16_buffers_round_trip():
 
 def test_bf16_checkpoint_defaults_to_float32_compute(tmp_path):
     """`--dtype auto` on a bf16 checkpoint: float32 compute and caches; explicit choices pass through."""
-    from foldline.backends.build import BuildOptions, resolve_dtypes
+    from foldline.backends.options import BuildOptions
+    from foldline.backends.policy import resolve_dtypes
     from foldline.frontend.hf_loader import load_hf_dir
 
     path, _ = make_hf_dir("llama", tmp_path, dtype=torch.bfloat16)

@@ -157,7 +157,7 @@ def test_rows_per_workgroup_divide_n():
 
 
 def test_activations_follow_the_target():
-    from foldline.backends.build import target_activations
+    from foldline.backends.policy import target_activations
     from foldline.backends.targets import TargetError, make_target
 
     generic, znver4 = make_target("cpu", cpu="generic"), make_target("cpu", cpu="znver4")

@@ -1,6 +1,6 @@
 """What `foldline compile` shows while it works: a bar per stage with its elapsed time.
 
-backends/build.StageClock calls `start_stage(name, total)` when a stage begins
+backends/stage_clock.StageClock calls `start_stage(name, total)` when a stage begins
 and `advance(detail)` after each unit of it (an entry point imported, a
 target compiled); every other message is printed above the bars. On a
 terminal that is not interactive (CI logs, pipes) rich draws no live bars

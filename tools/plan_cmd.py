@@ -58,7 +58,7 @@ def run(args) -> int:
     if args.dtype is not None:
         cfg = cfg.replace(dtype=DTYPES[args.dtype])
     elif not cfg.planning_only:
-        cfg = cfg.replace(dtype="float32")  # what `compile --dtype auto` builds (backends/build.py)
+        cfg = cfg.replace(dtype="float32")  # what `compile --dtype auto` builds (backends/policy.py)
     if args.kv_dtype != "auto":
         cfg = cfg.replace(kv_dtype=DTYPES[args.kv_dtype])
     elif not cfg.planning_only:

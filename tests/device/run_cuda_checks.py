@@ -42,7 +42,8 @@ def prepare(out: Path, presets: list[str], cuda_arch: str, prompt_len: int, step
     """Compile the bundles and record the eager references (needs torch and the compiler)."""
     import torch
 
-    from foldline.backends.build import BuildOptions, compile_model, resolve_dtypes
+    from foldline.backends.build import BuildOptions, compile_model
+    from foldline.backends.policy import resolve_dtypes
     from foldline.backends.targets import make_target
     from foldline.frontend.sources import load_model
     from foldline.testing.parity import EagerRunner
