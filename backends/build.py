@@ -55,7 +55,7 @@ from .policy import (
     target_kernels,
 )
 from .stage_clock import StageClock
-from .targets import ONNX_DEVICE, Target
+from .targets import ONNX_DEVICE, Target, TargetError
 
 
 def compile_torch_module(mlir: str, flags: list[str]) -> tuple[bytes, ElideReport]:
@@ -139,7 +139,10 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
     t0 = time.time()
     clock = StageClock(progress)
 
-    chunk = options.chunk or default_chunk(loaded, options.weights)
+    chunk = options.chunk or min(default_chunk(loaded, options.weights), cfg.max_context)
+    if chunk > cfg.max_context:
+        raise TargetError(f"--chunk {chunk} is longer than the context ({cfg.max_context} tokens): a prefill call "
+                          f"cannot take more tokens than the context holds; give --chunk {cfg.max_context} or less")
     clock.stage("export", f"[1/4] exporting {cfg.name}: {cfg.dtype} compute, context {cfg.max_context} (K/V {cfg.cache_dtype}), "
              f"prefill chunk {chunk}, decode, batch {options.batch}"
              + (f" (entry points for {', '.join(map(str, row_counts(options)))} rows)" if options.batch > 1 else "")

@@ -126,8 +126,8 @@ def example_inputs(model: CausalLM, name: str, batch: int, chunk: int) -> tuple:
         return (tokens, pos, *state)
     # torch.export specialises a dynamic dimension traced at size 0 or 1, and so does a decomposition
     # the tile count it implies (position // tile + 1): trace at the second tile where there is one.
-    tile = kv_tile_size(model.cfg.max_context)
-    return (tokens, pos, position_shape(tile if model.cfg.max_context > tile else 2), *state)
+    tile = kv_tile_size(model.cfg.max_context)  # 1 for an odd context: trace at 2 then
+    return (tokens, pos, position_shape(tile if model.cfg.max_context > tile > 1 else 2), *state)
 
 
 def _dynamic_shapes(model: CausalLM, name: str, batch: int, n_args: int) -> tuple | None:

@@ -230,3 +230,21 @@ def test_serve_defaults_in_the_parser_are_the_servers():
 
     assert serve_cmd.DEFAULT_MAX_STOP == protocol.DEFAULT_MAX_STOP == served.ServeOptions().max_stop
     assert serve_cmd.DEFAULT_CHECKPOINTS == served.DEFAULT_CHECKPOINTS == served.ServeOptions().checkpoints
+
+
+def test_a_chunk_longer_than_the_context_is_refused_and_an_odd_context_exports(tmp_path, capsys):
+    """--chunk beyond --max-context is named in one line (exit 2) and writes nothing; the default chunk
+    shrinks to a short context, and an odd one (a KV tile of one slot) still traces decode's position."""
+    out = tmp_path / "out"
+    assert main(["compile", "llama-tiny", "--max-context", "20", "--chunk", "32", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--chunk 32 is longer than the context (20 tokens)" in err and "Traceback" not in err
+    assert not err.startswith("\n") and "\n\n" not in err, "no blank line left by a progress display that never drew"
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+    from foldline.frontend.export import export_entry_point
+    from foldline.frontend.sources import load_model
+
+    model = load_model("llama-tiny", max_context=7).module
+    entry = export_entry_point(model, "decode")
+    assert entry.program is not None

@@ -37,14 +37,12 @@ class CompileProgress:
         self._task = None
 
     def __enter__(self) -> CompileProgress:
-        self.bars.start()
-        return self
+        return self  # the bars start with the first stage: a cache hit or an early error draws none
 
     def __exit__(self, *exc) -> None:
         self._finish_task()
-        if not self.bars.tasks:  # no stage ran (a cache hit, an error): no empty bar table at the end
-            self.bars.live.transient = True
-        self.bars.stop()
+        if self.bars.live.is_started:
+            self.bars.stop()
 
     def __call__(self, message: str) -> None:
         for path, shown in self.shown_as.items():
@@ -53,6 +51,8 @@ class CompileProgress:
 
     def start_stage(self, name: str, total: int | None) -> None:
         self._finish_task()
+        if not self.bars.live.is_started:
+            self.bars.start()
         self._task = self.bars.add_task(name, total=total, detail="")
 
     def advance(self, detail: str) -> None:
