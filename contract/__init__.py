@@ -7,7 +7,8 @@ embedded runtime import the same definitions:
 - `entry_points`: the module's entry points and the inputs each takes;
 - `manifest`: the typed manifest, its seal and its loading;
 - `schema`: the checks of every field the runtime reads;
-- `isa`: the CPU feature names a module may rely on;
+- `isa`: per ISA family, the CPU feature names a module may rely on and the
+  int8 kernel forms with their ranks (the compiler's and the runtime's one order);
 - `vmfb`: what a compiled module says about where it runs.
 
 Only this package names the manifest's fields (tests/test_layering.py checks it).

@@ -1,12 +1,12 @@
-"""The instruction-set forms of the int8 dot product, and which kernels a target gets.
+"""The instruction-set forms of the int8 dot product, as emitters, and which kernels a target gets.
 
 The int8-activation kernels (decode: int8_decode.py, prefill: int8_gemm.py) are
 one generator each; what differs between CPUs is the instruction that turns
-bytes into int32 sums of four products per lane. An `Int8Isa` says what a CPU
-must have for it (its arch and feature flags, in /proc/cpuinfo spelling, as a
-Target's cpu_flags) and emits that product for 64 bytes at a time. Each ISA
-family lives in a folder of its own (kernels/x86/, kernels/arm/), and kernels/select.py says
-which forms each kernel family is written for and gives a target the first
+bytes into int32 sums of four products per lane. An `Int8Isa` emits that
+product for 64 bytes at a time, bound to its form in the contract
+(contract/isa/: its manifest name, what a CPU must have for it, its rank). Each
+ISA family's emitters live in a folder of their own (kernels/x86/, kernels/arm/),
+and kernels/select.py gives a target, per kernel family, the best registered
 form its CPU runs, or the float kernels (kernels/qlinear.py) when it runs none.
 """
 
@@ -16,26 +16,39 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from ..contract.isa import FLOAT, KernelForm
+
 VECTOR = "vector<64xi8>"  # the byte operands the kernels hand over: 64 bytes, 16 int32 lanes of four
 LANES = 16
-FLOAT = "f32"  # the manifest's kernel ISA of a module with float-activation kernels
 
 
 @dataclass(frozen=True)
 class Int8Isa(ABC):
-    """One form of the int8 dot product: what it needs of the CPU and how it is emitted.
+    """One form of the int8 dot product: how it is emitted, for its contract form (what it needs of the CPU).
 
     Both products are exact in int32 for what the kernels feed them: activations
     are int8 in [-127, 127] (max |x| / 127 per group, never -128), codes are q4
     (0..15, unsigned) or q8 (any int8); each form says why.
     """
 
-    name: str  # recorded in the manifest's module entry: "int8-avx512vnni", "int8-avx2"
-    arch: str  # the target arch it runs on ("x86_64", "aarch64")
-    cpu_flags: frozenset[str]  # feature flags the CPU must have (cpuinfo spelling)
+    form: KernelForm  # its name in the manifest, arch, CPU flags and rank (contract/isa/<family>.py)
     vector_bytes: int  # bytes one dot-product instruction takes (64: zmm, 32: ymm)
     instruction: str  # what the compiled code must hold (the tests look for it)
     zmm: bool  # whether its code uses 512-bit registers
+
+    @property
+    def name(self) -> str:
+        """Recorded in the manifest's module entry: "int8-avx512vnni", "int8-avx2"."""
+        return self.form.name
+
+    @property
+    def arch(self) -> str:
+        return self.form.arch
+
+    @property
+    def cpu_flags(self) -> frozenset[str]:
+        """Feature flags the CPU must have (cpuinfo spelling)."""
+        return self.form.cpu_flags
 
     @property
     def unsigned_bytes_exact(self) -> bool:
@@ -54,7 +67,7 @@ class Int8Isa(ABC):
         raise NotImplementedError(f"{self.name} takes the shared int8 GEMM (kernels/int8_gemm.py)")
 
     def available(self, cpu_flags: Iterable[str], arch: str = "x86_64") -> bool:
-        return arch == self.arch and self.cpu_flags <= set(cpu_flags)
+        return self.form.runs_on(cpu_flags, arch)
 
     @abstractmethod
     def constants(self) -> list[str]:

@@ -3,23 +3,23 @@
 A bundle compiled with `--cpu x86-all` (or a list of CPUs) holds one CPU module
 per ISA level, all reading the same params.irpa. As llama.cpp's all-variants
 build does, the runtime takes, among the modules whose recorded `cpu_flags` the
-CPU has, the one with the best int8 kernels (AVX-512 VNNI > AVX-VNNI > AVX2 > float on
-x86-64, NEON dotprod > float on aarch64), and
-among equals the one compiled for more ISA extensions. Pure functions of the
-manifest and a feature set, so the choice is testable on any machine;
-runtime/device.py supplies the features (detected or overridden).
+CPU has, the one with the best int8 kernels (the forms' rank in contract/isa/,
+the one the compiler chose them by: AVX-512 VNNI > AVX-VNNI > AVX2 > float on
+x86-64, NEON i8mm > NEON dotprod > float on aarch64), and among equals the one
+compiled for more ISA extensions. Pure functions of the manifest and a feature
+set, so the choice is testable on any machine; runtime/device.py supplies the
+features (detected or overridden).
 """
 
 from __future__ import annotations
 
 from ..contract.errors import BundleError
+from ..contract.isa import FLOAT, ISA_LEVELS, form_rank, kernel_ranking
 from ..contract.manifest import Manifest, ModuleEntry
 
-FLOAT = "f32"  # the manifest's kernel_isa of float kernels (kernels/isa.py)
-# The manifest's kernel_isa names (kernels/isa.py), worst first (modules of one arch compete).
-KERNEL_RANK = (FLOAT, "int8-neon-dotprod", "int8-neon-i8mm", "int8-avx2", "int8-avxvnni", "int8-avx512vnni")
-# cpu_flags that name a module's ISA level in `foldline inspect`, widest first.
-ISA_LEVELS = ("avx512_vnni", "avx512f", "avx_vnni", "avx2", "avx", "sse4_2", "i8mm", "asimddp", "asimd")
+# The manifest's kernel_isa names of the forms foldline ships, worst first within each arch
+# (modules of one arch compete); kernel_rank reads the registry itself, forms registered later included.
+KERNEL_RANK = kernel_ranking()
 
 
 def missing_flags(entry: ModuleEntry, have: set[str] | None) -> list[str]:
@@ -32,8 +32,7 @@ def missing_flags(entry: ModuleEntry, have: set[str] | None) -> list[str]:
 def kernel_rank(entry: ModuleEntry) -> tuple[int, int]:
     """How good a CPU module's kernels are: the rank of its decode and prefill kernels, then its ISA width."""
     isa = entry.kernel_isa or {}
-    ranks = [KERNEL_RANK.index(isa[f]) if isa.get(f) in KERNEL_RANK else 0 for f in ("decode", "prefill")]
-    return sum(ranks), len(entry.cpu_flags)
+    return sum(form_rank(isa.get(f, FLOAT)) for f in ("decode", "prefill")), len(entry.cpu_flags)
 
 
 def isa_level(entry: ModuleEntry) -> str:

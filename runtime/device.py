@@ -23,6 +23,7 @@ import iree.runtime as rt
 import numpy as np
 
 from ..contract.errors import BundleError
+from ..contract.isa import ARCH_ALIASES, CPUINFO_FEATURES_LINE
 from ..contract.manifest import Manifest, ModuleEntry
 from ..contract.vmfb import vmfb_info
 from ..errors import InputError
@@ -33,7 +34,6 @@ from .waiter import Waiter, inline, wait_nice
 
 # foldline device name -> IREE HAL driver
 DRIVERS = {"cpu": "local-task", "vulkan": "vulkan", "cuda": "cuda"}
-_ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
 # Pretend the CPU has only these flags (cpuinfo spelling, comma- or space-separated): which CPU
 # module a multi-ISA bundle loads, and which modules are refused, follow them.
 CPU_FEATURES_ENV = "FOLDLINE_CPU_FEATURES"
@@ -45,15 +45,11 @@ _notices_given: set[str] = set()  # each notice once per process, however often 
 def normalize_arch(name: str) -> str:
     """One spelling per architecture: platform.machine() and LLVM triples differ."""
     name = name.lower()
-    return _ARCH_ALIASES.get(name, name)
+    return ARCH_ALIASES.get(name, name)
 
 
 def host_arch() -> str:
     return normalize_arch(platform.machine())
-
-
-# The /proc/cpuinfo line that lists a CPU's features, per arch (Linux).
-_CPUINFO_FEATURES_LINE = {"x86_64": "flags", "aarch64": "Features"}
 
 
 def host_cpu_features() -> set[str] | None:
@@ -63,7 +59,7 @@ def host_cpu_features() -> set[str] | None:
     `Features` line there and gets None, as on any machine that does not say.
     """
     cpuinfo = Path("/proc/cpuinfo")
-    key = _CPUINFO_FEATURES_LINE.get(host_arch())
+    key = CPUINFO_FEATURES_LINE.get(host_arch())  # each ISA family's (contract/isa/)
     if key is None or not cpuinfo.exists():
         return None
     for line in cpuinfo.read_text().splitlines():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...contract.isa import arm as forms
 from ..isa import Int8Isa, lane_pieces
 
 QUARTERS = 4  # sdot instructions per 64-byte step
@@ -49,4 +50,4 @@ class NeonDotprod(Int8Isa):
         return lane_pieces(out, acc, x, q, QUARTERS, "%isa_zq", _sdot)
 
 
-NEON_DOTPROD = NeonDotprod("int8-neon-dotprod", "aarch64", frozenset({"asimd", "asimddp"}), 16, "sdot", False)
+NEON_DOTPROD = NeonDotprod(forms.NEON_DOTPROD, 16, "sdot", False)

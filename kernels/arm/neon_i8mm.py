@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...contract.isa import arm as forms
 from .neon_dotprod import NeonDotprod
 
 ROW_PAIRS = 4  # row pairs per register block: 8 rows
@@ -51,7 +52,7 @@ class NeonI8mm(NeonDotprod):
         return gemm_executable(s)
 
 
-NEON_I8MM = NeonI8mm("int8-neon-i8mm", "aarch64", frozenset({"asimd", "asimddp", "i8mm"}), 16, "smmla", False)
+NEON_I8MM = NeonI8mm(forms.NEON_I8MM, 16, "smmla", False)
 
 
 def _group_step(s) -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...contract.isa import x86 as forms
 from ..isa import LANES, Int8Isa, lane_pieces, lane_pieces_of_pairs
 
 INT16_MAX = 32767
@@ -81,4 +82,4 @@ class Avx2(Int8Isa):
                 f"{out} = arith.addi {acc}, {out}_m : {v32}"]
 
 
-AVX2 = Avx2("int8-avx2", "x86_64", frozenset({"avx2", "fma", "f16c"}), 32, "vpmaddubsw", False)
+AVX2 = Avx2(forms.AVX2, 32, "vpmaddubsw", False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...contract.isa import x86 as forms
 from ..isa import VECTOR, Int8Isa
 
 
@@ -35,5 +36,4 @@ class Avx512Vnni(Int8Isa):
                 f"{out} = arith.subi {out}_p, {out}_o : vector<16xi32>"]
 
 
-AVX512_VNNI = Avx512Vnni("int8-avx512vnni", "x86_64", frozenset({"avx512f", "avx512bw", "avx512_vnni"}), 64,
-                         "vpdpbusd", True)
+AVX512_VNNI = Avx512Vnni(forms.AVX512_VNNI, 64, "vpdpbusd", True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...contract.isa import x86 as forms
 from ..isa import VECTOR, Int8Isa, lane_pieces
 from .avx512_vnni import vpdpbusd
 
@@ -34,4 +35,4 @@ class AvxVnni(Int8Isa):
                 f"{out} = arith.subi {out}_p, {out}_o : vector<16xi32>"]
 
 
-AVX_VNNI = AvxVnni("int8-avxvnni", "x86_64", frozenset({"avx_vnni", "avx2", "fma", "f16c"}), 32, "vpdpbusd", False)
+AVX_VNNI = AvxVnni(forms.AVX_VNNI, 32, "vpdpbusd", False)
