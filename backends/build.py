@@ -11,6 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 import iree.compiler as ireec
+from iree.compiler import ir
 
 from ..contract.entry_points import row_entry_name
 from ..contract.manifest import Manifest, ModuleEntry, ParamsEntry
@@ -26,7 +27,7 @@ from ..passes.manager import CompileUnit, run_pipeline
 from ..passes.place_devices import NAME as PLACE_PASS
 from ..passes.place_devices import PLACED, Placement
 from ..passes.quantize_weights import FIVE_BIT_CODES
-from .abi_declaration import declare_entry_points
+from .abi_declaration import declare_signatures, torch_inputs
 from .bundle_files import (
     MLIR_FILE,
     module_names,
@@ -42,7 +43,8 @@ from .compile_pool import pool_size, run_concurrently
 from .fused_attention import SITE_NAME as FUSED_SITE
 from .fused_attention import count_fused_attention
 from .importer import import_programs
-from .inplace_state import ElideReport, elide_inplace_aliases
+from .inplace_state import ElideReport, elide_aliases_in
+from .input_ir import module_text
 from .lowering import Lowering
 from .multi_device import device_scope, multi_device_flags, parameters_by_device, place_module
 from .options import BuildOptions, Progress, build_cache_key, check_devices, from_cache, row_counts
@@ -62,8 +64,12 @@ def compile_torch_module(mlir: str, flags: list[str]) -> tuple[bytes, ElideRepor
     """torch-dialect MLIR -> vmfb, in two steps so in-place cache updates stay in place (inplace_state)."""
     converted = ireec.compile_str(mlir, input_type="torch", extra_args=[*flags, "--compile-to=input"])
     text = converted.decode() if isinstance(converted, bytes) else converted
-    edited, report = elide_inplace_aliases(text)
-    edited, _declared = declare_entry_points(edited, mlir)  # the runtime compares them with the manifest
+    inputs_of = torch_inputs(mlir)
+    with ir.Context():
+        module = ir.Module.parse(text)
+        report = elide_aliases_in(module)
+        declare_signatures(module, inputs_of)  # the runtime compares them with the manifest
+        edited = module_text(module)
     return ireec.compile_str(edited, extra_args=[*flags, "--compile-from=input"]), report
 
 

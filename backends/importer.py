@@ -30,6 +30,16 @@ INLINE_LIMIT = 64  # tensors with at most this many elements stay inline constan
 
 
 
+def parameter_key(global_name: str) -> str:
+    """The archive entry a weight's util.global reads: a weight's copy on another device reads its original's."""
+    return global_name.split(COPY_SUFFIX)[0]
+
+
+def named_parameter(scope: str, key: str, tensor_type: str) -> ir.Attribute:
+    """`#flow.parameter.named<"scope"::"key">`, a util.global's initial value read from a parameter archive."""
+    return ir.Attribute.parse(f'#flow.parameter.named<"{scope}"::"{key}"> : {tensor_type}')
+
+
 @dataclass
 class ExternalParams:
     """Weights lifted out of the program, by parameter name."""
@@ -58,7 +68,7 @@ class _ParameterHooks(FxImporterHooks):
         if literal.numel() <= INLINE_LIMIT or literal.dtype not in MLIR_ELEMENTS:
             return None
         name = self._name_for(literal, info)
-        key = name.split(COPY_SUFFIX)[0]  # a weight's copy on another device reads the same archive entry
+        key = parameter_key(name)
         shape = "x".join(str(d) for d in literal.shape)
         tensor_type = f"tensor<{shape}x{MLIR_ELEMENTS[literal.dtype]}>"
         if name not in self.globals:

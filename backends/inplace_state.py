@@ -20,21 +20,22 @@ Run between `--compile-to=input` and `--compile-from=input`, this rewrite drops
 exactly those aliases whose value is a scatter or slice update into the
 import of the same argument, and passes the updated value to the barrier
 instead. Every other alias (a prefill chunk's ring write, GDN state: fresh
-results IREE places into the argument) stays. The parity tests check that the updated caches are the ones
-the next call reads.
+results IREE places into the argument) stays. The module is edited through
+IREE's MLIR bindings (values and their uses, not their printed names). The
+parity tests check that the updated caches are the ones the next call reads.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-_FUNC = re.compile(r"^\s*(util\.func|func\.func)\b")
-_IMPORT = re.compile(r"^\s*(%[\w.]+) = hal\.tensor\.import\b.*=> (%[\w.]+) :")
-_SCATTER = re.compile(r"^\s*(%[\w.]+) = iree_linalg_ext\.scatter\b.*\bouts\((%[\w.]+) :")
-_INSERT = re.compile(r"^\s*(%[\w.]+) = tensor\.insert_slice %[\w.]+ into (%[\w.]+)\[")
-_ALIAS = re.compile(r"^\s*(%[\w.]+) = hal\.tensor\.alias (?:on\([^)]*\) )?wait\(%[\w.]+\) => (%[\w.]+) : .* to (%[\w.]+) :")
-_VALUE = re.compile(r"%[\w.]+")
+from iree.compiler import ir
+from iree.compiler.dialects import hal, tensor
+
+from ..kernels.sites import defining_op
+from .input_ir import module_text
+
+SCATTER = "iree_linalg_ext.scatter"  # ins(updates, indices) outs(original): its result is `original` updated
 
 
 @dataclass
@@ -43,53 +44,49 @@ class ElideReport:
     kept: int  # aliases left for IREE to place
 
 
-def _functions(lines: list[str]) -> list[list[str]]:
-    """Split module lines into runs that each start at a function (the first run: the preamble)."""
-    runs: list[list[str]] = [[]]
-    for line in lines:
-        if _FUNC.match(line):
-            runs.append([])
-        runs[-1].append(line)
-    return runs
+def _updated_in_place(value: ir.Value) -> ir.Value | None:
+    """The tensor a scatter or slice update wrote `value` into (its destination); None for any other value."""
+    op = defining_op(value)
+    if op is None:
+        return None
+    if op.name == SCATTER:
+        return op.operands[len(op.operands) - 1]  # the one `outs` operand
+    if op.name == tensor.InsertSliceOp.OPERATION_NAME:
+        return op.opview.dest
+    return None
 
 
-def _elide_in_function(lines: list[str]) -> tuple[list[str], int, int]:
-    imported: dict[str, str] = {}  # imported tensor -> the buffer-view argument it came from
-    scattered_into: dict[str, str] = {}  # scatter result -> the tensor it updated in place
-    uses: dict[str, int] = {}
-    for line in lines:
-        for value in _VALUE.findall(line.split(" = ", 1)[-1]):
-            uses[value] = uses.get(value, 0) + 1
-        if m := _IMPORT.match(line):
-            imported[m.group(1)] = m.group(2)
-        elif (m := _SCATTER.match(line)) or (m := _INSERT.match(line)):
-            scattered_into[m.group(1)] = m.group(2)
-    out: list[str] = []
-    replaced: dict[str, str] = {}  # dropped alias result -> the value it aliased
-    elided = kept = 0
-    for line in lines:
-        if m := _ALIAS.match(line):
-            result, value, argument = m.groups()
-            target = scattered_into.get(value, "")
-            # Only when the scatter is the imported tensor's sole user: IREE then updates it in
-            # place (a second reader would make it copy the tensor first, and drop the update).
-            if imported.get(target) == argument and uses.get(target) == 1:
-                replaced[result] = value
-                elided += 1
-                continue
-            kept += 1
-        if replaced:  # uses of a dropped alias (the barrier) read the in-place result
-            line = _VALUE.sub(lambda v: replaced.get(v.group(0), v.group(0)), line)
-        out.append(line)
-    return out, elided, kept
+def _elidable(alias: hal.TensorAliasOp) -> bool:
+    """Whether `alias` puts a scatter or slice update back into the argument it already wrote in place."""
+    target = _updated_in_place(alias.source)
+    imported = defining_op(target) if target is not None else None
+    if imported is None or imported.name != hal.TensorImportOp.OPERATION_NAME:
+        return False
+    # Only when the update is the imported tensor's sole user: IREE then updates it in place (a second
+    # reader would make it copy the tensor first, and drop the update).
+    return imported.opview.source == alias.storage and len(list(target.uses)) == 1
+
+
+def elide_aliases_in(module: ir.Module) -> ElideReport:
+    """Drop, in `module`, the aliases of in-place updates into their own argument (see the module docstring)."""
+    aliases: list[hal.TensorAliasOp] = []
+
+    def visit(op: ir.Operation) -> ir.WalkResult:
+        if op.name == hal.TensorAliasOp.OPERATION_NAME:
+            aliases.append(op.opview)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+    elided = [alias for alias in aliases if _elidable(alias)]
+    for alias in elided:  # uses of a dropped alias (the barrier) read the in-place result
+        alias.result.replace_all_uses_with(alias.source)
+        alias.operation.erase()
+    return ElideReport(len(elided), len(aliases) - len(elided))
 
 
 def elide_inplace_aliases(mlir: str) -> tuple[str, ElideReport]:
-    """Drop the aliases of in-place scatters into their own argument (see the module docstring)."""
-    out: list[str] = []
-    elided = kept = 0
-    for run in _functions(mlir.split("\n")):
-        lines, e, k = _elide_in_function(run)
-        out.extend(lines)
-        elided, kept = elided + e, kept + k
-    return "\n".join(out), ElideReport(elided, kept)
+    """The input-level module `mlir` without the aliases of in-place updates; and the counts."""
+    with ir.Context():
+        module = ir.Module.parse(mlir)
+        report = elide_aliases_in(module)
+        return module_text(module), report

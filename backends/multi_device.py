@@ -25,7 +25,7 @@ from iree.compiler import ir
 
 from ..kernels.sites import SiteError, shape_and_type, torch_operators
 from ..passes.place_devices import Placement
-from .importer import PARAM_SCOPE
+from .importer import PARAM_SCOPE, named_parameter, parameter_key
 
 TO_DEVICE_OPERATOR = "torch.foldline.to_device"
 _BACKENDS_FLAG = "--iree-hal-target-backends="
@@ -112,6 +112,20 @@ def _lower_moves(module: ir.Module) -> int:
     return len(moves)
 
 
+def _read_from_device_scope(weight: ir.Operation, name: str, device: int) -> None:
+    """Point a weight's util.global at its parameter in `device`'s scope, when it reads one (the importer's
+    `model` scope); a global with any other initial value keeps it."""
+    if "initial_value" not in weight.attributes:
+        return
+    tensor_type = str(ir.TypeAttr(weight.attributes["type"]).value)
+    key = parameter_key(name)
+    initial = weight.attributes["initial_value"]
+    if initial == named_parameter(PARAM_SCOPE, key, tensor_type):
+        weight.attributes["initial_value"] = named_parameter(device_scope(device), key, tensor_type)
+    elif initial.typeid == named_parameter(PARAM_SCOPE, key, tensor_type).typeid:
+        raise PlacementError(f"util.global @{name} reads {initial}, not the importer's parameter {key!r}")
+
+
 def _affinities(devices: list[int | None]) -> ir.ArrayAttr:
     return ir.ArrayAttr.get([ir.DictAttr.get({} if d is None else {"iree.abi.affinity": device_promise(d)})
                              for d in devices])
@@ -130,10 +144,8 @@ def place_module(mlir: str, placement: Placement) -> tuple[str, int]:
                 if device is None:
                     continue
                 op.attributes["stream.affinity"] = device_promise(device)
-                initial = op.attributes["initial_value"] if "initial_value" in op.attributes else None
-                if device and initial is not None and str(initial).startswith("#flow.parameter.named<"):
-                    op.attributes["initial_value"] = ir.Attribute.parse(
-                        str(initial).replace(f'<"{device_scope(0)}"::', f'<"{device_scope(device)}"::', 1))
+                if device:
+                    _read_from_device_scope(op, name, device)
             elif op.name == "func.func":
                 name = ir.StringAttr(op.attributes["sym_name"]).value
                 inputs = placement.inputs.get(name)

@@ -204,3 +204,55 @@ def test_a_manifest_field_named_outside_the_contract_is_caught():
     sources["foldline.tools.inspect_cmd"] += "\n\ndef _isa(entry):\n    return entry.get('kernel_isa')\n"
     found = manifest_fields_named_outside_contract(sources)
     assert len(found) == 2 and "'prefill_chunk'" in found[0] + found[1] and "'kernel_isa'" in found[0] + found[1]
+
+
+# ---- MLIR is edited through the bindings, not its printed text ---------------------------------------
+
+# The modules that edit IREE's MLIR between the compile steps or before them: they hold the module as IR
+# (iree.compiler.ir), so nothing of theirs depends on how the printer lays it out.
+MLIR_EDITORS = {"foldline.backends.inplace_state", "foldline.backends.abi_declaration",
+                "foldline.backends.multi_device", "foldline.backends.input_ir"}
+_TEXT_EDITS = {"sub", "subn", "compile"}
+
+
+def text_edits_of_mlir(sources: dict[str, str]) -> list[str]:
+    """In backends/: every `re.sub`/`re.subn`/`re.compile` and `str(...).replace`; in the MLIR editors also
+    any `import re` and any `.replace(` call."""
+    found = []
+    for module, text in sources.items():
+        if not module.startswith("foldline.backends."):
+            continue
+        editor = module in MLIR_EDITORS
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module == "re":
+                found.append(f"{module}:{node.lineno} imports from re")
+            elif editor and isinstance(node, ast.Import) and any(a.name == "re" for a in node.names):
+                found.append(f"{module}:{node.lineno} imports re")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                receiver, name = node.func.value, node.func.attr
+                if isinstance(receiver, ast.Name) and receiver.id == "re" and name in _TEXT_EDITS:
+                    found.append(f"{module}:{node.lineno} calls re.{name}")
+                elif name == "replace" and (editor or isinstance(receiver, ast.Call) and isinstance(
+                        receiver.func, ast.Name) and receiver.func.id == "str"):
+                    found.append(f"{module}:{node.lineno} calls .replace")
+    return sorted(found)
+
+
+def test_backends_edit_mlir_through_the_bindings_not_its_text():
+    sources = module_sources()
+    assert MLIR_EDITORS <= set(sources)
+    assert text_edits_of_mlir(sources) == []
+
+
+def test_a_text_edit_of_mlir_is_caught():
+    sources = module_sources()
+    sources["foldline.backends.inplace_state"] += "\n\nimport re\n\ndef _f(t):\n    return re.sub('a', 'b', t)\n"
+    sources["foldline.backends.abi_declaration"] += "\n\ndef _g(t):\n    return t.replace('a', 'b')\n"
+    sources["foldline.backends.targets"] += "\n\ndef _h(a):\n    return str(a).replace('<', '(')\n"
+    sources["foldline.backends.build"] += "\n\ndef _i(t):\n    return t.replace(dtype='f16')\n"  # not text
+    assert sorted(f.split(":")[0] + " " + f.split(" ", 1)[1] for f in text_edits_of_mlir(sources)) == [
+        "foldline.backends.abi_declaration calls .replace",
+        "foldline.backends.inplace_state calls re.sub",
+        "foldline.backends.inplace_state imports re",
+        "foldline.backends.targets calls .replace",
+    ]

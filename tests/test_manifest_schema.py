@@ -259,6 +259,88 @@ def test_a_batched_manifest_implies_an_entry_point_per_row_count():
         _typed(data).check_entry_points("cpu", bad.get)
 
 
+_TORCH_FUNCTION = """
+module {
+  func.func @f(%arg0: !torch.vtensor<[1,?],si64>, %arg1: !torch.int, %arg2: !torch.tensor<[1,2,4],f16>, %arg3: !torch.vtensor<[0,?],ui8>) -> !torch.vtensor<[1,8],f32> {
+    %0 = torch.vtensor.literal(dense<0.0> : tensor<1x8xf32>) : !torch.vtensor<[1,8],f32>
+    return %0 : !torch.vtensor<[1,8],f32>
+  }
+}
+"""
+# what IREE's torch input conversion makes of it: @f$async imports the arguments it reads and exports the
+# results; @f, the synchronous entry point, calls it and waits
+_INPUT_FUNCTIONS = """
+module {
+  util.func public @f$async(%arg0: !hal.buffer_view, %arg1: !hal.fence, %arg2: !hal.fence) -> (!hal.buffer_view, !hal.buffer_view) attributes {iree.abi.model = "coarse-fences", iree.abi.stub} {
+    %logits = arith.constant dense<0.0> : tensor<1x8xf32>
+    %n = arith.constant 3 : index
+    %rows = tensor.empty(%n) : tensor<?x4xf16>
+    %0 = hal.tensor.export %logits : tensor<1x8xf32> -> !hal.buffer_view
+    %1 = hal.tensor.export %rows : tensor<?x4xf16>{%n} -> !hal.buffer_view
+    util.return %0, %1 : !hal.buffer_view, !hal.buffer_view
+  }
+  util.func public @f(%arg0: !hal.buffer_view) -> (!hal.buffer_view, !hal.buffer_view) attributes {SYNC_ATTRIBUTES} {
+    %0 = util.null : !hal.fence
+    %1:2 = util.call @f$async(%arg0, %0, %0) : (!hal.buffer_view, !hal.fence, !hal.fence) -> (!hal.buffer_view, !hal.buffer_view)
+    util.return %1#0, %1#1 : !hal.buffer_view, !hal.buffer_view
+  }
+}
+"""
+_F = ("sync func @f(%input0: tensor<1x?xi64>, %input1: tensor<1x2x4xf16>, %input2: tensor<0x?xi8>) -> "
+      "(%output0: tensor<1x8xf32>, %output1: tensor<?x4xf16>)")
+
+
+def _reflections(mlir: str, torch_mlir: str, generic: bool = False) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """Declare the entry points of `mlir` (from `torch_mlir`'s arguments; both printed in MLIR's generic form
+    when `generic`), then read back each function's reflection through the bindings."""
+    from iree.compiler import ir
+
+    from foldline.backends.abi_declaration import declare_signatures, torch_inputs
+
+    with ir.Context():
+        if generic:
+            torch_mlir = ir.Module.parse(torch_mlir).operation.get_asm(print_generic_op_form=True)
+            mlir = ir.Module.parse(mlir).operation.get_asm(print_generic_op_form=True)
+            assert "util.func public @" not in mlir and "func.func @" not in torch_mlir
+        module = ir.Module.parse(mlir)
+        declared = declare_signatures(module, torch_inputs(torch_mlir))
+        found = {}
+        for op in module.body.operations:
+            op = op.operation
+            reflection = ir.DictAttr(op.attributes["iree.reflection"]) if "iree.reflection" in op.attributes else []
+            found[ir.StringAttr(op.attributes["sym_name"]).value] = {
+                reflection[i].name: ir.StringAttr(reflection[i].attr).value for i in range(len(reflection))}
+    return declared, found
+
+
+def test_the_declaration_takes_every_torch_argument_and_the_exported_results():
+    """Tensor arguments in order (si64 and ui8 as IREE's i64 and i8, unknown sizes as ?), other arguments
+    skipped; one output per export of the $async body; only the synchronous entry point is declared."""
+    declared, found = _reflections(_INPUT_FUNCTIONS.replace("SYNC_ATTRIBUTES", "iree.abi.stub"), _TORCH_FUNCTION)
+    assert declared == ["f"]
+    assert found == {"f$async": {}, "f": {"iree.abi.declaration": _F}}
+    assert declared_inputs(_F) == [([1, -1], "int64"), ([1, 2, 4], "float16"), ([0, -1], "int8")]
+
+
+def test_the_declaration_reads_the_modules_not_their_spelling():
+    """The same modules spelled otherwise (MLIR's generic form; a synchronous entry point that already has a
+    reflection entry, before its stub marker) get the same declaration, and keep what they had."""
+    plain = _INPUT_FUNCTIONS.replace("SYNC_ATTRIBUTES", "iree.abi.stub")
+    assert _reflections(plain, _TORCH_FUNCTION, generic=True) == (["f"], {"f$async": {}, "f": {
+        "iree.abi.declaration": _F}})
+    reflected = _INPUT_FUNCTIONS.replace("SYNC_ATTRIBUTES", 'iree.reflection = {note = "kept"}, iree.abi.stub')
+    assert _reflections(reflected, _TORCH_FUNCTION) == (["f"], {"f$async": {}, "f": {
+        "iree.abi.declaration": _F, "note": "kept"}})
+
+
+def test_a_function_without_its_torch_arguments_or_its_stub_is_not_declared():
+    no_stub = _INPUT_FUNCTIONS.replace("SYNC_ATTRIBUTES", 'iree.abi.model = "sync"')
+    assert _reflections(no_stub, _TORCH_FUNCTION) == ([], {"f$async": {}, "f": {}})
+    other = _TORCH_FUNCTION.replace("func.func @f(", "func.func @g(")
+    assert _reflections(_INPUT_FUNCTIONS.replace("SYNC_ATTRIBUTES", "iree.abi.stub"), other) == (
+        [], {"f$async": {}, "f": {}})
+
+
 # ---- CPU features -----------------------------------------------------------------------------
 
 def test_llvm_feature_strings_map_to_cpuinfo_flags_last_word_wins():

@@ -270,3 +270,54 @@ def test_the_placed_module_tells_iree_where_every_value_lives(exported_unit):
     for scope, affinity in re.findall(r'\{stream\.affinity = #hal\.device\.promise<@__device_(\d)>\} = '
                                       r'#flow\.parameter\.named<"(\w+)"::', text):
         assert (scope, affinity) in (("0", "model"), ("1", "device1")), (scope, affinity)
+
+
+_WEIGHTS = """
+module {
+  util.global private @"a.weight" = #flow.parameter.named<"model"::"a.weight"> : tensor<4x4xf32>
+  util.global private @"b.weight" = #flow.parameter.named<"model"::"b.weight"> : tensor<4x4xf32>
+  util.global private @"a.weight@device1" = #flow.parameter.named<"model"::"a.weight"> : tensor<4x4xf32>
+  util.global private @"inline" = dense<1.0> : tensor<4xf32>
+  func.func @f(%arg0: !torch.vtensor<[4],f32>) -> !torch.vtensor<[4],f32> {
+    return %arg0 : !torch.vtensor<[4],f32>
+  }
+}
+"""
+
+
+def _weights_placed(mlir: str) -> dict[str, tuple[str, str]]:
+    """util.global name -> (its affinity, its initial value), after place_module over two devices."""
+    from iree.compiler import ir
+
+    from foldline.backends.multi_device import place_module
+    from foldline.passes.place_devices import Placement
+
+    weights = {"model.a.weight": 0, "model.b.weight": 1, "model.a.weight@device1": 1, "inline": 1}
+    placement = Placement(2, "pipeline", [(0, 0), (1, 1)], [], weights, {"f": [0]}, 1)
+    text, moves = place_module(mlir, placement)
+    assert moves == 0
+    with ir.Context():
+        module = ir.Module.parse(text)
+        return {ir.StringAttr(op.attributes["sym_name"]).value: (str(op.attributes["stream.affinity"]),
+                                                                 str(op.attributes["initial_value"]))
+                for op in (o.operation for o in module.body.operations) if op.name == "util.global"}
+
+
+def test_each_weight_reads_its_devices_parameter_scope():
+    """Device 1's weights read their entries from scope device1 (a copy the entry of the weight it copies),
+    device 0's stay in model; a global that holds its value keeps it, on its device."""
+    device = "#hal.device.promise<@__device_{}>"
+    assert _weights_placed(_WEIGHTS) == {
+        "a.weight": (device.format(0), '#flow.parameter.named<"model"::"a.weight"> : tensor<4x4xf32>'),
+        "b.weight": (device.format(1), '#flow.parameter.named<"device1"::"b.weight"> : tensor<4x4xf32>'),
+        "a.weight@device1": (device.format(1), '#flow.parameter.named<"device1"::"a.weight"> : tensor<4x4xf32>'),
+        "inline": (device.format(1), "dense<1.000000e+00> : tensor<4xf32>"),
+    }
+
+
+def test_a_weight_reading_another_parameter_is_refused():
+    from foldline.backends.multi_device import PlacementError
+
+    other = _WEIGHTS.replace('"model"::"b.weight"', '"model"::"c.weight"')
+    with pytest.raises(PlacementError, match=r'util.global @b.weight reads #flow.parameter.named<"model"::"c.weight">'):
+        _weights_placed(other)
