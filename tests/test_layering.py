@@ -256,3 +256,21 @@ def test_a_text_edit_of_mlir_is_caught():
         "foldline.backends.inplace_state imports re",
         "foldline.backends.targets calls .replace",
     ]
+
+
+def test_every_subpackage_is_in_the_wheel():
+    """pyproject.toml lists the packages (the repository root is `foldline`): a folder with an
+    __init__.py missing from that list is left out of the wheel, which only an install would show."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    found = set()
+    for init in root.rglob("__init__.py"):
+        rel = init.parent.relative_to(root)
+        if rel.parts and (rel.parts[0].startswith(".") or rel.parts[0] in {"tests", "scripts", "build"}):
+            continue
+        found.add(".".join(("foldline", *rel.parts)))
+    assert found - listed == set(), "add these to [tool.setuptools] packages"
+    assert listed - found == set(), "these listed packages do not exist"

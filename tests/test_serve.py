@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -234,7 +235,9 @@ def test_health_stays_responsive_while_a_long_prompt_is_tokenized(server):
         options.max_body_bytes = before
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert took > 1.0 and len(latencies) > 5, f"the prompt was tokenized too fast ({took:.2f} s) to tell"
-    assert max(latencies) < 0.5, f"/health took {max(latencies):.2f} s while the prompt was tokenized"
+    # a loop blocked by the tokenizer answers once, after it: its one latency is about the whole time
+    assert max(latencies) < took / 2, f"/health took {max(latencies):.2f} s of the {took:.2f} s the prompt took"
+    assert statistics.median(latencies) < 0.5, f"/health took {statistics.median(latencies):.2f} s (median)"
 
 
 def test_a_chat_prefills_only_its_new_tokens(client, server):
