@@ -321,6 +321,15 @@ _ERRORS = {
 _GET_ERRORS = ("400", "403", "404", "405", "408", "500", "503")
 
 
+# One server-sent event, as OpenAPI 3.1 tools read a text/event-stream schema (per event; 3.2 calls it
+# itemSchema): `data` holds a JSON chunk, an error body, or the closing `[DONE]`.
+SSE_EVENT: dict[str, Any] = {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                   "retry": {"type": "integer", "minimum": 0}},
+}
+
+
 def openapi_schema(version: str) -> dict[str, Any]:
     """The OpenAPI 3.1 description of the server (GET /openapi.json), its bodies from the models above."""
     refs, defs = models_json_schema(
@@ -338,7 +347,7 @@ def openapi_schema(version: str) -> dict[str, Any]:
 
     def generation(body: type[BaseModel], answer: type[BaseModel], summary: str) -> dict[str, Any]:
         ok = {"description": "the completion (JSON), or server-sent events with `stream: true`",
-              "content": json_body(answer) | {"text/event-stream": {"schema": {"type": "string"}}}}
+              "content": json_body(answer) | {"text/event-stream": {"schema": SSE_EVENT}}}
         return {"post": {"summary": summary,
                          "requestBody": {"required": True, "content": json_body(body, "validation")},
                          "responses": {"200": ok, **errors()}}}

@@ -81,6 +81,10 @@ class _Batch:
         self.closed, self.positions, self.open = False, [0, 0], set()
         self.tokens, self.prefilled = [[], []], [0, 0]  # nothing kept: the prompt cache serves nothing
         self.reuse = ReuseRule(whole_only=False, ride_along_keeps=True)
+        self.live = [True, True]  # no checkpoints: full caches need none
+
+    def checkpoint_positions(self, _row: int) -> list[int]:
+        return []
 
     def free_rows(self) -> list[int]:
         return [r for r in range(self.rows) if r not in self.open]
@@ -109,7 +113,7 @@ class _Batch:
 class _Model:
     chunk, vocab_size, max_context = 4, 8, 64
 
-    def batch(self) -> _Batch:
+    def batch(self, checkpoints: int = 0) -> _Batch:
         return _Batch()
 
 
