@@ -10,7 +10,7 @@ bandwidth, each dispatch adding the task system's own cost
 The decode programs keep `foldline::cache_attention` and
 `foldline::ring_decode_attention` as ops (backends/importer.py), which reach
 MLIR as `torch.operator`; for CPU targets `expand_decode_attention_ops`
-replaces each with a call to a dispatch written here (`stream.executable`,
+replaces each with a call to a dispatch written in templates/decode_attention.mlir (`stream.executable`,
 vector dialect, called with `flow.dispatch`, as kernels/int8_decode.py).
 One workgroup per (row, query head) reads its key/value head's cache slots
 in order, 16 features per vector:
@@ -44,11 +44,7 @@ from .mlir import (
     HARDWARE_FLOAT,
     FloatIsa,
     f32_bits,
-    memref_type,
-    multiply_add,
-    stream_executable,
     tensor_type,
-    widen_f16,
 )
 from .sites import (
     KernelCall,
@@ -59,6 +55,7 @@ from .sites import (
     rewrite_sites,
     shape_and_type,
 )
+from .template import instantiate
 
 OP_NAMES = ("torch.foldline.cache_attention", "torch.foldline.ring_decode_attention")
 CACHE_TYPES = ("f16", "bf16", "f32")
@@ -123,140 +120,27 @@ def _types(s: DecodeAttentionShape) -> dict[str, tuple[tuple[int, ...], str]]:
     }
 
 
-def _widen(elem: str, src: str, dst: str, isa: FloatIsa) -> list[str]:
-    """`dst` = the vector `src` of `elem` as f32 (the products' widening of the stored dtype)."""
-    if elem == "f32":
-        return [f"{dst} = arith.addf {src}, %zf : vector<{LANES}xf32>"]  # folded away; keeps one name
-    if elem == "f16":
-        return widen_f16(src, dst, f"vector<{LANES}xf16>", isa)
-    return [f"{dst} = arith.extf {src} : vector<{LANES}x{elem}> to vector<{LANES}xf32>"]
+def _parameters(s: DecodeAttentionShape) -> dict[str, object]:
+    """The shape as the decode_attention templates take it."""
+    return dict(name=s.name, batch=s.batch, q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
+                slots=s.slots, length=s.length, window=s.window, kv_mapping=s.kv_mapping,
+                cache_type=s.cache_type, q_type=s.q_type)
 
 
 def decode_attention_executable(s: DecodeAttentionShape, isa: FloatIsa = HARDWARE_FLOAT) -> str:
-    """The `stream.executable` for one shape: a workgroup per (row, query head), three passes over its keys."""
+    """The `stream.executable` for one shape (templates/decode_attention.mlir): a workgroup per
+    (row, query head), three passes over its keys."""
     if not supports(s):
         raise AttentionKernelError(f"no decode attention kernel for {s}")
-    t = _types(s)
-    chunks = s.head_dim // LANES
-    rep = s.q_heads // s.kv_heads
-    q_m, kv_m, pos_m, scr_m = (memref_type(*t[k]) for k in ("q", "kv", "pos", "scratch"))
-    kv_vec = f"vector<{LANES}x{s.cache_type}>"
-    vf = f"vector<{LANES}xf32>"
-    offsets = [f"%d{c} = arith.constant {c * LANES} : index" for c in range(chunks)]
-    kv_head = ("%kvh = arith.divui %h, %rep : index" if s.kv_mapping == "blocked"
-               else "%kvh = arith.remui %h, %nkv : index")
-    lo = ["%lo = arith.constant 0 : index"]
-    if s.window:
-        lo = [f"%win = arith.constant {s.window} : index",
-              "%lo0 = arith.subi %p1, %win : index",
-              "%lo = arith.maxsi %lo0, %c0 : index"]
-    scores = []
-    for c in range(chunks):
-        scores += [f"  %kh{c} = vector.load %k[%b, %kvh, %l, %d{c}] : {kv_m}, {kv_vec}",
-                   *[f"  {line}" for line in _widen(s.cache_type, f"%kh{c}", f"%kf{c}", isa)]]
-    # two accumulator chains over the features, added at the end
-    chain = {0: "%zf", 1: "%zf"}
-    for c in range(chunks):
-        scores += [f"  {line}" for line in multiply_add(f"%a{c}", f"%q{c}", f"%kf{c}", chain[c % 2], vf, isa)]
-        chain[c % 2] = f"%a{c}"
-    scores += [f"  %dot = arith.addf {chain[0]}, {chain[1]} : {vf}",
-               f"  %sum = vector.reduction <add>, %dot : {vf} into f32",
-               "  %sc = arith.mulf %sum, %scale : f32",
-               f"  memref.store %sc, %scr[%wg, %l] : {scr_m}"]
-    values = ["  %pr = memref.load %scr[%wg, %l] : " + scr_m,
-              f"  %pbv = vector.broadcast %pr : f32 to {vf}"]
-    for c in range(chunks):
-        values += [f"  %vh{c} = vector.load %v[%b, %kvh, %l, %d{c}] : {kv_m}, {kv_vec}",
-                   *[f"  {line}" for line in _widen(s.cache_type, f"%vh{c}", f"%vf{c}", isa)],
-                   *[f"  {line}" for line in multiply_add(f"%n{c}", "%pbv", f"%vf{c}", f"%o{c}", vf, isa)]]
-    values.append(f"  scf.yield {', '.join(f'%n{c}' for c in range(chunks))} : {', '.join([vf] * chunks)}")
-    body = [
-        "%c0 = arith.constant 0 : index",
-        "%c1 = arith.constant 1 : index",
-        f"%q = stream.binding.subspan %qb[%c0] : !stream.binding -> {q_m}",
-        f"%k = stream.binding.subspan %kb[%c0] : !stream.binding -> {kv_m}",
-        f"%v = stream.binding.subspan %vb[%c0] : !stream.binding -> {kv_m}",
-        f"%sp = stream.binding.subspan %pb[%c0] : !stream.binding -> {pos_m}",
-        f"%o = stream.binding.subspan %ob[%c0] : !stream.binding -> {q_m}",
-        f"%scr = stream.binding.subspan %sb[%c0] : !stream.binding -> {scr_m}",
-        "%wg = stream.dispatch.workgroup.id[0] : index",
-        f"%nq = arith.constant {s.q_heads} : index",
-        f"%nkv = arith.constant {s.kv_heads} : index",
-        f"%rep = arith.constant {rep} : index",
-        "%b = arith.divui %wg, %nq : index",
-        "%h = arith.remui %wg, %nq : index",
-        kv_head,
-        f"%p64 = memref.load %sp[%b] : {pos_m}",
-        "%p = arith.index_cast %p64 : i64 to index",
-        "%p1 = arith.addi %p, %c1 : index",
-        f"%len = arith.constant {s.length} : index",
-        "%hi = arith.minsi %p1, %len : index",
-        *lo,
-        f"%scale = arith.constant 0x{f32_bits(s.scale).upper()} : f32",
-        "%f0 = arith.constant 0.0 : f32",
-        "%f1 = arith.constant 1.0 : f32",
-        f"%zf = arith.constant dense<0.0> : {vf}",
-        *offsets,
-        *[line for c in range(chunks) for line in (
-            f"%qs{c} = vector.load %q[%b, %h, %c0, %d{c}] : {q_m}, vector<{LANES}x{s.q_type}>",
-            *_widen(s.q_type, f"%qs{c}", f"%q{c}", isa))],
-        "scf.for %l = %lo to %hi step %c1 {",
-        *scores,
-        "}",
-        # the max and the exponentials 16 keys at a time; lanes past hi are masked off
-        f"%c{LANES} = arith.constant {LANES} : index",
-        f"%ninfv = arith.constant dense<0xFF800000> : {vf}",
-        f"%mv = scf.for %l = %lo to %hi step %c{LANES} iter_args(%mx = %ninfv) -> ({vf}) {{",
-        "  %rem = arith.subi %hi, %l : index",
-        f"  %mask = vector.create_mask %rem : vector<{LANES}xi1>",
-        f"  %sv = vector.maskedload %scr[%wg, %l], %mask, %ninfv : {scr_m}, vector<{LANES}xi1>, {vf} into {vf}",
-        f"  %mx2 = arith.maximumf %mx, %sv : {vf}",
-        f"  scf.yield %mx2 : {vf}",
-        "}",
-        f"%m = vector.reduction <maximumf>, %mv : {vf} into f32",
-        f"%mb = vector.broadcast %m : f32 to {vf}",
-        f"%zv = scf.for %l = %lo to %hi step %c{LANES} iter_args(%zacc = %zf) -> ({vf}) {{",
-        "  %rem = arith.subi %hi, %l : index",
-        f"  %mask = vector.create_mask %rem : vector<{LANES}xi1>",
-        f"  %sv = vector.maskedload %scr[%wg, %l], %mask, %mb : {scr_m}, vector<{LANES}xi1>, {vf} into {vf}",
-        f"  %sm = arith.subf %sv, %mb : {vf}",
-        f"  %e0 = math.exp %sm : {vf}",
-        f"  %e = arith.select %mask, %e0, %zf : vector<{LANES}xi1>, {vf}",
-        f"  vector.maskedstore %scr[%wg, %l], %mask, %e : {scr_m}, vector<{LANES}xi1>, {vf}",
-        f"  %zacc2 = arith.addf %zacc, %e : {vf}",
-        f"  scf.yield %zacc2 : {vf}",
-        "}",
-        f"%z = vector.reduction <add>, %zv : {vf} into f32",
-        f"%acc:{chunks} = scf.for %l = %lo to %hi step %c1 iter_args("
-        + ", ".join(f"%o{c} = %zf" for c in range(chunks)) + f") -> ({', '.join([vf] * chunks)}) {{",
-        *values,
-        "}",
-        # no key (a row whose position is outside the cache) gives zeros, not 0/0
-        "%pos_z = arith.cmpf ogt, %z, %f0 : f32",
-        "%inv0 = arith.divf %f1, %z : f32",
-        "%inv = arith.select %pos_z, %inv0, %f0 : f32",
-        f"%invb = vector.broadcast %inv : f32 to {vf}",
-        *[line for c in range(chunks) for line in (
-            f"%r{c} = arith.mulf %acc#{c}, %invb : {vf}",
-            *([] if s.q_type == "f32" else [f"%rn{c} = arith.truncf %r{c} : {vf} to vector<{LANES}x{s.q_type}>"]),
-            f"vector.store %r{c if s.q_type == 'f32' else 'n' + str(c)}, %o[%b, %h, %c0, %d{c}] : {q_m}, "
-            f"vector<{LANES}x{s.q_type}>")],
-    ]
-    bindings = [f"%{n}: !stream.binding" for n in ("qb", "kb", "vb", "pb", "ob", "sb")]
-    return stream_executable(s.name, s.rows, bindings, body)
+    return instantiate("decode_attention", **_parameters(s), rep=s.q_heads // s.kv_heads,
+                       scale_bits=f32_bits(s.scale).upper(), lanes=LANES, chunks=s.head_dim // LANES,
+                       fma=isa.fma, f16=isa.f16)
 
 
 def decode_attention_function(s: DecodeAttentionShape) -> str:
-    """The util.func @name(q, k, v, pos) -> out that a site calls: the dispatch, its scratch dropped."""
-    t = _types(s)
-    q_t, kv_t, pos_t, scr_t = (tensor_type(*t[k]) for k in ("q", "kv", "pos", "scratch"))
-    return "\n".join([
-        f"util.func private @{s.name}(%q: {q_t}, %k: {kv_t}, %v: {kv_t}, %pos: {pos_t}) -> {q_t} {{",
-        f"  %out, %scratch = flow.dispatch @{s.name}_exe::@{s.name}(%q, %k, %v, %pos) "
-        f": ({q_t}, {kv_t}, {kv_t}, {pos_t}) -> ({q_t}, {scr_t})",
-        f"  util.return %out : {q_t}",
-        "}",
-    ])
+    """The util.func @name(q, k, v, pos) -> out that a site calls (templates/decode_attention_call.mlir):
+    the dispatch, its scratch dropped."""
+    return instantiate("decode_attention_call", **_parameters(s))
 
 
 # ---------------------------------------------------------------------------

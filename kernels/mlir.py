@@ -11,6 +11,8 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from .template import instantiate
+
 
 def tensor_type(shape: Sequence[int], element: str) -> str:
     """`tensor<2x3xf32>`."""
@@ -94,18 +96,14 @@ def multiply_add(out: str, a: str, b: str, acc: str | None, type_: str, isa: Flo
     (acc None: a * b + 0, the FMA form's way to spell a product, a plain multiply without it).
 
     On a CPU without FMA, `math.fma`'s fused rounding costs a call to libm's `fmaf` per element.
+    The spelling is templates/multiply_add.mlir, which the templated kernels include.
     """
-    if isa.fma:
-        return [f"{out} = math.fma {a}, {b}, {acc or zero} : {type_}"]
-    if acc is None:
-        return [f"{out} = arith.mulf {a}, {b} : {type_}"]
-    return [f"{out}_mul = arith.mulf {a}, {b} : {type_}", f"{out} = arith.addf {out}_mul, {acc} : {type_}"]
+    return _lines(instantiate("multiply_add", out=out, a=a, b=b, acc=acc, type=type_, fma=isa.fma, zero=zero,
+                              pad=""))
 
 
-def _constant(value: int | float, type_: str) -> str:
-    if type_.startswith("vector<"):
-        return f"arith.constant dense<{value}> : {type_}"
-    return f"arith.constant {value} : {type_}"
+def _lines(text: str) -> list[str]:
+    return text.split("\n")
 
 
 def widen_f16(src: str, dst: str, f16_type: str, isa: FloatIsa = HARDWARE_FLOAT) -> list[str]:
@@ -114,44 +112,14 @@ def widen_f16(src: str, dst: str, f16_type: str, isa: FloatIsa = HARDWARE_FLOAT)
     Where the CPU converts f16 in hardware (`isa.f16`: x86-64 with F16C, every aarch64 core):
     `arith.extf`, one instruction per vector. Without it (`x86-64-v2`, `generic` x86-64) LLVM
     turns `extf` into a call to compiler-rt's `__extendhfsf2` per element; the integer form
-    here is a few vector instructions instead: the exponent rebiased from 15 to 127 for
-    normal numbers and infinities or NaNs (exponent 31 to 255), and a subnormal's mantissa
-    m read as m * 2^-24 (exact: m < 1024, and the product is a normal f32); the sign on top.
+    (`f16_bits_to_f32`) is a few vector instructions instead. The spelling is
+    templates/widen_f16.mlir.
     """
-    if isa.f16:
-        return [f"{dst} = arith.extf {src} : {f16_type} to {f16_type.replace('f16', 'f32')}"]
-    i16 = f16_type.replace("f16", "i16")
-    return [f"{dst}_h = arith.bitcast {src} : {f16_type} to {i16}", *f16_bits_to_f32(f"{dst}_h", dst, i16)]
+    return _lines(instantiate("widen_f16", src=src, dst=dst, f16_type=f16_type, f16=isa.f16, pad=""))
 
 
 def f16_bits_to_f32(src: str, dst: str, i16_type: str) -> list[str]:
     """`dst` = the f16 values whose bits `src` holds (i16, or a vector of i16 named by `i16_type`) as
-    f32, exactly, in integer and f32 instructions only (`widen_f16` without F16C)."""
-    i32, f32, i1 = (i16_type.replace("i16", t) for t in ("i32", "f32", "i1"))
-    p = dst
-    return [
-        f"{p}_u = arith.extui {src} : {i16_type} to {i32}",
-        f"{p}_c7fff = {_constant(0x7FFF, i32)}",
-        f"{p}_c8000 = {_constant(0x8000, i32)}",
-        f"{p}_c400 = {_constant(0x400, i32)}",
-        f"{p}_c7c00 = {_constant(0x7C00, i32)}",
-        f"{p}_c13 = {_constant(13, i32)}",
-        f"{p}_c16 = {_constant(16, i32)}",
-        f"{p}_rebias = {_constant(112 << 23, i32)}",
-        f"{p}_rebias_inf = {_constant(224 << 23, i32)}",
-        f"{p}_tiny = {_constant('5.9604644775390625E-8', f32)}",  # 2^-24, exactly
-        f"{p}_em = arith.andi {p}_u, {p}_c7fff : {i32}",
-        f"{p}_sgn0 = arith.andi {p}_u, {p}_c8000 : {i32}",
-        f"{p}_sgn = arith.shli {p}_sgn0, {p}_c16 : {i32}",
-        f"{p}_sh = arith.shli {p}_em, {p}_c13 : {i32}",
-        f"{p}_is_inf = arith.cmpi uge, {p}_em, {p}_c7c00 : {i32}",
-        f"{p}_bias = arith.select {p}_is_inf, {p}_rebias_inf, {p}_rebias : {i1}, {i32}",
-        f"{p}_normal = arith.addi {p}_sh, {p}_bias : {i32}",
-        f"{p}_mf = arith.uitofp {p}_em : {i32} to {f32}",
-        f"{p}_subf = arith.mulf {p}_mf, {p}_tiny : {f32}",
-        f"{p}_sub = arith.bitcast {p}_subf : {f32} to {i32}",
-        f"{p}_is_sub = arith.cmpi ult, {p}_em, {p}_c400 : {i32}",
-        f"{p}_mag = arith.select {p}_is_sub, {p}_sub, {p}_normal : {i1}, {i32}",
-        f"{p}_bits = arith.ori {p}_mag, {p}_sgn : {i32}",
-        f"{dst} = arith.bitcast {p}_bits : {i32} to {f32}",
-    ]
+    f32, exactly, in integer and f32 instructions only (`widen_f16` without F16C): the exponent
+    rebiased, a subnormal's mantissa scaled by 2^-24, the sign on top (templates/f16_bits_to_f32.mlir)."""
+    return _lines(instantiate("f16_bits_to_f32", src=src, dst=dst, i16_type=i16_type, pad=""))
