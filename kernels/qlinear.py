@@ -86,6 +86,7 @@ from .sites import (
     rewrite_sites,
     shape_and_type,
 )
+from .template import instantiate
 from .x86 import AVX512_VNNI
 
 OP_NAME = "torch.foldline.qlinear"
@@ -175,20 +176,14 @@ def _compilation_info(distribution: list[int], parallel: list[int], reduction: l
             f"translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>")
 
 
-def _body(spec: QLinearSpec, code: tuple[str, list[str]] | None = None,
-          isa: FloatIsa = HARDWARE_FLOAT) -> tuple[str, list[str], str]:
-    """(block arguments, dequantization lines, the value holding the weight element) of the body.
-
-    code: (block argument, lines making %qf from it) to read the code another
-    way; by default %q is an i4 (q4) or i8 (q8) code.
-    """
+def _body(spec: QLinearSpec, isa: FloatIsa = HARDWARE_FLOAT) -> tuple[str, list[str], str]:
+    """(block arguments, dequantization lines, the value holding the weight element) of the fused
+    horizontal kernel's body: %a the activation, %q an i4 (q4) or i8 (q8) code."""
     st = spec.scale_type
-    if code is None:
-        q4 = spec.fmt == "q4"
-        code = (f"%q: {'i4' if q4 else 'i8'}",
-                ["%qi = arith.extui %q : i4 to i32", "%qf = arith.uitofp %qi : i32 to f32"] if q4
-                else ["%qf = arith.sitofp %q : i8 to f32"])
-    code_arg, lines = code[0], list(code[1])
+    q4 = spec.fmt == "q4"
+    code_arg = f"%q: {'i4' if q4 else 'i8'}"
+    lines = (["%qi = arith.extui %q : i4 to i32", "%qf = arith.uitofp %qi : i32 to f32"] if q4
+             else ["%qf = arith.sitofp %q : i8 to f32"])
     args = ["%a: f32", code_arg, f"%s: {st}"] + ([f"%mn: {st}"] if spec.has_min else [])
     scale = "%s"
     if st == "f16":
@@ -224,52 +219,23 @@ def _codes_t(spec: QLinearSpec) -> str:
 
 
 def _widen_q5(spec: QLinearSpec) -> list[str]:
-    """Lines making %codes [N, K] (one byte per code, 0..31, in k order) from %codes_q5, the stored planes.
+    """Lines making %codes [N, K] (one byte per code, 0..31, in k order) from %codes_q5, the stored planes
+    (templates/qlinear_widen_q5.mlir).
 
     The float kernels then read q5 codes as they read q8 ones: the portable form, which copies
     the planes apart and writes the widened codes each call (the pinned IREE fuses neither into the
     kernel's dispatch; reading the planes in place crashes the compiler). The int8 kernels read
     the planes as they lie; where a bundle would run the float kernels at every step, the
-    quantize-weights pass widens the codes once instead (docs/quantization.md). Code
-    h * g/2 + c * 8 + t of group g is nibble h of byte c * 8 + t of the group's nibble bytes,
-    plus bit t of byte g * g/8 + h * g/16 + c of the fifth bits: with the code index split as
-    (h, c, t), every read is an affine map without a division.
+    quantize-weights pass widens the codes once instead (docs/quantization.md).
     """
-    n, k, g, half = spec.n, spec.k, spec.groups, spec.group // 2
-    lo_t, hi_t = tensor_type((n, k // 2), "i8"), tensor_type((n, k // 8), "i8")
-    lo4_t, hi4_t = tensor_type((n, g, half // 8, 8), "i8"), tensor_type((n, g, 2, half // 8), "i8")
-    out_t = tensor_type((n, g, 2, half // 8, 8), "i8")
-    dims = "n, g, h, c, t"
-    return [
-        f"%q5lo = tensor.extract_slice %codes_q5[0, 0] [{n}, {k // 2}] [1, 1] : {_stored_codes_t(spec)} to {lo_t}",
-        f"%q5hi = tensor.extract_slice %codes_q5[0, {k // 2}] [{n}, {k // 8}] [1, 1] "
-        f": {_stored_codes_t(spec)} to {hi_t}",
-        "%q5lo4 = " + _reshape("expand", "%q5lo", lo_t, lo4_t, [[0], [1, 2, 3]], [n, g, half // 8, 8]),
-        "%q5hi4 = " + _reshape("expand", "%q5hi", hi_t, hi4_t, [[0], [1, 2, 3]], [n, g, 2, half // 8]),
-        f"%q5empty = tensor.empty() : {out_t}",
-        f"%q5w = linalg.generic {{indexing_maps = [affine_map<({dims}) -> (n, g, c, t)>, "
-        f"affine_map<({dims}) -> (n, g, h, c)>, affine_map<({dims}) -> ({dims})>], "
-        'iterator_types = ["parallel", "parallel", "parallel", "parallel", "parallel"]}',
-        f"    ins(%q5lo4, %q5hi4 : {lo4_t}, {hi4_t}) outs(%q5empty : {out_t}) {{",
-        "  ^bb0(%nb: i8, %fb: i8, %o: i8):",
-        "      %h = linalg.index 2 : index",
-        "      %t = linalg.index 4 : index",
-        "      %h8 = arith.index_cast %h : index to i8",
-        "      %t8 = arith.index_cast %t : index to i8",
-        "      %c4 = arith.constant 4 : i8",
-        "      %c1 = arith.constant 1 : i8",
-        "      %c15 = arith.constant 15 : i8",
-        "      %sh = arith.muli %h8, %c4 : i8",
-        "      %nib0 = arith.shrui %nb, %sh : i8",
-        "      %nib = arith.andi %nib0, %c15 : i8",
-        "      %bit0 = arith.shrui %fb, %t8 : i8",
-        "      %bit = arith.andi %bit0, %c1 : i8",
-        "      %fifth = arith.shli %bit, %c4 : i8",
-        "      %q = arith.ori %nib, %fifth : i8",
-        "      linalg.yield %q : i8",
-        f"}} -> {out_t}",
-        "%codes = " + _reshape("collapse", "%q5w", out_t, _codes_t(spec), [[0], [1, 2, 3, 4]], []),
-    ]
+    return instantiate("qlinear_widen_q5", **_shape(spec), pad="").split("\n")
+
+
+def _shape(spec: QLinearSpec) -> dict[str, object]:
+    """The shape of a site as the qlinear templates take it."""
+    return dict(fmt=spec.fmt, group=spec.group, groups=spec.groups, scale_type=spec.scale_type,
+                has_min=spec.has_min, x_shape=spec.x_shape, m=spec.m, n=spec.n, k=spec.k,
+                stored_codes=codes_dims(spec.fmt, spec.n, spec.k))
 
 
 def _scales_t(spec: QLinearSpec) -> str:
@@ -299,25 +265,13 @@ def _code_map(spec: QLinearSpec, dims: str, row: str, group: str, b: str, h: str
 
 
 def _x_as_rows(spec: QLinearSpec) -> str:
-    """%x2: the activation x [..., K] as [M, K]."""
-    lead, x_t, x2_t = len(spec.x_shape) - 1, tensor_type(spec.x_shape, "f32"), tensor_type((spec.m, spec.k), "f32")
-    if lead == 0:
-        return "%x2 = " + _reshape("expand", "%x", x_t, x2_t, [[0, 1]], [1, spec.k])
-    if lead == 1:
-        return f"%x2 = tensor.cast %x : {x_t} to {x2_t}"
-    return "%x2 = " + _reshape("collapse", "%x", x_t, x2_t, [list(range(lead)), [lead]], [])
+    """%x2: the activation x [..., K] as [M, K] (templates/qlinear_x_rows.mlir)."""
+    return instantiate("qlinear_x_rows", **_shape(spec), pad="")
 
 
 def _rows_as_y(spec: QLinearSpec) -> str:
-    """%y: the result %y2 [M, N] as [..., N], the activation's leading shape."""
-    lead, y2_t = len(spec.x_shape) - 1, tensor_type((spec.m, spec.n), "f32")
-    y_shape = [*spec.x_shape[:-1], spec.n]
-    y_t = tensor_type(y_shape, "f32")
-    if lead == 0:
-        return "%y = " + _reshape("collapse", "%y2", y2_t, y_t, [[0, 1]], [])
-    if lead == 1:
-        return f"%y = tensor.cast %y2 : {y2_t} to {y_t}"
-    return "%y = " + _reshape("expand", "%y2", y2_t, y_t, [list(range(lead)), [lead]], y_shape)
+    """%y: the result %y2 [M, N] as [..., N], the activation's leading shape (templates/qlinear_y_rows.mlir)."""
+    return instantiate("qlinear_y_rows", **_shape(spec), pad="")
 
 
 def _params(spec: QLinearSpec, codes: str = "%codes") -> list[str]:
@@ -629,7 +583,8 @@ def horizontal_matvec_mlir(spec: QLinearSpec, isa: FloatIsa = HARDWARE_FLOAT) ->
 
 
 def dequantize_matmul_mlir(spec: QLinearSpec, q4_bytes: bool = True, isa: FloatIsa = HARDWARE_FLOAT) -> str:
-    """A dequantization generic to a float [N, K] tile, then a matmul: once per call.
+    """A dequantization generic to a float [N, K] tile, then a matmul: once per call
+    (templates/qlinear_dequantize_matmul.mlir).
 
     Used where the fused generic is the wrong tool: prefill chunks on CPU (M > 1,
     where the pinned IREE runs the fused form far below float32 matmul speed, so
@@ -642,45 +597,8 @@ def dequantize_matmul_mlir(spec: QLinearSpec, q4_bytes: bool = True, isa: FloatI
     written to [h, b]) is the portable form (GPU targets), and on CPU made
     prefill slower (docs/quantization.md, "The kernels").
     """
-    m, n, k, g, half = spec.m, spec.n, spec.k, spec.groups, spec.group // 2
-    scale_ins = ["%scales"] + (["%mins"] if spec.has_min else [])
-    w3_t, w_t, x2_t, y2_t = (tensor_type(s, "f32") for s in ((n, g, 2, half), (n, k), (m, k), (m, n)))
-    dims = "n, g, h, b"
-    if spec.fmt == "q4" and q4_bytes:
-        q_t = tensor_type((n, g, half), "i8")
-        lines = ["%qw = " + _reshape("expand", "%codes", _codes_t(spec), q_t, [[0], [1, 2]], [n, g, half])]
-        code_map = f"affine_map<({dims}) -> (n, g, b)>"
-        nibble = ["%h = linalg.index 2 : index", "%hi = arith.index_cast %h : index to i8",
-                  "%c4 = arith.constant 4 : i8", "%c15 = arith.constant 15 : i8", "%sh = arith.muli %hi, %c4 : i8",
-                  "%nib = arith.shrui %q8, %sh : i8", "%q = arith.andi %nib, %c15 : i8",
-                  "%qf = arith.uitofp %q : i8 to f32"]
-        bargs, deq, w = _body(spec, ("%q8: i8", nibble), isa)
-    else:
-        lines, q_t = _codes_by_half(spec)
-        code_map = _code_map(spec, dims, "n", "g", "b", "h")
-        bargs, deq, w = _body(spec, isa=isa)
-    maps = [code_map] + [f"affine_map<({dims}) -> (n, g)>"] * len(scale_ins) + [f"affine_map<({dims}) -> (n, g, h, b)>"]
-    lines += [
-        f"%wempty = tensor.empty() : {w3_t}",
-        f"%w3 = linalg.generic {{indexing_maps = [{', '.join(maps)}], "
-        'iterator_types = ["parallel", "parallel", "parallel", "parallel"]}',
-        f"    ins({', '.join(['%qw', *scale_ins])} : {', '.join([q_t, *([_scales_t(spec)] * len(scale_ins))])}) "
-        f"outs(%wempty : {w3_t}) {{",
-        f"  ^bb0({bargs.replace('%a: f32, ', '')}, %o: f32):",
-        *[f"      {line}" for line in deq],
-        f"      linalg.yield {w} : f32",
-        f"}} -> {w3_t}",
-        "%w = " + _reshape("collapse", "%w3", w3_t, w_t, [[0], [1, 2, 3]], []),
-        _x_as_rows(spec),
-        "%zero = arith.constant 0.0 : f32",
-        f"%yempty = tensor.empty() : {y2_t}",
-        f"%yfill = linalg.fill ins(%zero : f32) outs(%yempty : {y2_t}) -> {y2_t}",
-        "%y2 = linalg.matmul indexing_maps = [affine_map<(d0, d1, d2) -> (d0, d2)>, "
-        "affine_map<(d0, d1, d2) -> (d1, d2)>, affine_map<(d0, d1, d2) -> (d0, d1)>]",
-        f"    ins(%x2, %w : {x2_t}, {w_t}) outs(%yfill : {y2_t}) -> {y2_t}",
-        _rows_as_y(spec),
-    ]
-    return _function(spec, lines)
+    return instantiate("qlinear_dequantize_matmul", name=spec.name, **_shape(spec), q4_bytes=q4_bytes,
+                       fma=isa.fma, f16=isa.f16)
 
 
 # ---------------------------------------------------------------------------
