@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from iree.compiler import ir
 
 _VTENSOR = re.compile(r"!torch\.vtensor<\[([0-9,]*)\],(\w+)>")
-_SYMBOL = re.compile(r"@(\w+)")
 
 
 class SiteError(ValueError):
@@ -132,11 +131,21 @@ def rewrite_sites(mlir: str, names: tuple[str, ...], plan: Callable[[ir.Operatio
                 replaced.erase()
             code.setdefault(call.callee, call.code)
             kinds[call.kind] += 1
-        inserted: set[str] = set()  # symbols already in the module (kernels of one K share a quantize dispatch)
-        for make in code.values():
-            for text in make():
-                symbol = _SYMBOL.search(text).group(1)
-                if symbol not in inserted:
-                    inserted.add(symbol)
-                    ir.InsertionPoint(module.body).insert(ir.Operation.parse(text))
+        _add_once(module, (text for make in code.values() for text in make()))
         return str(module), kinds
+
+
+def _add_once(module: ir.Module, texts: Iterable[str]) -> None:
+    """Append each op of `texts` (executables, util.funcs) to the module unless its symbol is already there.
+
+    Kernels share symbols (the kernels of one K share a quantize dispatch): the module's symbol table
+    says which are there. An op is placed with an insertion point, which hands it to the module, then
+    entered in the table (MLIR's SymbolTable.insert takes an op already in its block).
+    """
+    symbols = ir.SymbolTable(module.operation)
+    for text in texts:
+        op = ir.Operation.parse(text)
+        if ir.SymbolTable.get_symbol_name(op).value in symbols:
+            continue  # the parsed duplicate is dropped with its Python handle
+        ir.InsertionPoint(module.body).insert(op)
+        symbols.insert(op)
