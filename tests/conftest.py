@@ -28,6 +28,19 @@ def _time_gc(phase: str, _info: dict) -> None:
 gc.callbacks.append(_time_gc)
 
 
+# The files that take longest (each several minutes on 2 cores; pytest's --durations shows them), run
+# first: with the suite on two workers (README), a long file started last would leave one worker alone
+# at the end. The rest keep their order.
+LONGEST_FIRST = ("test_tensor_parallel.py", "test_aarch64.py", "test_multi_device.py", "test_gguf_models.py",
+                 "test_kv_tiles.py", "test_onnx.py", "test_hadamard_compile.py", "test_conversation.py",
+                 "test_serve.py", "test_serve_robust.py", "test_fused_attention.py", "test_backends_vulkan.py")
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
+
 def pytest_runtest_teardown(item, nextitem) -> None:
     gc.collect()
     gc.freeze()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -154,8 +155,13 @@ def test_ctrl_c_stops_the_answer_and_the_repl_goes_on(bundle, model, tmp_path, h
     child.sendline(f"/save {path}")
     child.expect(r"\[saved to")
     child.expect("\n> ")
+    # A Ctrl-C between the prompt's printing and readline's wait for input is only seen at the next key
+    # (CPython's readline loop): give the REPL the moment a person's keystroke would.
+    time.sleep(1)
     child.sendintr()  # at the prompt: a hint
     child.expect("Ctrl-C again")
+    child.expect("> ")
+    time.sleep(1)
     child.sendintr()  # a second one leaves
     child.expect(pexpect.EOF)
     child.close()
