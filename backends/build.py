@@ -27,7 +27,6 @@ from ..passes.manager import CompileUnit, run_pipeline
 from ..passes.place_devices import NAME as PLACE_PASS
 from ..passes.place_devices import PLACED, Placement
 from ..passes.quantize_weights import FIVE_BIT_CODES
-from .abi_declaration import declare_signatures, torch_inputs
 from .bundle_files import (
     MLIR_FILE,
     module_names,
@@ -39,14 +38,15 @@ from .bundle_files import (
     written_files,
 )
 from .compile_cache import CompileCache
-from .compile_pool import pool_size, run_concurrently
-from .fused_attention import SITE_NAME as FUSED_SITE
-from .fused_attention import count_fused_attention
-from .importer import import_programs
-from .inplace_state import ElideReport, elide_aliases_in
-from .input_ir import module_text
+from .iree.abi_declaration import declare_signatures, torch_inputs
+from .iree.compile_pool import pool_size, run_concurrently
+from .iree.fused_attention import SITE_NAME as FUSED_SITE
+from .iree.fused_attention import count_fused_attention, fused_decompositions
+from .iree.importer import import_programs
+from .iree.inplace_state import ElideReport, elide_aliases_in
+from .iree.input_ir import module_text
+from .iree.multi_device import device_scope, multi_device_flags, parameters_by_device, place_module
 from .lowering import Lowering
-from .multi_device import device_scope, multi_device_flags, parameters_by_device, place_module
 from .options import BuildOptions, Progress, build_cache_key, check_devices, from_cache, row_counts
 from .policy import (
     default_chunk,
@@ -210,7 +210,7 @@ def _export_onnx(activations: str, unit: CompileUnit, out: Path, clock: StageClo
                  progress: Progress) -> ModuleEntry:
     """Stage 3 for the ONNX target: the post-pass programs as ONNX graphs; their module's manifest entry."""
     # Imported here, not at the top: onnx and the exporter load in seconds, and only an ONNX target needs them.
-    from .onnx_export import export_module
+    from .onnx.export import export_module
 
     clock.stage("onnx", "[3/4] exporting ONNX graphs (core aten: standard ONNX ops and MatMulNBits)", total=len(unit.programs))
     rows = {name: n for name, _kind, n in entry_point_variants(options)}
@@ -226,7 +226,7 @@ def _compile_iree(targets: list[Target], activations: list[str], unit: CompileUn
     kinds = sorted({import_kind(t, options.attention) for t in targets}, reverse=True)
     clock.stage("import", "[3/4] importing to MLIR (torch dialect), weights to params.irpa",
                 total=len(unit.programs) * len(kinds))
-    lowerings = {fused: Lowering(fused_attention=fused) for fused in {fused for _, fused in kinds}}
+    lowerings = {fused: Lowering(fused_decompositions() if fused else None) for fused in {fused for _, fused in kinds}}
     imported = {}
     for kind in kinds:
         cpu, fused = kind

@@ -15,8 +15,8 @@ import torch
 
 from ..contract.manifest import MANIFEST, FileEntry, Manifest, ModuleEntry, ParamsEntry, sha256_file
 from ..contract.vmfb import vmfb_info
-from .importer import params_to_numpy
-from .multi_device import device_scope
+from .iree.importer import params_to_numpy
+from .iree.multi_device import device_scope
 from .targets import ONNX_DEVICE, Target
 
 MLIR_FILE = "model.mlir"  # --keep-mlir: the torch-dialect MLIR as imported for the first target

@@ -36,11 +36,10 @@ from torch.utils import _pytree as pytree
 from ..frontend import quant  # noqa: F401  (registers foldline::qlinear)
 from ..frontend.ops import DECOMPOSITIONS
 from ..passes.graph_edit import copy_graph_module, fake_mode, rebuild
-from .fused_attention import fused_decompositions, to_sdpa
 
 # Custom ops that reach MLIR as `torch.operator` for a backend rewrite instead of being decomposed
 # (kernels/qlinear.py lowers foldline::qlinear to a fused dequantize-matmul kernel;
-# backends/multi_device.py lowers foldline::to_device to a transfer between devices).
+# backends/iree/multi_device.py lowers foldline::to_device to a transfer between devices).
 KEPT_OPS = (torch.ops.foldline.qlinear.default, torch.ops.foldline.to_device.default)
 # Kept in decode entry points for targets with a hand-written decode attention kernel
 # (kernels/attention.py) where it covers the shape; expanded elsewhere.
@@ -226,14 +225,13 @@ def _int_node(gm: GraphModule, op: Callable, left: Node, right: Node | int) -> N
 class Lowering:
     """Decomposes entry points to core aten for import, sharing the table and the traces between them.
 
-    fused_attention: prefill chunks' cache attention becomes one attention op
-    (backends/fused_attention.py) instead of the decomposed scores and softmax.
+    decompositions: entries that replace the default table's for their ops, e.g. the IREE targets'
+    fused prefill attention (backends/iree/fused_attention.py).
     """
 
-    def __init__(self, fused_attention: bool = False) -> None:
+    def __init__(self, decompositions: dict | None = None) -> None:
         self.table = decomposition_table()
-        if fused_attention:
-            self.table.update(fused_decompositions())
+        self.table.update(decompositions or {})
         for op in SHAPE_QUERIES:
             self.table.pop(op, None)
         self.traces: dict = {}
@@ -247,7 +245,6 @@ class Lowering:
         gm = copy_graph_module(program)
         expand_ops(gm, lambda n: self.decomposes(n) and not keep(name, n), self.table, self.traces)
         spell_min(gm)
-        to_sdpa(gm)
         return rebuild(program, gm)
 
 

@@ -36,8 +36,8 @@ class BuildOptions:
     kv_dtype: str = "auto"  # attention cache element type: auto (policy.default_kv_dtype), float32, float16, bfloat16
     dtype: str = "auto"  # compute dtype: auto (policy.default_compute_dtype), float32, float16, bfloat16
     activations: str = "auto"  # quantized products: auto (int8 where the CPU has AVX2 or VNNI), int8, f32
-    attention: str = "auto"  # prefill attention: auto, fused (one flash-style op), decomposed (backends/fused_attention.py)
-    devices: int = 1  # devices the model is placed on (passes/place_devices.py, backends/multi_device.py)
+    attention: str = "auto"  # prefill attention: auto, fused (one flash-style op), decomposed (backends/iree/fused_attention.py)
+    devices: int = 1  # devices the model is placed on (passes/place_devices.py, backends/iree/multi_device.py)
     scheme: str = "pipeline"  # with devices > 1: "pipeline" (runs of layers) or "tensor" (heads and features)
 
 

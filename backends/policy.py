@@ -12,7 +12,7 @@ from ..frontend.types import LoadedModel
 from ..kernels.isa import FLOAT_KERNELS, Int8Kernels
 from ..kernels.mlir import HARDWARE_FLOAT, FloatIsa
 from ..kernels.select import choose_kernels, cpu_has_int8_dot
-from .fused_attention import attention_form
+from .iree.fused_attention import attention_form
 from .options import BuildOptions
 from .targets import IREE_VERSION, ONNX_DEVICE, Target, TargetError
 

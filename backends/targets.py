@@ -255,7 +255,7 @@ def make_target(name: str, cpu: str = "host", triple: str | None = None,
     if name == "cuda":
         return cuda_target(cuda_arch)
     if name == "onnx":
-        return Target(ONNX_DEVICE, [], "ONNX for ONNX Runtime (backends/onnx_export.py)")
+        return Target(ONNX_DEVICE, [], "ONNX for ONNX Runtime (backends/onnx/export.py)")
     raise TargetError(f"unknown target {name!r}; expected cpu, vulkan, cuda or onnx")
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from ..dtypes import DTYPES, FLOAT_DTYPES
 
 ENTRY_POINTS = ("prefill", "decode")
-# An ONNX module's graphs (backends/onnx_export.py, runtime/onnx_device.py): a state buffer's next
+# An ONNX module's graphs (backends/onnx/export.py, runtime/onnx_device.py): a state buffer's next
 # value is the output named as its input plus NEXT_SUFFIX; the graph's metadata lists under
 # INPLACE_STATE_KEY the state inputs whose next value may be bound to the input's own buffer.
 NEXT_SUFFIX = ".next"

@@ -109,7 +109,7 @@ class ModuleEntry:
     # `file` holding the weights they share); empty for an IREE module, whose one file has them all
     parts: dict[str, FileEntry] = field(default_factory=dict)
     # how its windowed layers' caches hold the window: None, as rings (position p in slot p mod
-    # window); "recent", in order (ONNX Runtime's GroupQueryAttention: backends/onnx_gqa.py)
+    # window); "recent", in order (ONNX Runtime's GroupQueryAttention: backends/onnx/gqa.py)
     window_order: str | None = None
 
     @classmethod

@@ -86,7 +86,7 @@ def kv_cache_write_impl(
 
     Padding tokens rewrite the last valid token's value into its own slot, so the
     write never reads the cache: IREE then updates the caller's buffer in place
-    instead of copying the whole cache first (backends/inplace_state.py). A row
+    instead of copying the whole cache first (backends/iree/inplace_state.py). A row
     with no valid token writes padding into slot start_pos, which holds no
     position yet (masked, and overwritten by that row's next token); such a row
     must not be at a full cache (start_pos == max_context), where it would
@@ -514,7 +514,7 @@ register_decomposition(torch.ops.foldline.gdn_step.default, gdn_step_impl)
 # ---------------------------------------------------------------------------
 # Placement over several devices (passes/place_devices.py): a value moved to device `device`.
 # The identity in eager; IREE's `flow.tensor.transfer` in a module compiled for several devices
-# (backends/multi_device.py).
+# (backends/iree/multi_device.py).
 # ---------------------------------------------------------------------------
 
 

@@ -8,7 +8,7 @@ bandwidth, each dispatch adding the task system's own cost
 (docs/architecture.md, "Decode attention on CPU targets").
 
 The decode programs keep `foldline::cache_attention` and
-`foldline::ring_decode_attention` as ops (backends/importer.py), which reach
+`foldline::ring_decode_attention` as ops (backends/iree/importer.py), which reach
 MLIR as `torch.operator`; for CPU targets `expand_decode_attention_ops`
 replaces each with a call to a dispatch written in templates/decode_attention.mlir (`stream.executable`,
 vector dialect, called with `flow.dispatch`, as kernels/int8_decode.py).

@@ -25,7 +25,7 @@ Where a value is read on a device other than its own, a `foldline::to_device` no
 moves it there, once per value and device: the hidden rows at each boundary, plus
 the few small tensors every layer reads (positions, counts, Ripple's embedded rows).
 The op is the identity in eager, so the placed program computes exactly what the
-unplaced one does; backends/multi_device.py turns it into IREE's transfer.
+unplaced one does; backends/iree/multi_device.py turns it into IREE's transfer.
 """
 
 from __future__ import annotations

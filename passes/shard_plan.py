@@ -305,7 +305,7 @@ def attention_scratch_bytes(cfg: ModelConfig, batch: int, length: int, chunk: in
 
     Decomposed (ops._attend), the largest scratch that grows with the context: scores
     [heads, chunk, length] and K, V read per query head [heads, length, head_dim].
-    Fused (backends/fused_attention.py, `--attention fused`): the online softmax's
+    Fused (backends/iree/fused_attention.py, `--attention fused`): the online softmax's
     accumulator, running maximum and sum [heads, chunk, head_dim + 2], whatever the
     length; the scores exist one key tile at a time inside the dispatch.
     """

@@ -6,7 +6,7 @@ a call per function. Here the state buffers are host arrays: each call feeds
 them to the function's graph and writes the next state it returns back into
 them, so `Session`, `Batch`, snapshots and the server work unchanged. The
 caches a graph updates in place (its GroupQueryAttention's, listed in the
-graph's metadata: backends/onnx_gqa.py) are bound as both input and output
+graph's metadata: backends/onnx/gqa.py) are bound as both input and output
 over the same array, so ONNX Runtime writes their one new slot there; the
 other state is copied back (docs/onnx.md).
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from foldline.backends import importer
+from foldline.backends.iree import importer
 from foldline.frontend import ops
 from foldline.kernels.attention import (
     DecodeAttentionShape,

@@ -206,11 +206,11 @@ def test_iree_version_names_the_installed_and_pinned_release():
 
 
 def test_importing_the_compiler_loads_no_onnx_exporter():
-    """The ONNX exporter (onnx, onnxscript and the backends' onnx_* modules) loads only for an ONNX target:
+    """The ONNX exporter (onnx, onnxscript and backends/onnx/) loads only for an ONNX target:
     a fresh process that imports backends.build has none of it."""
     probe = ("import sys, foldline.backends.build; "
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('onnx', 'onnxscript', 'onnxruntime') "
-             "or m.startswith('foldline.backends.onnx_')))")
+             "or m.startswith('foldline.backends.onnx')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

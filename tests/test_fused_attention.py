@@ -1,4 +1,4 @@
-"""Prefill attention fused into one flash-style op (backends/fused_attention.py): golden against eager,
+"""Prefill attention fused into one flash-style op (backends/iree/fused_attention.py): golden against eager,
 compiled against eager across many KV tiles, and which targets take it."""
 
 from __future__ import annotations
@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from foldline.backends.fused_attention import SITE_NAME, attention_form, count_fused_attention
+from foldline.backends.iree.fused_attention import (
+    SITE_NAME,
+    attention_form,
+    count_fused_attention,
+    fused_decompositions,
+    to_sdpa,
+)
 from foldline.backends.lowering import Lowering
 from foldline.errors import InputError
 from foldline.frontend.arch import get_preset
@@ -61,8 +67,10 @@ def test_fused_lowering_matches_eager(preset, batch, passes, exported_unit):
     cfg = get_preset(preset).replace(max_context=320)
     unit = copy_unit(exported_unit(cfg, batch=batch, chunk=16))
     run_pipeline(unit, list(passes), progress=lambda _m: None)
-    low = Lowering(fused_attention=True)
+    low = Lowering(fused_decompositions())
     fused = dataclasses.replace(unit, programs={n: low.program(n, p, _never) for n, p in unit.programs.items()})
+    for program in fused.programs.values():
+        to_sdpa(program.graph_module)
     for name, program in unit.programs.items():
         kept = _count(program, CACHE_ATTENTION)
         sdpa = _count(fused.programs[name], SDPA)

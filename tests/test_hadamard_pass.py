@@ -111,7 +111,7 @@ def test_fold_removes_every_rotation_and_restores_the_weights(exported):
     assert len(table) == 1
     assert {u.target for u in table[0].users} == {torch.ops.aten.embedding.default, torch.ops.aten.linear.default}
     # Entry points share each folded weight: the bundle holds the unrotated model's bytes, once.
-    from foldline.backends.importer import INLINE_LIMIT, import_programs
+    from foldline.backends.iree.importer import INLINE_LIMIT, import_programs
 
     _, params = import_programs(unit.programs.items())
     expected = sum(p.numel() * p.element_size() for p in ref.parameters() if p.numel() > INLINE_LIMIT)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from foldline.backends.inplace_state import elide_inplace_aliases
+from foldline.backends.iree.inplace_state import elide_inplace_aliases
 from foldline.contract.entry_points import kv_tile_count, kv_tile_size
 from foldline.frontend.arch import get_preset
 from foldline.frontend.export import kv_tiles_shape
@@ -220,7 +220,7 @@ def test_decode_writes_rings_and_caches_in_place():
     into one submission per layer)."""
     import iree.compiler as ireec
 
-    from foldline.backends.importer import import_programs
+    from foldline.backends.iree.importer import import_programs
     from foldline.backends.targets import cpu_target
     from foldline.frontend.export import export_model
     from foldline.frontend.model import build_model
@@ -264,7 +264,7 @@ def test_decode_never_copies_a_cache(tmp_path):
     import iree.compiler as ireec
 
     from foldline.backends.build import compile_torch_module
-    from foldline.backends.importer import import_programs
+    from foldline.backends.iree.importer import import_programs
     from foldline.backends.targets import cpu_target
     from foldline.frontend.export import export_model
     from foldline.frontend.model import build_model

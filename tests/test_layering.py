@@ -149,6 +149,50 @@ def test_an_import_against_the_order_is_caught():
     ]
 
 
+
+# ---- backends: the IREE side and the ONNX side stand apart -------------------------------------------
+
+# backends/ is the compile's driver (build, policy, bundle_files) over two sides: backends/iree/ (MLIR import,
+# the edits of the imported module, iree-compile's pool) and backends/onnx/ (the ONNX export and its ONNX
+# Runtime operators). Neither side imports the other, and what both use (lowering, targets, options, the
+# cache, the stage clock) imports neither side: only the driver picks one.
+BACKEND_SIDES = ("foldline.backends.iree", "foldline.backends.onnx")
+BACKEND_DRIVER = {"foldline.backends.build", "foldline.backends.policy", "foldline.backends.bundle_files"}
+
+
+def _backend_side(module: str) -> str | None:
+    return next((s for s in BACKEND_SIDES if module == s or module.startswith(s + ".")), None)
+
+
+def backend_sides_crossed(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a backend side from the other side or from a shared backends module (the driver may)."""
+    found = []
+    for src, dsts in graph.items():
+        if not src.startswith("foldline.backends.") or src in BACKEND_DRIVER:
+            continue
+        side = _backend_side(src)
+        found += [f"{src} imports {dst}" for dst in dsts if _backend_side(dst) not in (None, side)]
+    return sorted(found)
+
+
+def test_the_iree_and_onnx_backends_never_import_each_other():
+    sources = module_sources()
+    assert {f"{s}.{m}" for s, m in zip(BACKEND_SIDES, ("importer", "export"))} <= set(sources)
+    assert backend_sides_crossed(import_graph(sources)) == []
+
+
+def test_a_backend_import_across_the_sides_is_caught():
+    sources = module_sources()
+    sources["foldline.backends.iree.importer"] += "\n\ndef _late():\n    from ..onnx.gqa import local_window\n"
+    sources["foldline.backends.onnx.export"] += "\nfrom ..iree.fused_attention import SITE_NAME\n"
+    sources["foldline.backends.lowering"] += "\nfrom .iree.input_ir import module_text\n"
+    sources["foldline.backends.build"] += "\nfrom .onnx.norms import fuse_rms_norms\n"  # the driver may
+    assert backend_sides_crossed(import_graph(sources)) == [
+        "foldline.backends.iree.importer imports foldline.backends.onnx.gqa",
+        "foldline.backends.lowering imports foldline.backends.iree.input_ir",
+        "foldline.backends.onnx.export imports foldline.backends.iree.fused_attention",
+    ]
+
 # ---- the manifest's fields are named in contract/ only -----------------------------------------------
 
 # Keys every JSON document uses (a device's "name", a config's "dtype", an API's "model"): outside
@@ -210,8 +254,8 @@ def test_a_manifest_field_named_outside_the_contract_is_caught():
 
 # The modules that edit IREE's MLIR between the compile steps or before them: they hold the module as IR
 # (iree.compiler.ir), so nothing of theirs depends on how the printer lays it out.
-MLIR_EDITORS = {"foldline.backends.inplace_state", "foldline.backends.abi_declaration",
-                "foldline.backends.multi_device", "foldline.backends.input_ir"}
+MLIR_EDITORS = {"foldline.backends.iree.inplace_state", "foldline.backends.iree.abi_declaration",
+                "foldline.backends.iree.multi_device", "foldline.backends.iree.input_ir"}
 _TEXT_EDITS = {"sub", "subn", "compile"}
 
 
@@ -246,14 +290,14 @@ def test_backends_edit_mlir_through_the_bindings_not_its_text():
 
 def test_a_text_edit_of_mlir_is_caught():
     sources = module_sources()
-    sources["foldline.backends.inplace_state"] += "\n\nimport re\n\ndef _f(t):\n    return re.sub('a', 'b', t)\n"
-    sources["foldline.backends.abi_declaration"] += "\n\ndef _g(t):\n    return t.replace('a', 'b')\n"
+    sources["foldline.backends.iree.inplace_state"] += "\n\nimport re\n\ndef _f(t):\n    return re.sub('a', 'b', t)\n"
+    sources["foldline.backends.iree.abi_declaration"] += "\n\ndef _g(t):\n    return t.replace('a', 'b')\n"
     sources["foldline.backends.targets"] += "\n\ndef _h(a):\n    return str(a).replace('<', '(')\n"
     sources["foldline.backends.build"] += "\n\ndef _i(t):\n    return t.replace(dtype='f16')\n"  # not text
     assert sorted(f.split(":")[0] + " " + f.split(" ", 1)[1] for f in text_edits_of_mlir(sources)) == [
-        "foldline.backends.abi_declaration calls .replace",
-        "foldline.backends.inplace_state calls re.sub",
-        "foldline.backends.inplace_state imports re",
+        "foldline.backends.iree.abi_declaration calls .replace",
+        "foldline.backends.iree.inplace_state calls re.sub",
+        "foldline.backends.iree.inplace_state imports re",
         "foldline.backends.targets calls .replace",
     ]
 

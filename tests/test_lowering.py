@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from foldline.backends import lowering
-from foldline.backends.importer import kernel_keep_rule
+from foldline.backends.iree.importer import kernel_keep_rule
 from foldline.frontend.arch import get_preset
 from foldline.passes.graph_edit import copy_graph_module, rebuild
 from foldline.passes.manager import run_pipeline

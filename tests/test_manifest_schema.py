@@ -295,7 +295,7 @@ def _reflections(mlir: str, torch_mlir: str, generic: bool = False) -> tuple[lis
     when `generic`), then read back each function's reflection through the bindings."""
     from iree.compiler import ir
 
-    from foldline.backends.abi_declaration import declare_signatures, torch_inputs
+    from foldline.backends.iree.abi_declaration import declare_signatures, torch_inputs
 
     with ir.Context():
         if generic:

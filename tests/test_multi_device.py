@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from foldline.backends.multi_device import multi_device_flags
+from foldline.backends.iree.multi_device import multi_device_flags
 from foldline.backends.options import BuildOptions, check_devices
 from foldline.backends.targets import make_target
 from foldline.contract.errors import BundleError
@@ -245,8 +245,8 @@ def test_the_placed_module_tells_iree_where_every_value_lives(exported_unit):
     """Moves become transfers; state arguments, logits and weights carry the devices the pass chose."""
     import re
 
-    from foldline.backends.importer import import_programs
-    from foldline.backends.multi_device import place_module
+    from foldline.backends.iree.importer import import_programs
+    from foldline.backends.iree.multi_device import place_module
 
     _unit, placed = _placed(exported_unit, "llama-tiny")
     placement = placed.options[PLACED]
@@ -289,7 +289,7 @@ def _weights_placed(mlir: str) -> dict[str, tuple[str, str]]:
     """util.global name -> (its affinity, its initial value), after place_module over two devices."""
     from iree.compiler import ir
 
-    from foldline.backends.multi_device import place_module
+    from foldline.backends.iree.multi_device import place_module
     from foldline.passes.place_devices import Placement
 
     weights = {"model.a.weight": 0, "model.b.weight": 1, "model.a.weight@device1": 1, "inline": 1}
@@ -316,7 +316,7 @@ def test_each_weight_reads_its_devices_parameter_scope():
 
 
 def test_a_weight_reading_another_parameter_is_refused():
-    from foldline.backends.multi_device import PlacementError
+    from foldline.backends.iree.multi_device import PlacementError
 
     other = _WEIGHTS.replace('"model"::"b.weight"', '"model"::"c.weight"')
     with pytest.raises(PlacementError, match=r'util.global @b.weight reads #flow.parameter.named<"model"::"c.weight">'):

@@ -25,7 +25,7 @@ from test_avx2_kernels import SCALED_TOL_INT8
 from test_decode_fusion import _blocked, _eager_logits
 from test_manifest_schema import CASCADELAKE, X86_V2, X86_V3, multi_isa_manifest
 
-from foldline.backends.compile_pool import PEAK_BYTES, pool_size
+from foldline.backends.iree.compile_pool import PEAK_BYTES, pool_size
 from foldline.backends.targets import CPU_SETS, TargetError, cpu_names
 from foldline.errors import InputError
 from foldline.kernels.isa import FLOAT

@@ -89,7 +89,7 @@ def test_the_graphs_are_standard_onnx_over_one_weights_file(onnx_bundles):
         custom = {(n.domain, n.op_type) for n in model.graph.node if n.domain not in ("", "ai.onnx")}
         assert custom == {("com.microsoft", "MatMulNBits"), ("com.microsoft", "GroupQueryAttention"),
                           ("com.microsoft", "SkipSimplifiedLayerNormalization")}
-        # every RMS norm is one node (backends/onnx_norms.py): no mean of a power is left
+        # every RMS norm is one node (backends/onnx/norms.py): no mean of a power is left
         powers = {n.output[0] for n in model.graph.node if n.op_type == "Pow"}
         assert not [n.name for n in model.graph.node if n.op_type == "ReduceMean" and n.input[0] in powers]
         assert any(n.op_type == "RMSNormalization" for n in model.graph.node)
@@ -97,7 +97,7 @@ def test_the_graphs_are_standard_onnx_over_one_weights_file(onnx_bundles):
         inits = {t.name: t for t in model.graph.initializer}
         assert products and all(inits[n.input[1]].data_type == onnx.TensorProto.UINT8 for n in products)
         assert all(helper.get_attribute_value(a) == 4 for n in products for a in n.attribute if a.name == "bits")
-        # no weight multiplied as floats: a MatMul by a constant is an offset's term (onnx_nbits)
+        # no weight multiplied as floats: a MatMul by a constant is an offset's term (backends/onnx/nbits.py)
         assert all(n.input[1].endswith(".offsets_t") for n in model.graph.node
                    if n.op_type == "MatMul" and n.input[1] in inits)
         locations |= {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
@@ -196,7 +196,7 @@ def test_a_batched_bundle_keeps_its_rings_in_every_function(onnx_bundles):
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gemma3-tiny"])
 def test_group_query_attention_rotates_q_and_k(name, onnx_bundles):
-    """Each GroupQueryAttention rotates its q and k itself (backends/onnx_rope.py), over one pair of tables
+    """Each GroupQueryAttention rotates its q and k itself (backends/onnx/rope.py), over one pair of tables
     per rotation (gemma3-tiny's windowed and global layers have two); llama-tiny then computes no other
     sine or cosine. The q and k
     norms of gemma3-tiny stay in the graph as RMSNormalization, which ONNX Runtime's CPU attention does
@@ -272,7 +272,7 @@ def test_windowed_layers_holding_full_caches_run_as_group_query_attention(onnx_b
     """Without ring-buffer-swa, gemma3-tiny's window layers hold full caches: their one-row attention is
     GroupQueryAttention with a local window of W keys, the global layer's without; the parity test
     above holds every position to eager, the window crossed several times."""
-    from foldline.backends.onnx_gqa import local_window
+    from foldline.backends.onnx.gqa import local_window
     from foldline.frontend.arch.gemma3 import gemma3_tiny
 
     cfg = gemma3_tiny()

@@ -1,4 +1,4 @@
-"""GGUF blocks as ONNX Runtime's MatMulNBits (backends/onnx_nbits.py), one product at a time.
+"""GGUF blocks as ONNX Runtime's MatMulNBits (backends/onnx/nbits.py), one product at a time.
 
 Every block type foldline repacks becomes a placeholder product, is rewritten
 to MatMulNBits and run by onnxruntime; the result is checked against x times
@@ -16,7 +16,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from onnx import TensorProto, helper, numpy_helper
 from test_quant import random_blocks
 
-from foldline.backends.onnx_nbits import (
+from foldline.backends.onnx.nbits import (
     ACCURACY_LEVEL,
     ORT_DOMAIN,
     PLACEHOLDER_DOMAIN,

@@ -1,4 +1,4 @@
-"""RMS norms fused into single ONNX nodes (backends/onnx_norms.py), checked against the unfused graph
+"""RMS norms fused into single ONNX nodes (backends/onnx/norms.py), checked against the unfused graph
 run by ONNX Runtime. The graphs are written as torch's exporter writes foldline's RMSNorm: the
 reduction's axes reshaped from a constant, 1 / sqrt as Reciprocal(Sqrt)."""
 
@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from foldline.backends.onnx_norms import fuse_rms_norms
+from foldline.backends.onnx.norms import fuse_rms_norms
 
 HIDDEN = 8
 SHAPE = [1, 3, HIDDEN]

@@ -189,7 +189,8 @@ def test_the_dispatch_check_tells_a_fused_kernel_from_a_materialised_weight(kept
     """The same qlinear, lowered by the kernel generator or decomposed to aten (nibble shifts in the graph)."""
     import iree.compiler as ireec
 
-    from foldline.backends import importer, lowering
+    from foldline.backends import lowering
+    from foldline.backends.iree import importer
     from foldline.backends.targets import make_target
     from foldline.kernels.qlinear import expand_qlinear_ops
     from foldline.testing.dispatches import (

@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     require_extra("compiler")
     from ..backends.build import BuildOptions, compile_model
-    from ..backends.fused_attention import attention_form
+    from ..backends.iree.fused_attention import attention_form
     from ..backends.policy import resolve_dtypes
     from ..backends.targets import make_target
     from ..frontend.sources import load_model

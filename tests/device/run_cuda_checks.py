@@ -7,7 +7,7 @@
     python3 tests/device/run_cuda_checks.py run DIR
 
 `prepare` compiles each tiny preset for CUDA in its default form (prefill
-attention fused into one flash-style op per layer, backends/fused_attention.py)
+attention fused into one flash-style op per layer, backends/iree/fused_attention.py)
 and the first preset also with `--attention decomposed`, each beside a CPU
 module of the same weights, at a 512-token context. It records the torch eager
 reference for a prompt over several 64-slot KV tiles followed by greedy decode

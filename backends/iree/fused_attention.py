@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule
 
-from ..errors import InputError
-from ..frontend.ops import (
+from ...errors import InputError
+from ...frontend.ops import (
     MASK_VALUE,
     _chunk_positions,
     _first_slots,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from iree.compiler import ir
 from iree.compiler.dialects import hal, tensor
 
-from ..kernels.sites import defining_op
+from ...kernels.sites import defining_op
 from .input_ir import module_text
 
 SCATTER = "iree_linalg_ext.scatter"  # ins(updates, indices) outs(original): its result is `original` updated

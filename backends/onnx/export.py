@@ -7,7 +7,7 @@ weights in their block formats. foldline's custom ops are decomposed into
 core aten first, by the decompositions they register (the portable form the
 GPU targets compile), so the graphs hold standard ONNX ops only and need no
 custom-op library. The quantized products become ONNX Runtime's
-MatMulNBits (backends/onnx_nbits.py): the blocks stay 4- or 8-bit codes with
+MatMulNBits (backends/onnx/nbits.py): the blocks stay 4- or 8-bit codes with
 their scales, multiplied without a float copy; a product MatMulNBits cannot take
 (another dtype, a group that is not a power of two) is dequantized in the graph.
 
@@ -34,15 +34,16 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind, OutputSpec
 from torch.utils import _pytree as pytree
 
-from ..contract.entry_points import NEXT_SUFFIX, takes_position_shape
-from ..contract.manifest import FileEntry, ModuleEntry
-from ..contract.state import StateBuffer
-from ..errors import FoldlineError
-from ..frontend import quant  # noqa: F401  (registers foldline::qlinear's decomposition)
-from ..frontend.ops import DECOMPOSITIONS
-from ..passes.graph_edit import copy_graph_module, rebuild
-from .lowering import KEPT_OPS, Lowering
-from .onnx_gqa import (
+from ...contract.entry_points import NEXT_SUFFIX, takes_position_shape
+from ...contract.manifest import FileEntry, ModuleEntry
+from ...contract.state import StateBuffer
+from ...errors import FoldlineError
+from ...frontend import quant  # noqa: F401  (registers foldline::qlinear's decomposition)
+from ...frontend.ops import DECOMPOSITIONS
+from ...passes.graph_edit import copy_graph_module, rebuild
+from ..lowering import KEPT_OPS, Lowering
+from ..targets import ONNX_DEVICE
+from .gqa import (
     GQA_ATTENTION,
     GQA_ROPE_ATTENTION,
     RING_OPS,
@@ -50,10 +51,9 @@ from .onnx_gqa import (
     fuse_cache_attention,
     to_group_query_attention,
 )
-from .onnx_gqa import translation as gqa_translation
-from .onnx_nbits import ACCURACY_LEVEL, fits, placeholder_translation, to_matmul_nbits
-from .onnx_norms import fuse_rms_norms
-from .targets import ONNX_DEVICE
+from .gqa import translation as gqa_translation
+from .nbits import ACCURACY_LEVEL, fits, placeholder_translation, to_matmul_nbits
+from .norms import fuse_rms_norms
 
 DATA_FILE = "model.onnx.data"
 EXTERNAL_MIN_BYTES = 1024  # smaller initializers stay in their graph
@@ -82,7 +82,7 @@ QLINEAR = torch.ops.foldline.qlinear.default
 
 def _lowering() -> Lowering:
     """backends/lowering.py's node-by-node decomposition; of the ops the IREE targets keep for their
-    kernels, the quantized products MatMulNBits fits stay (onnx_nbits.fits), the rest decompose."""
+    kernels, the quantized products MatMulNBits fits stay (nbits.fits), the rest decompose."""
     lowering = Lowering()
     for op in KEPT_OPS:
         lowering.table[op] = DECOMPOSITIONS[op]
@@ -114,7 +114,7 @@ def _functional(program: ExportedProgram, n_state: int, max_positions: int, fuse
     ONNX has no in-place update, so each mutation becomes an output, in the
     order of the state inputs. fuse_attention: a one-row program's attention
     over full caches (and with window_caches, over rings) becomes GroupQueryAttention
-    (backends/onnx_gqa.py); max_positions bounds the positions its rotation tables cover.
+    (backends/onnx/gqa.py); max_positions bounds the positions its rotation tables cover.
     """
     if fuse_attention:
         program = _with_fused_attention(program, max_positions, window_caches)

@@ -1,5 +1,5 @@
 """A query's or key's rotary embedding (and the per-head RMS norm before it), found in a program
-so that GroupQueryAttention rotates them (backends/onnx_gqa.py).
+so that GroupQueryAttention rotates them (backends/onnx/gqa.py).
 
 foldline's attention splits each projection into heads, applies the optional
 per-head norm (Gemma 3's q_norm and k_norm) and the rotary embedding
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from ..passes.graph_edit import placeholders_under
+from ...passes.graph_edit import placeholders_under
 
 aten = torch.ops.aten
 
@@ -172,7 +172,7 @@ def normed_source(graph: Graph, rotated: Rotated, fake_of: Node) -> Node:
     """`rotated.source` [B, C, H x D] with its per-head norm applied, as graph nodes (before the current
     insertion point). ONNX Runtime's CPU GroupQueryAttention does not take the norm's weights (it
     refuses q_norm_weight: CUDA and WebGPU only), so the norm stays in the graph, in the layout
-    GroupQueryAttention reads: [B, C, H, D], where backends/onnx_norms.py makes it one node."""
+    GroupQueryAttention reads: [B, C, H, D], where backends/onnx/norms.py makes it one node."""
     if rotated.norm_weight is None:
         return rotated.source
     add = _adder(graph, fake_of)

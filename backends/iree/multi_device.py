@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from iree.compiler import ir
 
-from ..kernels.sites import SiteError, shape_and_type, torch_operators
-from ..passes.place_devices import Placement
+from ...kernels.sites import SiteError, shape_and_type, torch_operators
+from ...passes.place_devices import Placement
 from .importer import PARAM_SCOPE, named_parameter, parameter_key
 
 TO_DEVICE_OPERATOR = "torch.foldline.to_device"

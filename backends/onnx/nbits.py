@@ -29,9 +29,9 @@ from onnx import helper, numpy_helper
 from onnx.defs import OpSchema
 from torch.fx import Node
 
-from ..contract.block_formats import row_length
-from ..errors import FoldlineError
-from ..frontend.quant import QuantizedTensor, unpack_q4
+from ...contract.block_formats import row_length
+from ...errors import FoldlineError
+from ...frontend.quant import QuantizedTensor, unpack_q4
 
 PLACEHOLDER_DOMAIN = "foldline"
 ORT_DOMAIN = "com.microsoft"

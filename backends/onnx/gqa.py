@@ -41,11 +41,11 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 from torch.fx.passes.tools_common import legalize_graph
 
-from ..contract.entry_points import INPLACE_STATE_KEY, NEXT_SUFFIX
-from ..contract.state import RECENT_WINDOW_ORDER
-from ..frontend.ops import _attend, cache_attention_impl, kv_cache_write_impl
-from ..passes.graph_edit import remove_dead_code
-from .onnx_rope import Rotated, match_rotated, normed_source, rope_tables, rotate_heads
+from ...contract.entry_points import INPLACE_STATE_KEY, NEXT_SUFFIX
+from ...contract.state import RECENT_WINDOW_ORDER
+from ...frontend.ops import _attend, cache_attention_impl, kv_cache_write_impl
+from ...passes.graph_edit import remove_dead_code
+from .rope import Rotated, match_rotated, normed_source, rope_tables, rotate_heads
 
 PLACEHOLDER_DOMAIN = "foldline"
 PLACEHOLDER = "DecodeAttention"
@@ -219,7 +219,7 @@ def _fusable(attention: Node, window_caches: bool) -> _Triple | None:
 def fuse_cache_attention(gm: GraphModule, max_positions: int, window_caches: bool = False) -> int:
     """Rewrite (in place) each fusable write-write-attend triple of `gm` into foldline::gqa_attention,
     or into foldline::gqa_rope_attention where q and k are normed and rotated as GroupQueryAttention can
-    (backends/onnx_rope.py; its tables cover `max_positions`). window_caches: the windowed layers'
+    (backends/onnx/rope.py; its tables cover `max_positions`). window_caches: the windowed layers'
     rings too, which then hold their window in window order (GroupQueryAttention's
     `sliding_window_cache`), not by position modulo the window."""
     count = 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 from iree.compiler import ir
 from iree.compiler.dialects import hal
 
-from ..contract.entry_points import DECLARATION_KEY
+from ...contract.entry_points import DECLARATION_KEY
 
 ASYNC_SUFFIX = "$async"
 STUB = "iree.abi.stub"  # on every function IREE's ABI wraps, the synchronous entry point among them

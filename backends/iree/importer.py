@@ -19,11 +19,12 @@ from iree.compiler import ir
 from iree.compiler.extras.fx_importer import FxImporter, FxImporterHooks
 from torch.export import ExportedProgram
 
-from ..frontend.deferred_weights import materialize
-from ..frontend.types import MLIR_ELEMENTS
-from ..kernels.attention import covers
-from ..passes.place_devices import COPY_SUFFIX
-from .lowering import DECODE_ATTENTION_OPS, KeepRule, Lowering, is_decode_entry
+from ...frontend.deferred_weights import materialize
+from ...frontend.types import MLIR_ELEMENTS
+from ...kernels.attention import covers
+from ...passes.place_devices import COPY_SUFFIX
+from ..lowering import DECODE_ATTENTION_OPS, KeepRule, Lowering, is_decode_entry
+from .fused_attention import to_sdpa
 
 PARAM_SCOPE = "model"
 INLINE_LIMIT = 64  # tensors with at most this many elements stay inline constants
@@ -133,7 +134,9 @@ def import_programs(
     hooks = _ParameterHooks(module, params, externalize_params)
     importer = FxImporter(module=module, config_check=False, hooks=hooks)
     for name, program in programs:
-        importer.import_program(lowering.program(name, program, keep), func_name=name)
+        lowered = lowering.program(name, program, keep)
+        to_sdpa(lowered.graph_module)  # a fused lowering's attention, as the op the importer knows
+        importer.import_program(lowered, func_name=name)
         if progress is not None:
             progress(name)
     return str(module), params
