@@ -23,7 +23,7 @@ from ..frontend.types import LoadedModel
 from ..kernels.attention import expand_decode_attention_ops
 from ..kernels.isa import Int8Kernels
 from ..kernels.qlinear import expand_qlinear_ops
-from ..passes.manager import CompileUnit, run_pipeline
+from ..passes.manager import CompileUnit, TargetPasses, run_pipeline
 from ..passes.place_devices import NAME as PLACE_PASS
 from ..passes.place_devices import PLACED, Placement
 from ..passes.quantize_weights import FIVE_BIT_CODES
@@ -40,8 +40,8 @@ from .bundle_files import (
 from .compile_cache import CompileCache
 from .iree.abi_declaration import declare_signatures, torch_inputs
 from .iree.compile_pool import pool_size, run_concurrently
+from .iree.fused_attention import FUSED_ATTENTION_PASS, count_fused_attention, fused_decompositions
 from .iree.fused_attention import SITE_NAME as FUSED_SITE
-from .iree.fused_attention import count_fused_attention, fused_decompositions
 from .iree.importer import import_programs
 from .iree.inplace_state import ElideReport, elide_aliases_in
 from .iree.input_ir import module_text
@@ -214,8 +214,7 @@ def _export_onnx(activations: str, unit: CompileUnit, out: Path, clock: StageClo
 
     clock.stage("onnx", "[3/4] exporting ONNX graphs (core aten: standard ONNX ops and MatMulNBits)", total=len(unit.programs))
     rows = {name: n for name, _kind, n in entry_point_variants(options)}
-    return export_module({name: (program, rows[name]) for name, program in unit.programs.items()}, unit.state_specs,
-                         out, unit.config.max_context, progress, activations)
+    return export_module(unit, rows, out, progress, activations, options.dump_after)
 
 
 def _compile_iree(targets: list[Target], activations: list[str], unit: CompileUnit, out: Path, clock: StageClock,
@@ -227,11 +226,13 @@ def _compile_iree(targets: list[Target], activations: list[str], unit: CompileUn
     clock.stage("import", "[3/4] importing to MLIR (torch dialect), weights to params.irpa",
                 total=len(unit.programs) * len(kinds))
     lowerings = {fused: Lowering(fused_decompositions() if fused else None) for fused in {fused for _, fused in kinds}}
+    fused_attention = TargetPasses(unit, [FUSED_ATTENTION_PASS], options.dump_after)
     imported = {}
     for kind in kinds:
         cpu, fused = kind
         imported[kind] = import_programs(unit.programs.items(), decode_attention_kernel=cpu,
-                                         lowering=lowerings[fused], progress=clock.advance)
+                                         lowering=lowerings[fused], progress=clock.advance,
+                                         target_passes=fused_attention if fused else None)
     del lowerings
     mlir, params = imported[kinds[0]]
     if options.keep_mlir:

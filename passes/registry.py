@@ -2,6 +2,11 @@
 
 A leaf of the passes package: each pass module registers itself here, and the
 pass manager imports the pass modules, so neither imports the other's user.
+
+A target pass is registered with the target it applies to ("onnx", "iree, fused
+attention"): an FX rewrite a backend needs on the programs it makes. Its module
+lives with its backend, which registers it when imported and runs it through the
+pass manager (`run_target_passes`); it is never part of the model pipeline.
 """
 
 from __future__ import annotations
@@ -53,14 +58,15 @@ class Pass:
     name: str
     description: str
     run: Callable[[CompileUnit], PassResult]
+    target: str | None = None  # a target pass: the targets it applies to; None: a pass of the model pipeline
 
 
 PASSES: dict[str, Pass] = {}
 
 
-def register_pass(name: str, description: str):
+def register_pass(name: str, description: str, target: str | None = None):
     def wrap(fn: Callable[[CompileUnit], PassResult]):
-        PASSES[name] = Pass(name, description, fn)
+        PASSES[name] = Pass(name, description, fn, target)
         return fn
 
     return wrap

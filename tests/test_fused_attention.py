@@ -1,5 +1,6 @@
-"""Prefill attention fused into one flash-style op (backends/iree/fused_attention.py): golden against eager,
-compiled against eager across many KV tiles, and which targets take it."""
+"""Prefill attention fused into one flash-style op (backends/iree/fused_attention.py): the fused lowering and its
+`fused-attention` target pass golden against eager, compiled against eager across many KV tiles, and which
+targets take it."""
 
 from __future__ import annotations
 
@@ -12,17 +13,17 @@ import pytest
 import torch
 
 from foldline.backends.iree.fused_attention import (
+    FUSED_ATTENTION_PASS,
     SITE_NAME,
     attention_form,
     count_fused_attention,
     fused_decompositions,
-    to_sdpa,
 )
 from foldline.backends.lowering import Lowering
 from foldline.errors import InputError
 from foldline.frontend.arch import get_preset
 from foldline.frontend.sources import load_model
-from foldline.passes.manager import run_pipeline
+from foldline.passes.manager import run_pipeline, run_target_passes
 from foldline.runtime import Model
 from foldline.testing.golden import compare_units, copy_unit, make_steps
 from foldline.testing.parity import SCALED_TOL_FP32, run_parity
@@ -61,21 +62,25 @@ def test_an_unknown_form_is_refused():
     ("gemma3-tiny", 1, ("ring-buffer-swa",)),  # rings for the windows, the global layers fused
     ("qwen35-tiny", 1, ()),  # gated attention beside GDN layers
 ])
-def test_fused_lowering_matches_eager(preset, batch, passes, exported_unit):
-    """Every prefill chunk's cache attention becomes one attention op, decode's stays decomposed, and
-    the lowered program follows the eager one within fp32 over prompts that cross four 64-slot tiles."""
+def test_fused_lowering_matches_eager(preset, batch, passes, exported_unit, tmp_path):
+    """Every prefill chunk's cache attention becomes one attention op (the fused lowering, then the
+    fused-attention pass, dumped as any pass), decode's stays decomposed, and the lowered program follows
+    the eager one within fp32 over prompts that cross four 64-slot tiles."""
     cfg = get_preset(preset).replace(max_context=320)
     unit = copy_unit(exported_unit(cfg, batch=batch, chunk=16))
     run_pipeline(unit, list(passes), progress=lambda _m: None)
     low = Lowering(fused_decompositions())
     fused = dataclasses.replace(unit, programs={n: low.program(n, p, _never) for n, p in unit.programs.items()})
-    for program in fused.programs.values():
-        to_sdpa(program.graph_module)
+    dumps = tmp_path / "dump"
+    report = run_target_passes(fused, [FUSED_ATTENTION_PASS], dump_after={FUSED_ATTENTION_PASS: dumps},
+                               progress=lambda _m: None)
     for name, program in unit.programs.items():
         kept = _count(program, CACHE_ATTENTION)
         sdpa = _count(fused.programs[name], SDPA)
         assert sdpa == (kept if name.startswith("prefill") else 0), (name, kept, sdpa)
     assert _count(fused.programs["prefill"], SDPA) > 0
+    assert report[0]["sites"] == sum(_count(p, SDPA) for p in fused.programs.values())
+    assert "scaled_dot_product_attention" in (dumps / f"prefill.after-{FUSED_ATTENTION_PASS}.txt").read_text()
 
     prompts = [260] if batch == 1 else [260, 75]
     report = compare_units(unit, fused, make_steps(prompts, 16, 12, cfg.vocab_size, seed=3))

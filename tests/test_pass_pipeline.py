@@ -41,6 +41,21 @@ def test_passes_command_lists_passes(capsys):
     assert pipeline.index("fold-embedding-scale") < pipeline.index("ring-buffer-swa")
 
 
+def test_passes_command_lists_the_target_passes(capsys):
+    """The backends' FX rewrites are registered passes, listed with the target they apply to, never default."""
+    from foldline.backends.iree.fused_attention import FUSED_ATTENTION_PASS
+    from foldline.backends.onnx.gqa import GQA_PASS
+
+    assert main(["passes"]) == 0
+    out = capsys.readouterr().out
+    passes = available_passes()
+    for name, target in ((FUSED_ATTENTION_PASS, "iree, fused attention"), (GQA_PASS, "onnx")):
+        assert passes[name].target == target
+        line = next(line for line in out.splitlines() if line.startswith(name + " "))
+        assert f"[target: {target}]" in line and passes[name].description in line
+        assert name not in default_pipeline()
+
+
 # ---- compiled (IREE CPU) ----------------------------------------------------------------------------
 
 

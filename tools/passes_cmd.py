@@ -1,20 +1,31 @@
 """foldline passes: the registered graph passes, one line each, default pipeline marked.
 
-The pass modules import torch, which the runtime-only install lacks; their names and
-descriptions are read from their `@register_pass(NAME, "description")` lines instead,
-so the list is the same with or without the compiler extra.
+The pass modules import torch, which the runtime-only install lacks; their names,
+descriptions and targets are read from their `@register_pass(NAME, "description")`
+lines instead, so the list is the same with or without the compiler extra. The
+model pipeline's passes live in passes/; target passes (`target="onnx"`) live with
+their backend under backends/ and are listed with the target they apply to.
 """
 
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 from importlib import resources
 
 REGISTER = "register_pass"
+# The packages whose modules register passes: the model pipeline's, and each backend's target passes.
+PASS_PACKAGES = ("passes", "backends.iree", "backends.onnx")
+
+
+@dataclass(frozen=True)
+class ListedPass:
+    description: str
+    target: str | None = None  # a target pass: the targets it applies to
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("passes", help="list the graph passes and the default pipeline")
+    p = sub.add_parser("passes", help="list the graph passes, the default pipeline and the target passes")
     p.set_defaults(func=run)
 
 
@@ -27,8 +38,9 @@ def _literal(node: ast.expr, constants: dict[str, str]) -> str | None:
     return None
 
 
-def _registrations(source: str) -> dict[str, str]:
-    """name -> description of each `@register_pass(name, description)` in a module's source."""
+def _registrations(source: str) -> dict[str, ListedPass]:
+    """name -> description and target of each `@register_pass(name, description[, target=...])` in a
+    module's source."""
     tree = ast.parse(source)
     constants = {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
                  and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
@@ -41,17 +53,20 @@ def _registrations(source: str) -> dict[str, str]:
             if (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == REGISTER
                     and len(call.args) == 2):
                 name, description = (_literal(a, constants) for a in call.args)
+                target = next((_literal(k.value, constants) for k in call.keywords if k.arg == "target"), None)
                 if name is not None and description is not None:
-                    found[name] = description
+                    found[name] = ListedPass(description, target)
     return found
 
 
-def registered_passes() -> dict[str, str]:
-    """name -> description of every built-in pass, without importing the pass modules."""
-    package = resources.files(f"{__package__.rpartition('.')[0]}.passes")
-    passes: dict[str, str] = {}
-    for module in sorted((f for f in package.iterdir() if f.name.endswith(".py")), key=lambda f: f.name):
-        passes.update(_registrations(module.read_text(encoding="utf-8")))
+def registered_passes() -> dict[str, ListedPass]:
+    """name -> description (and target) of every built-in pass, without importing the pass modules."""
+    root = __package__.rpartition(".")[0]
+    passes: dict[str, ListedPass] = {}
+    for package_name in PASS_PACKAGES:
+        package = resources.files(f"{root}.{package_name}")
+        for module in sorted((f for f in package.iterdir() if f.name.endswith(".py")), key=lambda f: f.name):
+            passes.update(_registrations(module.read_text(encoding="utf-8")))
     return passes
 
 
@@ -60,12 +75,18 @@ def run(args) -> int:
 
     passes = registered_passes()
     pipeline = list(DEFAULT_PIPELINE)
-    width = max((len(n) for n in passes), default=0)
-    for name in pipeline + sorted(set(passes) - set(pipeline)):
-        if name in pipeline:
-            mark = f"[default {pipeline.index(name) + 1}]"
-        else:
-            mark = "[optional]"
-        print(f"{name:<{width}}  {mark:<11}  {passes[name]}")
+    model = [n for n in passes if passes[n].target is None]
+    targets = sorted((n for n in passes if passes[n].target is not None), key=lambda n: (passes[n].target, n))
+    rows = []
+    for name in pipeline + sorted(set(model) - set(pipeline)):
+        rows.append((name, f"[default {pipeline.index(name) + 1}]" if name in pipeline else "[optional]"))
+    rows += [(name, f"[target: {passes[name].target}]") for name in targets]
+    width = max((len(n) for n, _ in rows), default=0)
+    mark_width = max((len(m) for _, m in rows), default=0)
+    for name, mark in rows:
+        print(f"{name:<{width}}  {mark:<{mark_width}}  {passes[name].description}")
     print(f"default pipeline: {' -> '.join(pipeline) if pipeline else '(none)'}")
+    if targets:
+        print("target passes run where their target needs them, on the programs its backend makes; "
+              "--dump-after NAME writes their output too")
     return 0

@@ -19,6 +19,10 @@ such a row finite, as the decomposed form does.
 GQA needs no repeated K/V: the query heads that read one KV head are stacked
 as that head's query rows, [B, Hkv, rep x C, D] against [B, Hkv, L, D].
 
+The lowering makes the op with `fused_decompositions`; the `fused-attention`
+target pass (run by the importer on each lowered entry point) renames it to the
+aten op, so `--dump-after fused-attention` shows the graph as imported.
+
 Which targets take it is decided per target (`attention_form`): IREE's SPIR-V
 backend cannot compile the attention op, and its CPU backend compiles it one
 query row at a time (docs/backends.md, "Fused attention"), so the CPU default
@@ -40,12 +44,15 @@ from ...frontend.ops import (
     _ungroup,
     cache_attention_impl,
 )
+from ...passes.graph_edit import copy_graph_module, rebuild
+from ...passes.registry import CompileUnit, PassResult, register_pass
 
 ATTENTION_FORMS = ("auto", "fused", "decomposed")
 # Targets whose IREE backend compiles iree_linalg_ext.attention, and whether `auto` picks it there.
 FUSED_BY_DEFAULT = {"cuda": True, "cpu": False}
 # The kernel-site name `foldline inspect` shows for each fused prefill attention.
 SITE_NAME = "attention prefill fused"
+FUSED_ATTENTION_PASS = "fused-attention"
 
 
 @torch.library.custom_op("foldline::biased_attention", mutates_args=())
@@ -95,7 +102,8 @@ def to_sdpa(gm: GraphModule) -> int:
     """Rename every biased_attention node to aten.scaled_dot_product_attention, which the FX importer knows.
 
     The op is kept as an op through the lowering (eager, it is the math form); only
-    here, after the decompositions, does it become the aten op IREE fuses. Returns how many.
+    here, after the decompositions, does it become the aten op IREE fuses. Edits `gm` in place;
+    returns how many.
     """
     count = 0
     for node in gm.graph.nodes:
@@ -108,6 +116,20 @@ def to_sdpa(gm: GraphModule) -> int:
     if count:
         gm.recompile()
     return count
+
+
+@register_pass(FUSED_ATTENTION_PASS, "the fused lowering's prefill attention as aten.scaled_dot_product_attention, "
+               "one flash-style op for IREE", target="iree, fused attention")
+def fused_attention(unit: CompileUnit) -> PassResult:
+    """`to_sdpa` on each lowered entry point: a new program for each that holds the fused form."""
+    sites = 0
+    for name, program in list(unit.programs.items()):
+        gm = copy_graph_module(program)
+        count = to_sdpa(gm)
+        if count:
+            unit.programs[name] = rebuild(program, gm)
+            sites += count
+    return PassResult(changed=sites > 0, sites=sites)
 
 
 def count_fused_attention(mlir: str) -> int:

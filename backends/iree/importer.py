@@ -22,9 +22,9 @@ from torch.export import ExportedProgram
 from ...frontend.deferred_weights import materialize
 from ...frontend.types import MLIR_ELEMENTS
 from ...kernels.attention import covers
+from ...passes.manager import TargetPasses
 from ...passes.place_devices import COPY_SUFFIX
 from ..lowering import DECODE_ATTENTION_OPS, KeepRule, Lowering, is_decode_entry
-from .fused_attention import to_sdpa
 
 PARAM_SCOPE = "model"
 INLINE_LIMIT = 64  # tensors with at most this many elements stay inline constants
@@ -118,13 +118,15 @@ def kernel_keep_rule(decode_attention_kernel: bool) -> KeepRule:
 def import_programs(
     programs: Iterable[tuple[str, ExportedProgram]], externalize_params: bool = True,
     decode_attention_kernel: bool = False, lowering: Lowering | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, target_passes: TargetPasses | None = None,
 ) -> tuple[str, ExternalParams]:
     """Lower named programs to core aten and import them into one MLIR module; returns (MLIR text, lifted weights).
 
     decode_attention_kernel: decode entry points keep their attention ops for
     kernels/attention.expand_decode_attention_ops (CPU targets only).
     lowering: shares its decomposition traces between imports (one per kind of target).
+    target_passes: run on each lowered entry point before its import (a fused lowering's
+    `fused-attention`, which makes the op the importer knows).
     """
     lowering = Lowering() if lowering is None else lowering
     keep = kernel_keep_rule(decode_attention_kernel)
@@ -135,7 +137,8 @@ def import_programs(
     importer = FxImporter(module=module, config_check=False, hooks=hooks)
     for name, program in programs:
         lowered = lowering.program(name, program, keep)
-        to_sdpa(lowered.graph_module)  # a fused lowering's attention, as the op the importer knows
+        if target_passes is not None:
+            lowered = target_passes.run(name, lowered)
         importer.import_program(lowered, func_name=name)
         if progress is not None:
             progress(name)

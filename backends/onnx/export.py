@@ -40,15 +40,16 @@ from ...contract.state import StateBuffer
 from ...errors import FoldlineError
 from ...frontend import quant  # noqa: F401  (registers foldline::qlinear's decomposition)
 from ...frontend.ops import DECOMPOSITIONS
-from ...passes.graph_edit import copy_graph_module, rebuild
+from ...passes.manager import CompileUnit, TargetPasses
 from ..lowering import KEPT_OPS, Lowering
 from ..targets import ONNX_DEVICE
 from .gqa import (
     GQA_ATTENTION,
+    GQA_PASS,
     GQA_ROPE_ATTENTION,
     RING_OPS,
+    WINDOW_CACHES,
     WINDOW_ORDER,
-    fuse_cache_attention,
     to_group_query_attention,
 )
 from .gqa import translation as gqa_translation
@@ -93,31 +94,26 @@ def _keeps_product(_name: str, node) -> bool:
     return node.target == QLINEAR and fits(node)
 
 
-def _with_fused_attention(program: ExportedProgram, max_positions: int, window_caches: bool) -> ExportedProgram:
-    """A one-row program with its caches' writes and attention as foldline::gqa_attention (the
-    rings' too, with window_caches: then none may be left, since the graphs share their state)."""
-    gm = copy_graph_module(program)
-    fused = fuse_cache_attention(gm, max_positions, window_caches)
-    if window_caches:
-        left = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function" and n.target in RING_OPS})
+def _with_fused_attention(gqa: TargetPasses, function: str, program: ExportedProgram) -> ExportedProgram:
+    """A one-row program through the onnx-gqa pass: its caches' writes and attention as
+    foldline::gqa_attention (the rings' too, with window caches: then none may be left, since the graphs
+    share their state)."""
+    program = gqa.run(function, program)
+    if gqa.options[WINDOW_CACHES]:
+        left = sorted({str(n.target) for n in program.graph.nodes if n.op == "call_function" and n.target in RING_OPS})
         if left:
             raise OnnxExportError(f"{', '.join(left)} left beside window-ordered caches: a ring would be read in "
                                   "the wrong order")
-    return rebuild(program, gm) if fused else program
+    return program
 
 
-def _functional(program: ExportedProgram, n_state: int, max_positions: int, fuse_attention: bool = False,
-                window_caches: bool = False) -> ExportedProgram:
+def _functional(program: ExportedProgram, n_state: int) -> ExportedProgram:
     """The program in core aten, its state updates as outputs: (next state..., logits).
 
     An exported entry point writes its state buffers in place (input mutations);
     ONNX has no in-place update, so each mutation becomes an output, in the
-    order of the state inputs. fuse_attention: a one-row program's attention
-    over full caches (and with window_caches, over rings) becomes GroupQueryAttention
-    (backends/onnx/gqa.py); max_positions bounds the positions its rotation tables cover.
+    order of the state inputs.
     """
-    if fuse_attention:
-        program = _with_fused_attention(program, max_positions, window_caches)
     program = _lowering().program("", program, keep=_keeps_product)
     left = sorted({str(n.target) for n in program.graph.nodes
                    if n.op == "call_function" and str(n.target).startswith("foldline.")
@@ -135,17 +131,15 @@ def _functional(program: ExportedProgram, n_state: int, max_positions: int, fuse
     return program
 
 
-def export_function(program: ExportedProgram, function: str, rows: int, state: list[StateBuffer], max_positions: int,
-                    activations: str = "f32", window_caches: bool = False) -> onnx.ModelProto:
+def export_function(program: ExportedProgram, function: str, rows: int, state: list[StateBuffer],
+                    activations: str = "f32") -> onnx.ModelProto:
     """One function as an ONNX model, its inputs and outputs named as the module's contract names them.
 
-    max_positions: the context (the rotation tables' length). activations: what MatMulNBits
-    multiplies the codes by, "int8" (per block, ONNX Runtime's accuracy level 4) or "f32".
-    window_caches: the windowed layers' rings become GroupQueryAttention's window-ordered caches
-    (every function of the module must agree: they share the state).
+    program: after the target passes (a one-row program's attention as GroupQueryAttention's op).
+    activations: what MatMulNBits multiplies the codes by, "int8" (per block, ONNX Runtime's accuracy
+    level 4) or "f32".
     """
-    functional = _functional(program, len(state), max_positions, fuse_attention=rows == 1,
-                             window_caches=window_caches)
+    functional = _functional(program, len(state))
     inputs = [*step_inputs(function, rows), *(s.name for s in state)]
     outputs = [*(s.name + NEXT_SUFFIX for s in state), "logits"]
     # The exporter logs a line per torchvision op it cannot register and pytree deprecations: noise to a user.
@@ -198,28 +192,32 @@ class SharedWeights:
         self._file.close()
 
 
-def export_module(programs: dict[str, tuple[ExportedProgram, int]], state: list[StateBuffer], out: Path,
-                  max_positions: int, progress: Callable[[str], None] = print,
-                  activations: str = "f32") -> ModuleEntry:
+def export_module(unit: CompileUnit, rows: dict[str, int], out: Path, progress: Callable[[str], None] = print,
+                  activations: str = "f32", dump_after: dict[str, Path] | None = None) -> ModuleEntry:
     """Every function as `model.<function>.onnx` over one shared `model.onnx.data`; the manifest's entry.
 
-    programs: function name -> (post-pass program, rows it computes). max_positions: the context.
-    activations: "int8" or "f32", for the quantized products (export_function).
+    unit: the post-pass programs by function name, their state and config (the context bounds the
+    positions the rotation tables cover). rows: the rows each function computes. activations: "int8" or
+    "f32", for the quantized products (export_function). dump_after: `--dump-after` for the onnx-gqa pass,
+    which runs on each one-row function.
 
     A bundle whose functions all compute one row keeps its windowed layers' caches in window order,
     as GroupQueryAttention's `sliding_window_cache` does (docs/onnx.md); a batched one keeps rings,
     which its batched functions attend over decomposed. The entry's `window_order` records it.
     """
-    window_caches = all(rows == 1 for _program, rows in programs.values()) and any(
-        n.op == "call_function" and n.target in RING_OPS for program, _rows in programs.values()
+    window_caches = all(rows[function] == 1 for function in unit.programs) and any(
+        n.op == "call_function" and n.target in RING_OPS for program in unit.programs.values()
         for n in program.graph.nodes)
+    gqa = TargetPasses(unit, [GQA_PASS], dump_after, options={WINDOW_CACHES: window_caches})
     weights = SharedWeights(out / DATA_FILE)
     parts: dict[str, FileEntry] = {}
     opsets: set[int] = set()
     try:
-        for function, (program, rows) in programs.items():
+        for function, program in unit.programs.items():
             t0 = time.time()
-            model = export_function(program, function, rows, state, max_positions, activations, window_caches)
+            if rows[function] == 1:
+                program = _with_fused_attention(gqa, function, program)
+            model = export_function(program, function, rows[function], unit.state_specs, activations)
             weights.externalize(model)
             path = out / graph_file(function)
             onnx.save_model(model, path)

@@ -11,7 +11,8 @@ foldline's) and attends causally over the positions up to each. When its
 `present_key` output is bound to the same buffer as `past_key`, it writes
 those slots in place and reads only the positions held.
 
-`fuse_cache_attention` rewrites, in a one-row program (prefill or decode),
+`fuse_cache_attention` (the `onnx-gqa` target pass, which the export runs on
+each one-row program through the pass manager) rewrites, in a one-row program (prefill or decode),
 each layer's pair of `kv_cache_write`s into a full cache and the
 `cache_attention` that reads them (a global layer, or a windowed one holding a
 full cache, whose window becomes `local_window_size`) into one
@@ -44,7 +45,8 @@ from torch.fx.passes.tools_common import legalize_graph
 from ...contract.entry_points import INPLACE_STATE_KEY, NEXT_SUFFIX
 from ...contract.state import RECENT_WINDOW_ORDER
 from ...frontend.ops import _attend, cache_attention_impl, kv_cache_write_impl
-from ...passes.graph_edit import remove_dead_code
+from ...passes.graph_edit import copy_graph_module, rebuild, remove_dead_code
+from ...passes.registry import CompileUnit, PassResult, register_pass
 from .rope import Rotated, match_rotated, normed_source, rope_tables, rotate_heads
 
 PLACEHOLDER_DOMAIN = "foldline"
@@ -63,6 +65,10 @@ RING_DECODE_ATTENTION = torch.ops.foldline.ring_decode_attention.default
 ATTENTION_OPS = (CACHE_ATTENTION, RING_ATTENTION, RING_DECODE_ATTENTION)
 WINDOW_ORDER = RECENT_WINDOW_ORDER  # the window_order of a module whose rings became window-ordered caches
 RING_OPS = (RING_WRITE, RING_WRITE_TOKEN, RING_ATTENTION, RING_DECODE_ATTENTION)
+GQA_PASS = "onnx-gqa"
+# The unit option that gives the pass the windowed layers' rings too, as window-ordered caches
+# (export_module decides it for a whole module: its graphs share their state).
+WINDOW_CACHES = "window_caches"
 
 
 def window_rows_held(total: int, capacity: int, window: int) -> int:
@@ -258,6 +264,21 @@ def fuse_cache_attention(gm: GraphModule, max_positions: int, window_caches: boo
         remove_dead_code(gm)  # the rotations GroupQueryAttention now does
         gm.recompile()
     return count
+
+
+@register_pass(GQA_PASS, "each one-row layer's cache writes and attention as one GroupQueryAttention, q and k "
+               "rotated by it where their rotation is its own (rope.py)", target="onnx")
+def group_query_attention(unit: CompileUnit) -> PassResult:
+    """`fuse_cache_attention` on each program, its rotation tables over the context; a new program for
+    each it changes. The unit's WINDOW_CACHES option (default off) takes in the rings."""
+    sites = 0
+    for name, program in list(unit.programs.items()):
+        gm = copy_graph_module(program)
+        fused = fuse_cache_attention(gm, unit.config.max_context, unit.options.get(WINDOW_CACHES, False))
+        if fused:
+            unit.programs[name] = rebuild(program, gm)
+            sites += fused
+    return PassResult(changed=sites > 0, sites=sites)
 
 
 def _rotated_pair(q: Node, k: Node) -> tuple[Rotated, Rotated, Tensor] | None:
