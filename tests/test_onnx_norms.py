@@ -88,3 +88,20 @@ def test_what_is_not_a_norm_is_left_alone(change):
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("Pow") == before.count("Pow") - 1
     assert "SkipSimplifiedLayerNormalization" not in ops
+
+
+def test_the_registered_graph_rewrite_fuses_the_norms():
+    """rms-norms, as the export runs it (by name, through backends/onnx/graph_rewrites.py), against the unfused
+    graph in ONNX Runtime."""
+    from foldline.backends.onnx.graph_rewrites import GraphRewriteError, run_graph_rewrites
+    from foldline.backends.onnx.norms import NORMS_GRAPH_REWRITE
+
+    model = _model()
+    feeds = {n: np.random.default_rng(2).standard_normal(SHAPE).astype(np.float32) for n in ("a", "b")}
+    fused = onnx.ModelProto()
+    fused.CopyFrom(model)
+    assert run_graph_rewrites(fused, [NORMS_GRAPH_REWRITE], "f32") == {NORMS_GRAPH_REWRITE: 2}
+    assert "ReduceMean" not in {n.op_type for n in fused.graph.node}
+    np.testing.assert_allclose(_run(fused, feeds), _run(model, feeds), rtol=1e-5, atol=1e-5)
+    with pytest.raises(GraphRewriteError, match="unknown ONNX graph rewrite rms-norm;"):
+        run_graph_rewrites(fused, ["rms-norm"], "f32")

@@ -56,6 +56,20 @@ def test_passes_command_lists_the_target_passes(capsys):
         assert name not in default_pipeline()
 
 
+def test_passes_command_lists_the_onnx_graph_rewrites(capsys):
+    """The ONNX graph's rewrites, a level below the passes, under their own heading, each the export runs."""
+    from foldline.backends.onnx.export import GRAPH_REWRITE_ORDER
+    from foldline.backends.onnx.graph_rewrites import GRAPH_REWRITES
+
+    assert main(["passes"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    heading = next(i for i, line in enumerate(out) if line.startswith("onnx graph:"))
+    listed = {line.split()[0]: line for line in out[heading + 1:]}
+    assert set(listed) == set(GRAPH_REWRITES) == set(GRAPH_REWRITE_ORDER)
+    for name, rewrite in GRAPH_REWRITES.items():
+        assert rewrite.description in listed[name]
+
+
 # ---- compiled (IREE CPU) ----------------------------------------------------------------------------
 
 

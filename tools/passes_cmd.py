@@ -4,7 +4,9 @@ The pass modules import torch, which the runtime-only install lacks; their names
 descriptions and targets are read from their `@register_pass(NAME, "description")`
 lines instead, so the list is the same with or without the compiler extra. The
 model pipeline's passes live in passes/; target passes (`target="onnx"`) live with
-their backend under backends/ and are listed with the target they apply to.
+their backend under backends/ and are listed with the target they apply to. The
+ONNX graph rewrites (`@register_graph_rewrite`, backends/onnx/graph_rewrites.py), a
+level below on the exported ONNX graph, follow under "onnx graph".
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from dataclasses import dataclass
 from importlib import resources
 
 REGISTER = "register_pass"
+REGISTER_GRAPH_REWRITE = "register_graph_rewrite"
 # The packages whose modules register passes: the model pipeline's, and each backend's target passes.
 PASS_PACKAGES = ("passes", "backends.iree", "backends.onnx")
+GRAPH_REWRITE_PACKAGES = ("backends.onnx",)
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,7 @@ def _literal(node: ast.expr, constants: dict[str, str]) -> str | None:
     return None
 
 
-def _registrations(source: str) -> dict[str, ListedPass]:
+def _registrations(source: str, register: str = REGISTER) -> dict[str, ListedPass]:
     """name -> description and target of each `@register_pass(name, description[, target=...])` in a
     module's source."""
     tree = ast.parse(source)
@@ -50,7 +54,7 @@ def _registrations(source: str) -> dict[str, ListedPass]:
         if not isinstance(node, ast.FunctionDef):
             continue
         for call in node.decorator_list:
-            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == REGISTER
+            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == register
                     and len(call.args) == 2):
                 name, description = (_literal(a, constants) for a in call.args)
                 target = next((_literal(k.value, constants) for k in call.keywords if k.arg == "target"), None)
@@ -59,14 +63,14 @@ def _registrations(source: str) -> dict[str, ListedPass]:
     return found
 
 
-def registered_passes() -> dict[str, ListedPass]:
+def registered_passes(packages: tuple[str, ...] = PASS_PACKAGES, register: str = REGISTER) -> dict[str, ListedPass]:
     """name -> description (and target) of every built-in pass, without importing the pass modules."""
     root = __package__.rpartition(".")[0]
     passes: dict[str, ListedPass] = {}
-    for package_name in PASS_PACKAGES:
+    for package_name in packages:
         package = resources.files(f"{root}.{package_name}")
         for module in sorted((f for f in package.iterdir() if f.name.endswith(".py")), key=lambda f: f.name):
-            passes.update(_registrations(module.read_text(encoding="utf-8")))
+            passes.update(_registrations(module.read_text(encoding="utf-8"), register))
     return passes
 
 
@@ -81,7 +85,8 @@ def run(args) -> int:
     for name in pipeline + sorted(set(model) - set(pipeline)):
         rows.append((name, f"[default {pipeline.index(name) + 1}]" if name in pipeline else "[optional]"))
     rows += [(name, f"[target: {passes[name].target}]") for name in targets]
-    width = max((len(n) for n, _ in rows), default=0)
+    graph_rewrites = registered_passes(GRAPH_REWRITE_PACKAGES, REGISTER_GRAPH_REWRITE)
+    width = max((len(n) for n in [*(n for n, _ in rows), *graph_rewrites]), default=0)
     mark_width = max((len(m) for _, m in rows), default=0)
     for name, mark in rows:
         print(f"{name:<{width}}  {mark:<{mark_width}}  {passes[name].description}")
@@ -89,4 +94,8 @@ def run(args) -> int:
     if targets:
         print("target passes run where their target needs them, on the programs its backend makes; "
               "--dump-after NAME writes their output too")
+    if graph_rewrites:
+        print("onnx graph: rewrites of each exported ONNX graph into ONNX Runtime's operators")
+        for name in sorted(graph_rewrites):
+            print(f"  {name:<{width}}  {graph_rewrites[name].description}")
     return 0

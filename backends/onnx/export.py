@@ -45,16 +45,17 @@ from ..lowering import KEPT_OPS, Lowering
 from ..targets import ONNX_DEVICE
 from .gqa import (
     GQA_ATTENTION,
+    GQA_GRAPH_REWRITE,
     GQA_PASS,
     GQA_ROPE_ATTENTION,
     RING_OPS,
     WINDOW_CACHES,
     WINDOW_ORDER,
-    to_group_query_attention,
 )
 from .gqa import translation as gqa_translation
-from .nbits import ACCURACY_LEVEL, fits, placeholder_translation, to_matmul_nbits
-from .norms import fuse_rms_norms
+from .graph_rewrites import run_graph_rewrites
+from .nbits import NBITS_GRAPH_REWRITE, fits, placeholder_translation
+from .norms import NORMS_GRAPH_REWRITE
 
 DATA_FILE = "model.onnx.data"
 EXTERNAL_MIN_BYTES = 1024  # smaller initializers stay in their graph
@@ -79,6 +80,9 @@ def step_inputs(function: str, rows: int) -> tuple[str, ...]:
 
 
 QLINEAR = torch.ops.foldline.qlinear.default
+# The ONNX graph rewrites (graph_rewrites.py) each exported graph takes, in order: the placeholders
+# become ONNX Runtime's operators before the norms are matched around them.
+GRAPH_REWRITE_ORDER = (GQA_GRAPH_REWRITE, NBITS_GRAPH_REWRITE, NORMS_GRAPH_REWRITE)
 
 
 def _lowering() -> Lowering:
@@ -151,9 +155,7 @@ def export_function(program: ExportedProgram, function: str, rows: int, state: l
                                      custom_translation_table={QLINEAR: placeholder_translation(),
                                                                **gqa_translation()})
     model = exported.model_proto
-    to_group_query_attention(model)
-    to_matmul_nbits(model, ACCURACY_LEVEL[activations])
-    fuse_rms_norms(model)
+    run_graph_rewrites(model, GRAPH_REWRITE_ORDER, activations)
     for node in model.graph.node:  # the exporter's per-node Python stack traces: most of the graph's bytes
         node.ClearField("metadata_props")
         node.ClearField("doc_string")

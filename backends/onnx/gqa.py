@@ -47,6 +47,7 @@ from ...contract.state import RECENT_WINDOW_ORDER
 from ...frontend.ops import _attend, cache_attention_impl, kv_cache_write_impl
 from ...passes.graph_edit import copy_graph_module, rebuild, remove_dead_code
 from ...passes.registry import CompileUnit, PassResult, register_pass
+from .graph_rewrites import register_graph_rewrite
 from .rope import Rotated, match_rotated, normed_source, rope_tables, rotate_heads
 
 PLACEHOLDER_DOMAIN = "foldline"
@@ -66,6 +67,7 @@ ATTENTION_OPS = (CACHE_ATTENTION, RING_ATTENTION, RING_DECODE_ATTENTION)
 WINDOW_ORDER = RECENT_WINDOW_ORDER  # the window_order of a module whose rings became window-ordered caches
 RING_OPS = (RING_WRITE, RING_WRITE_TOKEN, RING_ATTENTION, RING_DECODE_ATTENTION)
 GQA_PASS = "onnx-gqa"
+GQA_GRAPH_REWRITE = "group-query-attention"
 # The unit option that gives the pass the windowed layers' rings too, as window-ordered caches
 # (export_module decides it for a whole module: its graphs share their state).
 WINDOW_CACHES = "window_caches"
@@ -417,6 +419,16 @@ def to_group_query_attention(model: onnx.ModelProto) -> list[str]:
     if inplace:
         helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, INPLACE_STATE_KEY: ",".join(inplace)})
     return inplace
+
+
+@register_graph_rewrite(GQA_GRAPH_REWRITE, "onnx-gqa's placeholder nodes as com.microsoft.GroupQueryAttention, "
+                        "their caches updated in place")
+def group_query_attention_nodes(model: onnx.ModelProto, _activations: str) -> int:
+    """`to_group_query_attention` as a graph rewrite: how many nodes it renamed."""
+    placeholders = sum(n.domain == PLACEHOLDER_DOMAIN and n.op_type in (PLACEHOLDER, ROPE_PLACEHOLDER)
+                       for n in model.graph.node)
+    to_group_query_attention(model)
+    return placeholders
 
 
 def _present_as_output(model: onnx.ModelProto, node: onnx.NodeProto, index: int, output: str) -> bool:

@@ -32,11 +32,13 @@ from torch.fx import Node
 from ...contract.block_formats import row_length
 from ...errors import FoldlineError
 from ...frontend.quant import QuantizedTensor, unpack_q4
+from .graph_rewrites import register_graph_rewrite
 
 PLACEHOLDER_DOMAIN = "foldline"
 ORT_DOMAIN = "com.microsoft"
 BITS = {"q4": 4, "q8": 8}
 DEFAULT_ZERO = {"q4": 8, "q8": 128}  # MatMulNBits' zero point when none is given
+NBITS_GRAPH_REWRITE = "matmul-nbits"
 ACCURACY_LEVEL = {"int8": 4, "f32": 0}  # 4: int8 activations per block (where the CPU has a kernel); 0: float
 
 
@@ -260,3 +262,10 @@ def to_matmul_nbits(model: onnx.ModelProto, accuracy_level: int) -> int:
     del model.opset_import[:]
     model.opset_import.extend([*imports, helper.make_opsetid(ORT_DOMAIN, 1)])
     return count
+
+
+@register_graph_rewrite(NBITS_GRAPH_REWRITE, "quantized products as com.microsoft.MatMulNBits over their 4- or 8-bit "
+                        "codes (int8 activations per block where asked)")
+def matmul_nbits(model: onnx.ModelProto, activations: str) -> int:
+    """`to_matmul_nbits` as a graph rewrite, at the accuracy level of `activations`."""
+    return to_matmul_nbits(model, ACCURACY_LEVEL[activations])

@@ -24,6 +24,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .graph_rewrites import register_graph_rewrite
+
+NORMS_GRAPH_REWRITE = "rms-norms"
 ORT_DOMAIN = "com.microsoft"
 RMS_NORM_OPSET = 23  # the first opset with RMSNormalization
 
@@ -174,6 +177,13 @@ def fuse_rms_norms(model: onnx.ModelProto) -> int:
             o.domain == ORT_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(ORT_DOMAIN, 1))
     return len(replaced)
+
+
+@register_graph_rewrite(NORMS_GRAPH_REWRITE, "each RMS norm as one RMSNormalization, or with the residual add before "
+                        "it as one com.microsoft.SkipSimplifiedLayerNormalization")
+def rms_norms(model: onnx.ModelProto, _activations: str) -> int:
+    """`fuse_rms_norms` as a graph rewrite."""
+    return fuse_rms_norms(model)
 
 
 def _sorted(nodes: list[onnx.NodeProto], model: onnx.ModelProto) -> list[onnx.NodeProto]:

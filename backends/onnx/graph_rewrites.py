@@ -1,0 +1,53 @@
+"""The ONNX graph rewrites: ONNX Runtime's operators put into each exported graph, by name.
+
+Another IR level than the passes (passes/registry.py): these take the ONNX
+model torch's exporter writes from a lowered program and rewrite it in place,
+the foldline placeholders and decomposed patterns into ONNX Runtime's fused
+operators. Each module registers its own with `register_graph_rewrite`; the
+export runs them in its order (export.GRAPH_REWRITE_ORDER) on every function's
+graph. `foldline passes` lists them under "onnx graph", reading the
+registrations from the source as it does the passes'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import onnx
+
+from ...errors import FoldlineError
+
+# (model, activations: "int8" or "f32") -> how many sites it rewrote, the model edited in place
+RewriteFn = Callable[[onnx.ModelProto, str], int]
+
+
+@dataclass(frozen=True)
+class GraphRewrite:
+    name: str
+    description: str
+    run: RewriteFn
+
+
+GRAPH_REWRITES: dict[str, GraphRewrite] = {}
+
+
+class GraphRewriteError(FoldlineError, ValueError):
+    """An unknown ONNX graph rewrite."""
+
+
+def register_graph_rewrite(name: str, description: str) -> Callable[[RewriteFn], RewriteFn]:
+    def wrap(fn: RewriteFn) -> RewriteFn:
+        GRAPH_REWRITES[name] = GraphRewrite(name, description, fn)
+        return fn
+
+    return wrap
+
+
+def run_graph_rewrites(model: onnx.ModelProto, names: Sequence[str], activations: str) -> dict[str, int]:
+    """Run the named rewrites in order on `model` (in place); the sites each rewrote."""
+    unknown = [n for n in names if n not in GRAPH_REWRITES]
+    if unknown:
+        raise GraphRewriteError(f"unknown ONNX graph rewrite {', '.join(unknown)}; known: "
+                                f"{', '.join(sorted(GRAPH_REWRITES)) or 'none'}")
+    return {name: GRAPH_REWRITES[name].run(model, activations) for name in names}
