@@ -1,7 +1,7 @@
 """aarch64 executed, not only compiled: bundles and kernels for Arm CPUs run under qemu-user.
 
 The aarch64 side is this checkout's runtime on Debian's arm64 Python with the
-aarch64 iree-base-runtime wheel (foldline/testing/qemu.py; scripts/setup_arm64.sh
+aarch64 iree-base-runtime wheel (tests/qemu_arm64.py; scripts/setup_arm64.sh
 installs it, and CI runs setup). Bundles for a dotprod CPU (cortex-a76: the
 int8-activation kernels in their NEON `sdot` form, kernels/arm/) and for
 `--cpu generic` (the float kernels any Armv8-A runs), and for an i8mm CPU
@@ -24,10 +24,10 @@ import pytest
 import test_quant_compile
 import test_vnni_gemm
 import test_vnni_kernels
+from int8_reference import check_form_code
+from qemu_arm64 import Arm64Python
 
 from foldline.kernels.arm import NEON_DOTPROD, NEON_I8MM
-from foldline.testing.int8_reference import check_form_code
-from foldline.testing.qemu import Arm64Python
 
 pytestmark = pytest.mark.slow
 

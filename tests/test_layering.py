@@ -10,9 +10,8 @@ hand-written kernels and the rewrites that put them into the imported MLIR). `ru
 stage; `server` (the HTTP front of `foldline serve`) builds on the runtime
 alone; `bench` (`foldline bench`: engines, peers, modes, tables) runs the
 runtime and, for the torch reference, the frontend and the parity runner, and
-only the CLI imports it; `testing` (golden harness, parity runner, fixture
-generators) may use any stage, and no product stage imports it except the
-CLI and the bench.
+only the CLI imports it; `testing` (golden harness, parity runner) may use
+any stage, and no product stage imports it except the CLI and the bench.
 """
 
 from __future__ import annotations

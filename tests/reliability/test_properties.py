@@ -351,8 +351,9 @@ def hadamard_cases(draw):
 @given(case=hadamard_cases())
 def test_fuse_hadamard_random_widths(case):
     """fuse-hadamard (fold or online) == the rotated model it rewrites, for widths tiled by any block."""
+    from rotated_gguf import rotated_model
+
     from foldline.frontend.export import export_entry_point
-    from foldline.testing.rotated_gguf import rotated_model
 
     heads, head_dim, kv_heads, hidden, inter, block, mode, seed = case
     record("property fuse-hadamard: cases")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..kernels.isa import Int8Isa
+    from foldline.kernels.isa import Int8Isa
 
 
 def quantize_activation(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
@@ -59,7 +59,7 @@ def random_blocks(fmt: str, group: int, scale_type: str, n: int, k: int, rng: np
         halves = q.astype(np.uint8).reshape(n, k // group, 2, group // 2)
         codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).view(np.int8)
     elif fmt == "q5":
-        from ..frontend.quant import pack_q5
+        from foldline.frontend.quant import pack_q5
 
         q = rng.integers(0, 32, (n, k)).astype(np.int64)
         q[:, ::5] = 31  # the largest code, and every fifth bit set somewhere
@@ -78,7 +78,7 @@ def compile_on_host(text: str, dump_dir, cpu: str = "host") -> tuple[object, str
     import iree.compiler as ireec
     import iree.runtime as rt
 
-    from ..backends.targets import cpu_target
+    from foldline.backends.targets import cpu_target
 
     vmfb = ireec.compile_str(text, extra_args=[*cpu_target(cpu).flags,
                                                f"--iree-hal-dump-executable-files-to={dump_dir}"])

@@ -7,8 +7,8 @@ inverse-listed table stores rows z = H D e, undone at lookup by e = signs * WHT(
 Rotated tensors are written as F32 (or F16); everything else is copied
 byte for byte, quantization included.
 
-    python -m foldline.testing.rotated_gguf smollm2-135m /tmp/smollm2-rotated.gguf
-    python -m foldline.testing.rotated_gguf llama-tiny /tmp/llama-tiny-rotated.gguf --block-size 32
+    python tests/rotated_gguf.py smollm2-135m /tmp/smollm2-rotated.gguf
+    python tests/rotated_gguf.py llama-tiny /tmp/llama-tiny-rotated.gguf --block-size 32
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..frontend import hadamard as H
-from ..frontend.arch import get_preset
-from ..frontend.config import ModelConfig
-from ..frontend.gguf_file import GGUFFile
-from ..frontend.model import CausalLM, build_model
-from ..frontend.shipped import SHIPPED_MODELS, locate_shipped
+from foldline.frontend import hadamard as H
+from foldline.frontend.arch import get_preset
+from foldline.frontend.config import ModelConfig
+from foldline.frontend.gguf_file import GGUFFile
+from foldline.frontend.model import CausalLM, build_model
+from foldline.frontend.shipped import SHIPPED_MODELS, locate_shipped
 
 # GGUF tensors whose activation is rotated (the measured qwen35 list, by suffix); ssm_alpha / ssm_beta stay plain.
 FORWARD_SUFFIXES = (
