@@ -266,8 +266,9 @@ class Session(ClosedOnExit):
         if isinstance(token, (list, tuple, np.ndarray)) and np.ndim(token) != 0:
             raise TokenIdError(f"decode takes one token id, got a sequence of {len(token)}; use prefill for several")
         arr = self._check_ids([token] if self._pending is None else [self._pending, token])
-        if arr.size == 2:
-            self.feed_pending()
+        if arr.size == 2:  # both checked together above, so a refused token feeds neither
+            self._pending = None
+            self._batch.step({self.ROW: arr[:1]})
         return self._batch.step({self.ROW: arr[-1:]})[self.ROW]
 
     def feed_pending(self) -> np.ndarray | None:
@@ -334,16 +335,18 @@ class Session(ClosedOnExit):
         sampler: Sampler | None = None,
         stop_strings: Sequence[str] = (),
         add_bos: bool | None = None,
+        on_logits=None,
     ) -> Generation[str]:
         """Stream text pieces continuing the sequence; the pieces concatenate to the decoded continuation.
 
         add_bos: None (the default) adds the model's BOS only to the start of a sequence
-        (position 0), never in the middle of one.
+        (position 0), never in the middle of one. on_logits: called with each generated
+        step's logits, before its token is sampled.
         """
         if add_bos is None:
             add_bos = self.position == 0 and self._pending is None
         ids = self.model.encode(prompt, add_bos=add_bos)
-        return self.stream_text(ids, max_new_tokens, sampler, stop_strings)
+        return self.stream_text(ids, max_new_tokens, sampler, stop_strings, on_logits=on_logits)
 
     def stream_text(
         self,

@@ -192,15 +192,28 @@ def test_generate_twice_is_one_sequence_with_every_token_fed(model):
         assert list(one_run.generate_ids(first + a + second, 4)) == b_ids
 
 
-def test_text_generation_adds_bos_only_at_the_start(gguf_bundles):
+def test_text_generation_adds_bos_only_at_the_start(gguf_bundles, tmp_path, capsys):
+    """`Session.generate` adds BOS at position 0 only, and `foldline generate --prompt --session` is that call:
+    two runs resuming one file print the API's text and save its step logits (`--logits-out`)."""
     _skip_unless_installed("gemma3-270m")
-    with Model.load(gguf_bundles("gemma3-270m")) as gemma, gemma.session() as session:
+    bundle = gguf_bundles("gemma3-270m")
+    prompts, saved, printed = ("The capital of France is", " The capital of Italy is"), tmp_path / "gemma.session", []
+    for i, prompt in enumerate(prompts):
+        logits_file = tmp_path / f"logits-{i}.npy"
+        assert main(["generate", str(bundle), "--prompt", prompt, "--max-new-tokens", "4", "--session", str(saved),
+                     "--logits-out", str(logits_file), "--no-verify"]) == 0
+        printed.append((capsys.readouterr().out.removesuffix("\n"), np.load(logits_file)))
+    with Model.load(bundle) as gemma, gemma.session() as session:
         bos = gemma.config["bos_token_id"]
-        first = "".join(session.generate("The capital of France is", 4))
-        second = "".join(session.generate(" The capital of Italy is", 4))
-        session.feed_pending()
+        for prompt, (text, logits) in zip(prompts, printed, strict=True):
+            steps: list[np.ndarray] = []
+            answer = "".join(session.generate(prompt, 4, on_logits=steps.append))
+            session.feed_pending()  # as the CLI's save does
+            assert answer and answer == text
+            np.testing.assert_array_equal(np.stack(steps).astype(np.float32), logits)
         assert session.tokens[0] == bos and session.tokens.count(bos) == 1
-        assert first and second
+        with gemma.session_from(saved) as resumed:
+            assert resumed.tokens == session.tokens
         # the shipped Gemma 3 270M is a base model: its GGUF has no chat template, and none is made up
         assert gemma.manifest.chat_template is None
         with pytest.raises(BundleError, match="base model"):

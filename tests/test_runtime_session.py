@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from foldline.errors import FoldlineError, InputError
-from foldline.runtime import Model, Sampler, SessionStateError, TokenIdError
+from foldline.runtime import ContextFullError, Model, Sampler, SessionStateError, TokenIdError
 
 pytestmark = pytest.mark.slow
 
@@ -65,6 +65,38 @@ def test_a_failed_call_breaks_the_session_until_restore(bundle, monkeypatch):
     session.restore(start)
     assert session.broken is None
     assert list(session.generate_ids(PROMPT, 8, Sampler())) == expected
+
+
+def test_decode_checks_the_pending_token_with_its_own_once(bundle, monkeypatch):
+    """decode after a generated token: the pending token and the new one are checked together, once, then fed
+    in order (the logits of feed_pending and decode one after the other); at the context's edge a refusal feeds
+    neither."""
+    import foldline.runtime.model as runtime_model
+
+    model = Model.load(bundle)
+    with model.session() as reference:
+        [token] = reference.generate_ids(PROMPT, 1, Sampler())
+        reference.feed_pending()
+        expected = reference.decode(3)
+    real_check, checked = runtime_model.check_ids, []
+
+    def counted_check(ids, *args):
+        checked.append(list(ids))
+        return real_check(ids, *args)
+
+    with model.session() as session:
+        list(session.generate_ids(PROMPT, 1, Sampler()))
+        monkeypatch.setattr(runtime_model, "check_ids", counted_check)
+        np.testing.assert_array_equal(session.decode(3), expected)
+        assert checked == [[token, 3]], "the pending token was checked again on its own"
+        assert session.tokens == [*PROMPT, token, 3] and session.pending_token is None
+    with model.session() as edge:
+        edge.prefill([5] * (model.max_context - 2))
+        [last] = edge.generate_ids([1], 1, Sampler())
+        assert edge.position == model.max_context - 1 and edge.pending_token == last
+        with pytest.raises(ContextFullError, match="context full"):
+            edge.decode(3)
+        assert edge.position == model.max_context - 1 and edge.pending_token == last, "a refusal fed nothing"
 
 
 def test_restore_refuses_a_snapshot_that_does_not_fit(bundle, bundle_factory):

@@ -72,8 +72,7 @@ def run(args) -> int:
         if ids is not None:
             stream = session.generate_ids(ids, args.max_new_tokens, sampler, on_logits=on_logits)
         else:
-            prompt_ids = model.encode(args.prompt, add_bos=session.position == 0)
-            stream = session.stream_text(prompt_ids, args.max_new_tokens, sampler, args.stop, on_logits=on_logits)
+            stream = session.generate(args.prompt, args.max_new_tokens, sampler, args.stop, on_logits=on_logits)
     t0 = time.perf_counter()
     if args.prompt_ids is not None:
         print(",".join(str(t) for t in stream))
