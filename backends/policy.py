@@ -48,7 +48,7 @@ def default_kv_dtype(loaded: LoadedModel, weights: str, dtype: str | None = None
     relative) is far below the weights' own. Float bundles keep their dtype, so they stay
     within fp32 tolerance of the eager reference. A bundle for ONNX Runtime alone keeps the
     compute dtype: its CPU GroupQueryAttention computes in float32 and, over float16 caches,
-    casts q, k and v every call (docs/onnx.md: decode 1.16x faster over float32 caches).
+    casts q, k and v every call (docs/onnx.md: decode is faster over float32 caches).
     """
     cfg = loaded.config if dtype is None else loaded.config.replace(dtype=dtype)
     if targets and all(t.device == ONNX_DEVICE for t in targets):

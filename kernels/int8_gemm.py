@@ -158,8 +158,8 @@ def quantize_executable(s: Int8GemmShape) -> str:
     """Int8 codes per group in the interleaved layout of _xq_memref, QUANTIZE_ROWS rows per workgroup.
 
     A k block of 16 rows shares one 64-byte line of the layout (and of the per-group sums): with one
-    row per workgroup the two threads wrote into the same lines, and each row cost ~3 us where the
-    arithmetic is a few hundred ns. Groups are the outer loop, so a group's 16 rows fill their
+    row per workgroup the two threads wrote into the same lines, and each row cost several times its
+    arithmetic. Groups are the outer loop, so a group's 16 rows fill their
     lines one after the other; row by row, a 2048-wide row touched ~900 lines, more than L1 holds
     (docs/quantization.md, "Prefill chunks").
     """

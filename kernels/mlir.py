@@ -68,7 +68,7 @@ class FloatIsa:
     A kernel that asks LLVM for an operation the CPU lacks gets a library call per element:
     `math.fma` becomes libm's `fmaf` and `arith.extf` from f16 compiler-rt's `__extendhfsf2`.
     x86-64 CPUs before Haswell (`x86-64-v2`, `generic`) have neither FMA nor F16C, and their
-    float decode kernels ran fifty times slower than with the instructions (docs/quantization.md,
+    float decode kernels ran many times slower than with the instructions (docs/quantization.md,
     "Float kernels on CPUs without FMA or F16C").
     """
 

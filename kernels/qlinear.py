@@ -152,7 +152,7 @@ def _rows_per_step(spec: QLinearSpec, isa: FloatIsa = HARDWARE_FLOAT) -> int:
 
     Capped so that all activation rows times these rows stay within four chains' registers; one
     where the registers are narrow (SSE: four rows' partial sums would fill all sixteen, and the
-    spills made SmolLM2's q8 head 1.5x slower than one row per step, docs/quantization.md).
+    spills made SmolLM2's q8 head slower than one row per step, docs/quantization.md).
     """
     if not isa.wide_registers:
         return 1

@@ -40,7 +40,7 @@ class OnnxContext:
     input_names: dict[str, list[str]] = field(default_factory=dict)
     inplace: dict[str, frozenset[str]] = field(default_factory=dict)  # function -> state inputs it updates in place
     # function -> (the state arrays, their IO binding): kept while the same arrays come back, as a
-    # session's do step after step; binding 60 caches anew cost ~0.7 ms a decode step (docs/onnx.md)
+    # session's do step after step; binding every cache anew would add to each decode step (docs/onnx.md)
     _bindings: dict[str, tuple[list[np.ndarray], Any]] = field(default_factory=dict, repr=False)
 
     def close(self) -> None:

@@ -4,11 +4,10 @@ A module call on IREE's local-task driver runs on its worker threads (one per
 core) while the calling thread waits for the result, and part of that wait is a
 spin. On a CPU with no core to spare, a spinning caller takes a core away from
 a worker whenever the scheduler gives it one, and the step then runs on one
-core for the rest of the time slice: on a 2-core host about one SmolLM2
-decode step in four took 12 ms instead of 6.5 (docs/runtime.md,
-"The thread that waits"). Run from a thread whose nice value is above the
-workers', the waiting thread yields to any worker that wakes up, and every step
-takes the short time.
+core for the rest of the time slice, taking far longer (docs/runtime.md,
+"The thread that waits"; docs/history.md has the run). Run from a thread
+whose nice value is above the workers', the waiting thread yields to any
+worker that wakes up, and every step takes the short time.
 
 Only the thread this module starts is lowered, never the caller's own: an
 application's threads keep their priority. On platforms where a single
@@ -29,7 +28,7 @@ from ..errors import InputError
 
 WAIT_NICE_ENV = "FOLDLINE_WAIT_NICE"
 # Above the workers' nice 0, low enough that a loaded host still gives the thread its share (a step's
-# host work is a few hundred microseconds). 5, 10 and 19 measured the same on an idle 2-core host.
+# host work is short); the value within that range made no difference (docs/history.md).
 DEFAULT_WAIT_NICE = 10
 
 T = TypeVar("T")

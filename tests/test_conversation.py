@@ -24,8 +24,8 @@ TURNS = ["My name is Ada. Remember it.", "What is my name?", "Name three colours
 PER_TURN = 8  # tokens per answer: some turns end at EOS, others are cut (both get the end-of-turn token)
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 # The decode and prefill kernels quantize activations to int8 differently, so a sequence whose answers
-# were fed by decode steps and the same sequence prefilled from scratch give logits that differ by up to
-# 2.8% of their range here (2.4% for decode steps against a prefill of the same prompt): the bound.
+# were fed by decode steps and the same sequence prefilled from scratch give logits that differ by a few
+# percent of their range: the bound.
 LOGITS_RTOL = 4e-2
 
 

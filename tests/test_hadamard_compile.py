@@ -99,7 +99,7 @@ def test_rotated_qwen35_tiny_matches_unrotated(hadamard_bundle, mode):
 
 @pytest.fixture(scope="session")
 def smollm2_pair(tmp_path_factory):
-    """(unrotated SmolLM2-135M path, rotated copy path): rotated once per session (~2 min)."""
+    """(unrotated SmolLM2-135M path, rotated copy path): rotated once per session (it takes minutes)."""
     from rotated_gguf import rotate_gguf
 
     from foldline.frontend.shipped import ShippedModelError, locate_shipped

@@ -161,7 +161,7 @@ def _library_calls(tmp_path) -> set[str]:
 def test_float_kernels_without_fma_or_f16c_match_numpy_without_library_calls(spec, tmp_path):
     """Decode (half-group with its scales converted before it or in its loop, horizontal, several rows) and
     prefill forms: exact, one row per step (SSE's registers), and neither `fmaf` nor `__extendhfsf2`
-    called per element (fifty times slower)."""
+    called per element (many times slower)."""
     assert not SOFT_FLOAT.fma and not SOFT_FLOAT.f16 and not SOFT_FLOAT.wide_registers
     if qk.fuses_rows(spec):
         text = "\n".join(qk.fused_rows_code(spec, SOFT_FLOAT))

@@ -22,7 +22,7 @@ from hypothesis import strategies as st  # noqa: E402
 from serve_common import RunningServer  # noqa: E402
 
 MODEL = "tiny"
-EXAMPLES = 120  # per endpoint and strategy kind; the three tests take about 30 s together
+EXAMPLES = 120  # per endpoint and strategy kind
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
           "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs", "frequency_penalty",

@@ -210,9 +210,9 @@ def test_gdn_chunk_equals_recurrence(case):
     """The WY chunk form == the token-by-token delta rule, any chunk length, padding per row, any decay.
 
     Tolerance: twice GOLDEN_TOL's fp32 bound (the recurrence rounds C times
-    too; its error alone reached 0.95e-5 at C = 48) times the row's series
-    amplification (series_amplification). Measured over 6000 random cases:
-    error / amplification <= 0.78e-5. Rows with padding only keep their state exactly.
+    too, and at C = 48 its error alone comes near one bound) times the row's series
+    amplification (series_amplification), above what random cases give (docs/reliability.md).
+    Rows with padding only keep their state exactly.
     """
     b, h, c, dk, dv, n_valid_list, rate, seed = case
     record("property gdn chunk vs recurrence: cases")

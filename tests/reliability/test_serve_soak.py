@@ -28,10 +28,9 @@ from serve_common import RunningServer, wait_for  # noqa: E402
 
 MODEL = "tiny"
 CLIENTS = 6
-# Resident memory may grow by at most this much after warm-up. Measured: about 0.25 KiB per request
-# (allocator drift; tracemalloc finds under 100 KiB of Python objects left over 1500 requests). A leaked
-# logits vector per token (2 KiB, ~20 tokens a request) crosses the bound within ~100 requests, a leak
-# of 2 KiB per request within the full run of 2000.
+# Resident memory may grow by at most this much after warm-up: far above the allocator's drift
+# (docs/reliability.md), while a leaked logits vector per token (2 KiB, ~20 tokens a request) crosses
+# the bound within ~100 requests, a leak of 2 KiB per request within the full run of 2000.
 RSS_GROWTH_BOUND = 4 << 20
 KINDS = ["plain", "stream", "drop_stream", "give_up", "malformed"]
 
