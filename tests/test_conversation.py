@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -119,8 +120,10 @@ def test_four_turns_through_generate_chat_session(bundle, model, api_chat, tmp_p
 def _spawn_chat(bundle, *args: str):
     pexpect = pytest.importorskip("pexpect")
     env = {**os.environ, "TERM": "dumb"}
+    # started with SIGINT ignored, as under a test runner's worker or nohup: Ctrl-C must still reach the REPL
     child = pexpect.spawn(sys.executable, ["-m", "foldline.tools.cli", "chat", str(bundle), *args],
-                          encoding="utf-8", timeout=240, env=env)
+                          encoding="utf-8", timeout=240, env=env,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     child.expect("\n> ")
     return child
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 
 from ..errors import FoldlineError
@@ -62,6 +63,10 @@ class ChatRepl:
 
     def loop(self, read: Callable[[str], str] = input) -> int:
         self.say(f"foldline chat: {self.args.bundle}. /help for commands; Ctrl-C stops an answer, Ctrl-D exits.")
+        # Python leaves SIGINT ignored when it started so (a parent that ignores it, as a test runner's worker
+        # may): Ctrl-C at the prompt must still reach the REPL.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         interrupted = False
         while True:
             try:
