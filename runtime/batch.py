@@ -44,7 +44,7 @@ so one stream on a batch-8 bundle costs one row, not eight.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -225,20 +225,28 @@ class Batch(ClosedOnExit):
 
     def _write_checkpoint(self, row: int, checkpoint: Checkpoint) -> None:
         """Put a checkpoint's rings and recurrent state back into `row`'s slice of those buffers."""
+        self._write_row(row, zip(self.volatile, checkpoint.buffers))
+
+    def _take_checkpoint(self, row: int) -> None:
+        """Copy `row`'s rings and recurrent state to the host at its position, keeping the latest few."""
+        copies = [self._read_row(row, i) for i in self.volatile]
+        kept = [c for c in self.checkpoints[row] if c.position < self.positions[row]]
+        self.checkpoints[row] = [*kept, Checkpoint(self.positions[row], copies)][-self.max_checkpoints:]
+
+    def _read_row(self, row: int, index: int) -> np.ndarray:
+        """A host copy of `row`'s slice of state buffer `index`: only that slice crosses to the host."""
+        spec = self.model.row_layout()[index]
+        raw = self.model.ctx.read_range(self.buffers[index], row * spec.row_nbytes, spec.row_nbytes)
+        return raw.view(spec.host_dtype).reshape(spec.shape)
+
+    def _write_row(self, row: int, slices: Iterable[tuple[int, np.ndarray]]) -> None:
+        """Write host data into `row`'s slice of the state buffers given by index, leaving other rows alone."""
         ctx, layout, buffers = self.model.ctx, self.model.row_layout(), list(self.buffers)
-        for i, data in zip(self.volatile, checkpoint.buffers):
+        for i, data in slices:
             buffers[i] = ctx.write_range(buffers[i], row * layout[i].row_nbytes, data)
         if any(new is not old for new, old in zip(buffers, self.buffers)):
             self.buffers = buffers  # a device that could not write in place gave fresh buffers
         self._written[row] = True
-
-    def _take_checkpoint(self, row: int) -> None:
-        """Copy `row`'s rings and recurrent state to the host at its position, keeping the latest few."""
-        ctx, layout = self.model.ctx, self.model.row_layout()
-        copies = [ctx.read_range(self.buffers[i], row * layout[i].row_nbytes, layout[i].row_nbytes)
-                  .view(layout[i].host_dtype).reshape(layout[i].shape) for i in self.volatile]
-        kept = [c for c in self.checkpoints[row] if c.position < self.positions[row]]
-        self.checkpoints[row] = [*kept, Checkpoint(self.positions[row], copies)][-self.max_checkpoints:]
 
     def checkpoint_nbytes(self) -> int:
         """The bytes one checkpoint of one row holds (0 when the bundle has nothing to checkpoint)."""
@@ -353,10 +361,7 @@ class Batch(ClosedOnExit):
         """An exact host copy of `row` (open or kept): only its slice of each buffer crosses to the host."""
         self._check_usable()
         self._check_row(row)
-        ctx, buffers = self.model.ctx, []
-        for buf, spec in zip(self.buffers, self.model.row_layout()):
-            raw = ctx.read_range(buf, row * spec.row_nbytes, spec.row_nbytes)
-            buffers.append(raw.view(spec.host_dtype).reshape(spec.shape))
+        buffers = [self._read_row(row, i) for i in range(len(self.buffers))]
         return Snapshot(self.positions[row], buffers, list(self.tokens[row]), self.prefilled[row])
 
     def restore_row(self, row: int, snap: Snapshot) -> None:
@@ -370,12 +375,7 @@ class Batch(ClosedOnExit):
         self._check_row(row)
         self.check_snapshot(snap)
         self._losing(row, keep=0)
-        ctx = self.model.ctx
-        written = [ctx.write_range(buf, row * spec.row_nbytes, data)
-                   for buf, spec, data in zip(self.buffers, self.model.row_layout(), snap.buffers)]
-        if any(new is not old for new, old in zip(written, self.buffers)):
-            self.buffers = written  # a device that could not write in place gave fresh buffers
-        self._written[row] = True
+        self._write_row(row, enumerate(snap.buffers))
         self.positions[row], self.tokens[row], self.open[row] = snap.position, list(snap.tokens), True
         self.prefilled[row] = snap.prefilled
         self.checkpoints[row], self.live[row], self._aligned[row] = [], True, False
