@@ -34,16 +34,19 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from ..frontend import quant  # noqa: F401  (registers foldline::qlinear)
-from ..frontend.ops import DECOMPOSITIONS
+from ..frontend.attention_ops import CACHE_ATTENTION, RING_DECODE_ATTENTION
+from ..frontend.device_ops import TO_DEVICE
+from ..frontend.op_registry import DECOMPOSITIONS
+from ..frontend.quant import QLINEAR
 from ..passes.graph_edit import copy_graph_module, fake_mode, rebuild
 
 # Custom ops that reach MLIR as `torch.operator` for a backend rewrite instead of being decomposed
 # (kernels/qlinear.py lowers foldline::qlinear to a fused dequantize-matmul kernel;
 # backends/iree/multi_device.py lowers foldline::to_device to a transfer between devices).
-KEPT_OPS = (torch.ops.foldline.qlinear.default, torch.ops.foldline.to_device.default)
+KEPT_OPS = (QLINEAR, TO_DEVICE)
 # Kept in decode entry points for targets with a hand-written decode attention kernel
 # (kernels/attention.py) where it covers the shape; expanded elsewhere.
-DECODE_ATTENTION_OPS = (torch.ops.foldline.cache_attention.default, torch.ops.foldline.ring_decode_attention.default)
+DECODE_ATTENTION_OPS = (CACHE_ATTENTION, RING_DECODE_ATTENTION)
 
 # Shape queries of symbolic values: the table lists them, but they decompose to themselves.
 SHAPE_QUERIES = (torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,

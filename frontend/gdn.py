@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..contract.state import StateBuffer, layer_state
-from . import ops  # noqa: F401  (registers torch.ops.foldline.gdn_*)
 from .config import ModelConfig
+from .gdn_ops import GDN_CHUNK, GDN_STEP, gdn_step_impl
 from .types import ChunkContext
 
 # ModelConfig.gdn_l2norm: "hf" -> x * rsqrt(sum x^2 + 1e-6) (HF / FLA),
@@ -159,9 +159,9 @@ class GatedDeltaNet(nn.Module):
             self.scale,
         )
         if c == 1:
-            o, new_state = torch.ops.foldline.gdn_step(*args)
+            o, new_state = GDN_STEP(*args)
         else:
-            o, new_state = torch.ops.foldline.gdn_chunk(*args)
+            o, new_state = GDN_CHUNK(*args)
         recurrent_state.copy_(new_state)
         conv_state.copy_(new_conv)
 
@@ -179,7 +179,7 @@ def gdn_sequential_reference(
     s = state
     for i in range(c):
         step_valid = (n_valid > i).to(n_valid.dtype)
-        o, s = ops.gdn_step_impl(
+        o, s = gdn_step_impl(
             q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1],
             log_g[:, :, i : i + 1], beta[:, :, i : i + 1], s, step_valid, scale,
         )

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from ..contract.entry_points import kv_tile_size
 from ..contract.state import StateBuffer, state_buffers
-from . import ops  # noqa: F401  (registers torch.ops.foldline.*)
+from .attention_ops import CACHE_ATTENTION, KV_CACHE_WRITE
 from .config import ModelConfig
 from .gdn import GatedDeltaNet
 from .layers import RMSNorm, rotary
@@ -78,11 +78,11 @@ class Attention(nn.Module):
             k = rotary(k, ctx.positions, base, rot_dim, pos_scale, cfg.rope_interleaved)
 
         write = (ctx.start_pos, ctx.n_valid) if ctx.host_pos is None else (ctx.start_pos, ctx.n_valid, ctx.host_pos)
-        new_k = torch.ops.foldline.kv_cache_write(k_cache, k, *write)
-        new_v = torch.ops.foldline.kv_cache_write(v_cache, v, *write)
+        new_k = KV_CACHE_WRITE(k_cache, k, *write)
+        new_v = KV_CACHE_WRITE(v_cache, v, *write)
         k_cache.copy_(new_k)
         v_cache.copy_(new_v)
-        attn = torch.ops.foldline.cache_attention(
+        attn = CACHE_ATTENTION(
             q, new_k, new_v, ctx.start_pos, self.window, cfg.softmax_scale, cfg.kv_mapping,
             k_cache.shape[2] if ctx.kv_length is None else ctx.kv_length,
         )

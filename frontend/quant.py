@@ -52,7 +52,7 @@ from torch import Tensor
 
 from ..contract.block_formats import FORMATS, codes_dims, row_length
 from ..errors import FoldlineError
-from .ops import register_decomposition
+from .op_registry import declare_op
 
 
 class QuantError(FoldlineError, ValueError):
@@ -360,26 +360,14 @@ def qembedding_impl(codes: Tensor, scales: Tensor, mins: Tensor | None, ids: Ten
     return rows.reshape(*ids.shape, rows.shape[-1])
 
 
-@torch.library.custom_op("foldline::qlinear", mutates_args=())
-def qlinear(x: Tensor, codes: Tensor, scales: Tensor, mins: Tensor | None, fmt: str, group: int) -> Tensor:
-    return qlinear_impl(x, codes, scales, mins, fmt, group)
-
-
-@qlinear.register_fake
-def _(x, codes, scales, mins, fmt, group):
+def _qlinear_shape(x: Tensor, codes: Tensor, scales: Tensor, mins: Tensor | None, fmt: str, group: int) -> Tensor:
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
 
 
-@torch.library.custom_op("foldline::qembedding", mutates_args=())
-def qembedding(codes: Tensor, scales: Tensor, mins: Tensor | None, ids: Tensor, fmt: str, group: int) -> Tensor:
-    return qembedding_impl(codes, scales, mins, ids, fmt, group)
+def _qembedding_shape(codes: Tensor, scales: Tensor, mins: Tensor | None, ids: Tensor, fmt: str,
+                      group: int) -> Tensor:
+    return torch.empty((*ids.shape, row_length(fmt, codes.shape[1])), dtype=torch.float32, device=codes.device)
 
 
-@qembedding.register_fake
-def _(codes, scales, mins, ids, fmt, group):
-    width = row_length(fmt, codes.shape[1])
-    return torch.empty((*ids.shape, width), dtype=torch.float32, device=codes.device)
-
-
-register_decomposition(torch.ops.foldline.qlinear.default, qlinear_impl)
-register_decomposition(torch.ops.foldline.qembedding.default, qembedding_impl)
+QLINEAR = declare_op("qlinear", qlinear_impl, _qlinear_shape)
+QEMBEDDING = declare_op("qembedding", qembedding_impl, _qembedding_shape)

@@ -32,7 +32,8 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
 from ..errors import FoldlineError
-from ..frontend import hadamard  # registers torch.ops.foldline.hadamard_*
+from ..frontend import hadamard
+from ..frontend.hadamard.transform import HADAMARD_ROTATE, HADAMARD_UNROTATE
 from .graph_edit import ASSERT_OPS, LiftedInputs, copy_graph_module, remove_dead_code
 from .registry import CompileUnit, PassResult, register_pass
 
@@ -40,8 +41,8 @@ NAME = "fuse-hadamard"
 MODES = ("fold", "online")
 ENV_MODE = "FOLDLINE_HADAMARD_MODE"
 
-ROTATE = torch.ops.foldline.hadamard_rotate.default
-UNROTATE = torch.ops.foldline.hadamard_unrotate.default
+ROTATE = HADAMARD_ROTATE
+UNROTATE = HADAMARD_UNROTATE
 LINEAR = torch.ops.aten.linear.default
 EMBEDDING = torch.ops.aten.embedding.default
 FOLDABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

@@ -28,10 +28,9 @@ from torch.export.graph_signature import InputKind
 from torch.fx import Node
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from ..frontend import ops  # noqa: F401  (registers torch.ops.foldline.*)
+from ..frontend.quant import QLINEAR
 from .graph_edit import LiftedInputs, copy_graph_module, remove_dead_code
 from .place_devices import node_part
-from .quantize_weights import QLINEAR
 from .registry import CompileUnit, PassResult, register_pass
 
 NAME = "fuse-sibling-qlinears"

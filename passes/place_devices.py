@@ -42,14 +42,13 @@ from torch.fx.node import map_arg
 
 from ..contract.manifest import DevicePlacement, ParamsEntry
 from ..contract.tensor_split import mixer_parts, mlp_part_devices, tensor_state
-from ..frontend import ops  # noqa: F401  (registers foldline::to_device)
 from ..frontend.config import ConfigError
+from ..frontend.device_ops import TO_DEVICE
 from .graph_edit import WEIGHT_KINDS, LiftedInputs, copy_graph_module
 from .registry import CompileUnit, PassResult, register_pass
 from .shard_plan import shard_plan
 
 NAME = "place-on-devices"
-TO_DEVICE = torch.ops.foldline.to_device.default
 PLACED = "placed"  # the unit option holding the Placement once the pass has run
 COPY_SUFFIX = "@device"  # a weight's copy on another device: `<target>@device<j>`
 # An integer tensor up to this size computed from the entry point's own inputs (positions, counts, slot

@@ -33,8 +33,9 @@ from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
 from ..errors import FoldlineError
-from ..frontend import quant  # registers torch.ops.foldline.qlinear / qembedding
+from ..frontend import quant
 from ..frontend.deferred_weights import materialize
+from ..frontend.quant import QEMBEDDING, QLINEAR
 from .graph_edit import LiftedInputs, copy_graph_module, remove_dead_code
 from .registry import CompileUnit, PassResult, register_pass
 
@@ -46,8 +47,6 @@ DEFAULT_GROUP = 32
 
 LINEAR = torch.ops.aten.linear.default
 EMBEDDING = torch.ops.aten.embedding.default
-QLINEAR = torch.ops.foldline.qlinear.default
-QEMBEDDING = torch.ops.foldline.qembedding.default
 
 
 class WeightsModeError(FoldlineError, ValueError):

@@ -39,7 +39,14 @@ from torch.export import ExportedProgram
 from torch.fx import Graph, Node
 
 from ..contract.state import SEQ_DIM, ring_buffer, ring_slots
-from ..frontend import ops  # noqa: F401  (registers torch.ops.foldline.*)
+from ..frontend.attention_ops import (
+    CACHE_ATTENTION,
+    KV_CACHE_WRITE,
+    RING_ATTENTION,
+    RING_DECODE_ATTENTION,
+    RING_WRITE,
+    RING_WRITE_TOKEN,
+)
 from .graph_edit import (
     copy_graph_module,
     placeholders,
@@ -51,12 +58,6 @@ from .registry import CompileUnit, PassResult, register_pass
 
 NAME = "ring-buffer-swa"
 
-KV_WRITE = torch.ops.foldline.kv_cache_write.default
-CACHE_ATTN = torch.ops.foldline.cache_attention.default
-RING_ATTN = torch.ops.foldline.ring_attention.default
-RING_WRITE = torch.ops.foldline.ring_write.default
-RING_DECODE_ATTN = torch.ops.foldline.ring_decode_attention.default
-RING_WRITE_TOKEN = torch.ops.foldline.ring_write_token.default
 COPY = torch.ops.aten.copy.default
 
 
@@ -78,7 +79,7 @@ def _match(node: Node, state_index: dict[str, int], length_of: dict[str, int]) -
     if not isinstance(window, int) or window <= 0:
         return None, ""
     for w in (k_w, v_w):
-        if not (isinstance(w, Node) and w.op == "call_function" and w.target == KV_WRITE):
+        if not (isinstance(w, Node) and w.op == "call_function" and w.target == KV_CACHE_WRITE):
             return None, f"{node.name}: K/V do not come from kv_cache_write"
         cache = w.args[0]
         if not (isinstance(cache, Node) and cache.name in state_index):
@@ -105,7 +106,7 @@ def find_sites(graph: Graph, state_names: list[str]) -> tuple[list[Site], list[s
     sites, notes = [], []
     seen: set[int] = set()
     for node in graph.nodes:
-        if node.op == "call_function" and node.target == CACHE_ATTN:
+        if node.op == "call_function" and node.target == CACHE_ATTENTION:
             site, why = _match(node, state_index, length_of)
             if why:
                 notes.append(why)
@@ -135,13 +136,13 @@ def _rewrite(program: ExportedProgram, windows: dict[int, int], n_state: int) ->
         one_token = q.meta["val"].shape[2] == 1  # attend over the written ring (module docstring)
         site.k_write.target = site.v_write.target = RING_WRITE_TOKEN if one_token else RING_WRITE
         if one_token:
-            attn.target = RING_DECODE_ATTN
+            attn.target = RING_DECODE_ATTENTION
             attn.args = (q, site.k_write, site.v_write, start_pos, window, scale, mapping)
             done += 1
             continue
         with gm.graph.inserting_before(attn):
             ring = gm.graph.call_function(
-                RING_ATTN, (q, k_state, v_state, k_new, v_new, start_pos, n_valid, window, scale, mapping,
+                RING_ATTENTION, (q, k_state, v_state, k_new, v_new, start_pos, n_valid, window, scale, mapping,
                             *_held_length(length))
             )
         ring.meta = dict(attn.meta)

@@ -4,7 +4,7 @@ Each case exports one cache_attention or ring_decode_attention call as a decode
 entry point, imports it with the op kept, expands it into the kernel, compiles
 it for this CPU with IREE and runs it at several positions (runtime inputs, so
 one compile serves them all) against the aten implementation the other targets
-compile (frontend/ops.py).
+compile (frontend/attention_ops.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from foldline.backends.iree import importer
-from foldline.frontend import ops
+from foldline.frontend import attention_ops
 from foldline.kernels.attention import (
     DecodeAttentionShape,
     decode_attention_executable,
@@ -34,7 +34,7 @@ class _Attend(torch.nn.Module):
 
 
 def _eager(case, q, k, v, pos):
-    impl = ops.ring_decode_attention_impl if case["ring"] else ops.cache_attention_impl
+    impl = attention_ops.ring_decode_attention_impl if case["ring"] else attention_ops.cache_attention_impl
     return impl(q, k, v, pos, case["window"], case["scale"], case["kv_mapping"], case["length"])
 
 

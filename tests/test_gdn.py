@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from foldline.frontend import ops
+from foldline.frontend import gdn_ops
 from foldline.frontend.arch import get_preset
 from foldline.frontend.gdn import GatedDeltaNet, gdn_sequential_reference, gdn_state_specs
 from foldline.frontend.model import build_model, new_state, state_specs
@@ -37,7 +37,7 @@ def test_chunk_op_matches_token_by_token(chunk, strong_decay):
     """The WY/UT chunk form equals the recurrence on outputs and final state, padding included."""
     q, k, v, log_g, beta, state = _random_inputs(chunk, c=chunk, strong_decay=strong_decay)
     n_valid = torch.tensor([chunk, max(chunk - 3, 1)])  # second row: padded tail
-    o, s = ops.gdn_chunk_impl(q, k, v, log_g, beta, state, n_valid, 8**-0.5)
+    o, s = gdn_ops.gdn_chunk_impl(q, k, v, log_g, beta, state, n_valid, 8**-0.5)
     o_ref, s_ref = gdn_sequential_reference(q, k, v, log_g, beta, state, n_valid, 8**-0.5)
     assert _scaled_err(s, s_ref) < 1e-5
     for row in range(2):
@@ -49,9 +49,9 @@ def test_chunk_op_matches_token_by_token(chunk, strong_decay):
 
 def test_padded_tokens_leave_state_untouched():
     q, k, v, log_g, beta, state = _random_inputs(7, c=8)
-    _, s_none = ops.gdn_chunk_impl(q, k, v, log_g, beta, state, torch.tensor([0, 0]), 0.5)
+    _, s_none = gdn_ops.gdn_chunk_impl(q, k, v, log_g, beta, state, torch.tensor([0, 0]), 0.5)
     torch.testing.assert_close(s_none, state, rtol=0, atol=0)
-    _, s_three = ops.gdn_chunk_impl(q, k, v, log_g, beta, state, torch.tensor([3, 3]), 0.5)
+    _, s_three = gdn_ops.gdn_chunk_impl(q, k, v, log_g, beta, state, torch.tensor([3, 3]), 0.5)
     _, s_ref = gdn_sequential_reference(q[:, :, :3], k[:, :, :3], v[:, :, :3], log_g[:, :, :3],
                                         beta[:, :, :3], state, torch.tensor([3, 3]), 0.5)
     assert _scaled_err(s_three, s_ref) < 1e-6
@@ -62,7 +62,7 @@ def test_zero_state_one_token_is_outer_product(op):
     """From a zero state one token writes beta * outer(v, k): v-major, k-minor layout."""
     q, k, v, log_g, beta, _ = _random_inputs(3, c=1, dk=8, dv=8)
     zero = torch.zeros(2, 3, 8, 8)
-    impl = ops.gdn_chunk_impl if op == "chunk" else ops.gdn_step_impl
+    impl = gdn_ops.gdn_chunk_impl if op == "chunk" else gdn_ops.gdn_step_impl
     o, s = impl(q, k, v, log_g, beta, zero, torch.tensor([1, 1]), 0.25)
     expected = beta[:, :, 0, None, None] * v[:, :, 0, :, None] * k[:, :, 0, None, :]
     torch.testing.assert_close(s, expected, rtol=1e-6, atol=1e-7)

@@ -18,7 +18,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from foldline.frontend import ops  # noqa: E402
+from foldline.frontend import gdn_ops  # noqa: E402
 from foldline.frontend.hf_loader import HFLoadError, load_hf_dir, read_hf_config  # noqa: E402
 from foldline.testing.parity import SCALED_TOL_FP32, EagerRunner  # noqa: E402
 
@@ -159,7 +159,7 @@ def test_gdn_op_matches_hf_delta_rule_kernels():
     kn = hfq.l2norm(k, dim=-1, eps=1e-6)
     args = [x.transpose(1, 2) for x in (qn, kn, v, g, beta)]
     n_valid = torch.tensor([c])
-    o, s = ops.gdn_chunk_impl(*args, s0_hf.transpose(-1, -2), n_valid, dk**-0.5)
+    o, s = gdn_ops.gdn_chunk_impl(*args, s0_hf.transpose(-1, -2), n_valid, dk**-0.5)
     for fn in (hfq.torch_chunk_gated_delta_rule, hfq.torch_recurrent_gated_delta_rule):
         o_hf, s_hf = fn(q, k, v, g=g, beta=beta, initial_state=s0_hf.clone(), output_final_state=True,
                         use_qk_l2norm_in_kernel=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from foldline.frontend import ops
+from foldline.frontend import attention_ops
 from foldline.frontend.arch import get_preset
 from foldline.passes.graph_edit import copy_graph_module, rebuild, state_placeholder_names
 from foldline.passes.manager import run_pipeline
@@ -54,12 +54,12 @@ def test_ring_ops_match_full_cache_ops(chunk):
         k_new = torch.randn(b, h, chunk, d, generator=gen)
         v_new = torch.randn(b, h, chunk, d, generator=gen)
         q = torch.randn(b, 2 * h, chunk, d, generator=gen)
-        full_k = ops.kv_cache_write_impl(full_k, k_new, pos, n_valid)
-        full_v = ops.kv_cache_write_impl(full_v, v_new, pos, n_valid)
-        want = ops.cache_attention_impl(q, full_k, full_v, pos, window, 0.5, "blocked", full_k.shape[2])
-        got = ops.ring_attention_impl(q, ring_k, ring_v, k_new, v_new, pos, n_valid, window, 0.5, "blocked")
-        ring_k = ops.ring_write_impl(ring_k, k_new, pos, n_valid)
-        ring_v = ops.ring_write_impl(ring_v, v_new, pos, n_valid)
+        full_k = attention_ops.kv_cache_write_impl(full_k, k_new, pos, n_valid)
+        full_v = attention_ops.kv_cache_write_impl(full_v, v_new, pos, n_valid)
+        want = attention_ops.cache_attention_impl(q, full_k, full_v, pos, window, 0.5, "blocked", full_k.shape[2])
+        got = attention_ops.ring_attention_impl(q, ring_k, ring_v, k_new, v_new, pos, n_valid, window, 0.5, "blocked")
+        ring_k = attention_ops.ring_write_impl(ring_k, k_new, pos, n_valid)
+        ring_v = attention_ops.ring_write_impl(ring_v, v_new, pos, n_valid)
         valid = torch.arange(chunk)[None, :] < n_valid[:, None]  # padded queries have no defined output
         assert torch.allclose(got.transpose(1, 2)[valid], want.transpose(1, 2)[valid], atol=1e-6)
         pos = pos + n_valid
@@ -70,9 +70,9 @@ def test_ring_ops_match_full_cache_ops(chunk):
 def test_padded_chunk_leaves_live_slots_alone():
     ring = torch.arange(1 * 1 * 4 * 2, dtype=torch.float32).reshape(1, 1, 4, 2)
     new = torch.full((1, 1, 6, 2), -1.0)
-    out = ops.ring_write_impl(ring, new, torch.tensor([9]), torch.tensor([0]))
+    out = attention_ops.ring_write_impl(ring, new, torch.tensor([9]), torch.tensor([0]))
     assert torch.equal(out, ring)
-    out = ops.ring_write_impl(ring, new, torch.tensor([9]), torch.tensor([2]))  # positions 9, 10 -> slots 1, 2
+    out = attention_ops.ring_write_impl(ring, new, torch.tensor([9]), torch.tensor([2]))  # positions 9, 10 -> slots 1, 2
     assert torch.equal(out[0, 0, [0, 3]], ring[0, 0, [0, 3]])
     assert torch.equal(out[0, 0, [1, 2]], new[0, 0, :2])
 

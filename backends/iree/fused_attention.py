@@ -1,6 +1,6 @@
 """Prefill attention as one fused op whose scratch does not grow with the context.
 
-The portable decomposition of `foldline::cache_attention` (frontend/ops.py)
+The portable decomposition of `foldline::cache_attention` (frontend/attention_ops.py)
 materialises a chunk's float32 scores against every key it reads,
 `4 B x heads x chunk x length`: 20 GiB for Ripple-65B's 80 heads at 1 Mi
 positions. Here the same attention becomes one `aten.scaled_dot_product_attention`
@@ -36,7 +36,8 @@ from torch import Tensor
 from torch.fx import GraphModule
 
 from ...errors import InputError
-from ...frontend.ops import (
+from ...frontend.attention_ops import (
+    CACHE_ATTENTION,
     MASK_VALUE,
     _chunk_positions,
     _first_slots,
@@ -44,6 +45,7 @@ from ...frontend.ops import (
     _ungroup,
     cache_attention_impl,
 )
+from ...frontend.op_registry import declare_op
 from ...passes.graph_edit import copy_graph_module, rebuild
 from ...passes.registry import CompileUnit, PassResult, register_pass
 
@@ -55,16 +57,14 @@ SITE_NAME = "attention prefill fused"
 FUSED_ATTENTION_PASS = "fused-attention"
 
 
-@torch.library.custom_op("foldline::biased_attention", mutates_args=())
-def biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
+def biased_attention_impl(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
     """softmax(q k^T scale + bias) v over [B, H, M, D] queries and [B, H, L, D] keys/values, bias [B, 1, M, L]."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale + bias
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-@biased_attention.register_fake
-def _(q, k, v, bias, scale):
-    return q.new_empty(q.shape)
+# Kept through the lowering (eager, it is the math form); `to_sdpa` renames it afterwards.
+BIASED_ATTENTION = declare_op("biased_attention", biased_attention_impl, ["q"], decompose=False)
 
 
 def fused_cache_attention_impl(
@@ -89,13 +89,13 @@ def fused_cache_attention_impl(
     bias = torch.where(allowed, 0.0, MASK_VALUE)  # [B, C, L]
     bias = bias[:, None, None].expand(b, 1, rep, chunk, bias.shape[-1]).reshape(b, 1, rep * chunk, bias.shape[-1])
     queries = _group_query(q, n_kv, kv_mapping).to(torch.float32).reshape(b, n_kv, rep * chunk, d)
-    out = torch.ops.foldline.biased_attention(queries, k, v, bias, scale)
+    out = BIASED_ATTENTION(queries, k, v, bias, scale)
     return _ungroup(out.reshape(b, n_kv, rep, chunk, d), kv_mapping).to(q.dtype)
 
 
 def fused_decompositions() -> dict:
     """Decomposition-table entries that give prefill chunks the fused form (decode keeps its own)."""
-    return {torch.ops.foldline.cache_attention.default: fused_cache_attention_impl}
+    return {CACHE_ATTENTION: fused_cache_attention_impl}
 
 
 def to_sdpa(gm: GraphModule) -> int:
@@ -107,7 +107,7 @@ def to_sdpa(gm: GraphModule) -> int:
     """
     count = 0
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.foldline.biased_attention.default:
+        if node.op == "call_function" and node.target is BIASED_ATTENTION:
             q, k, v, bias, scale = node.args
             node.target = torch.ops.aten.scaled_dot_product_attention.default
             node.args = (q, k, v, bias)

@@ -39,7 +39,8 @@ from ...contract.manifest import FileEntry, ModuleEntry
 from ...contract.state import StateBuffer
 from ...errors import FoldlineError
 from ...frontend import quant  # noqa: F401  (registers foldline::qlinear's decomposition)
-from ...frontend.ops import DECOMPOSITIONS
+from ...frontend.op_registry import DECOMPOSITIONS
+from ...frontend.quant import QLINEAR
 from ...passes.manager import CompileUnit, TargetPasses
 from ..lowering import KEPT_OPS, Lowering
 from ..targets import ONNX_DEVICE
@@ -79,7 +80,6 @@ def step_inputs(function: str, rows: int) -> tuple[str, ...]:
     return decode if takes_position_shape(rows) else decode[:2]
 
 
-QLINEAR = torch.ops.foldline.qlinear.default
 # The ONNX graph rewrites (graph_rewrites.py) each exported graph takes, in order: the placeholders
 # become ONNX Runtime's operators before the norms are matched around them.
 GRAPH_REWRITE_ORDER = (GQA_GRAPH_REWRITE, NBITS_GRAPH_REWRITE, NORMS_GRAPH_REWRITE)

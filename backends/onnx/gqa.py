@@ -44,7 +44,18 @@ from torch.fx.passes.tools_common import legalize_graph
 
 from ...contract.entry_points import INPLACE_STATE_KEY, NEXT_SUFFIX
 from ...contract.state import RECENT_WINDOW_ORDER
-from ...frontend.ops import _attend, cache_attention_impl, kv_cache_write_impl
+from ...frontend.attention_ops import (
+    CACHE_ATTENTION,
+    KV_CACHE_WRITE,
+    RING_ATTENTION,
+    RING_DECODE_ATTENTION,
+    RING_WRITE,
+    RING_WRITE_TOKEN,
+    _attend,
+    cache_attention_impl,
+    kv_cache_write_impl,
+)
+from ...frontend.op_registry import declare_op
 from ...passes.graph_edit import copy_graph_module, rebuild, remove_dead_code
 from ...passes.registry import CompileUnit, PassResult, register_pass
 from .graph_rewrites import register_graph_rewrite
@@ -57,12 +68,6 @@ ORT_DOMAIN = "com.microsoft"
 # GroupQueryAttention's input indices (ONNX Runtime 1.32)
 COS_CACHE_INPUT, QUERY_SEQLENS_INPUT = 7, 16
 
-CACHE_WRITE = torch.ops.foldline.kv_cache_write.default
-CACHE_ATTENTION = torch.ops.foldline.cache_attention.default
-RING_WRITE = torch.ops.foldline.ring_write.default
-RING_WRITE_TOKEN = torch.ops.foldline.ring_write_token.default
-RING_ATTENTION = torch.ops.foldline.ring_attention.default
-RING_DECODE_ATTENTION = torch.ops.foldline.ring_decode_attention.default
 ATTENTION_OPS = (CACHE_ATTENTION, RING_ATTENTION, RING_DECODE_ATTENTION)
 WINDOW_ORDER = RECENT_WINDOW_ORDER  # the window_order of a module whose rings became window-ordered caches
 RING_OPS = (RING_WRITE, RING_WRITE_TOKEN, RING_ATTENTION, RING_DECODE_ATTENTION)
@@ -106,9 +111,12 @@ def _window_cache_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Te
     return out, following(k_cache, keys), following(v_cache, values)
 
 
-def _gqa_attention_impl(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
-                        start_pos: Tensor, n_valid: Tensor, scale: float, window: int,
-                        window_cache: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def gqa_attention_impl(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
+                       start_pos: Tensor, n_valid: Tensor, scale: float, window: int = 0,
+                       window_cache: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """A chunk's cache writes and its attention over the full cache (window > 0: the last `window`
+    positions only; window_cache: caches of `window` rows in window order, a windowed layer's):
+    (output, next k cache, next v cache)."""
     if window_cache:
         return _window_cache_attention(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, scale, window)
     k_next = kv_cache_write_impl(k_cache, k_new, start_pos, n_valid)
@@ -117,25 +125,9 @@ def _gqa_attention_impl(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor
     return out, k_next, v_next
 
 
-@torch.library.custom_op("foldline::gqa_attention", mutates_args=())
-def gqa_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, start_pos: Tensor,
-                  n_valid: Tensor, scale: float, window: int = 0,
-                  window_cache: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """A chunk's cache writes and its attention over the full cache (window > 0: the last `window`
-    positions only; window_cache: caches of `window` rows in window order, a windowed layer's):
-    (output, next k cache, next v cache)."""
-    return _gqa_attention_impl(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, scale, window, window_cache)
-
-
-@gqa_attention.register_fake
-def _(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, scale, window=0, window_cache=False):
-    return q.new_empty(q.shape), k_cache.new_empty(k_cache.shape), v_cache.new_empty(v_cache.shape)
-
-
-@torch.library.custom_op("foldline::gqa_rope_attention", mutates_args=())
-def gqa_rope_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
-                       start_pos: Tensor, n_valid: Tensor, cos: Tensor, sin: Tensor, scale: float, window: int,
-                       interleaved: bool, window_cache: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def gqa_rope_attention_impl(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
+                            start_pos: Tensor, n_valid: Tensor, cos: Tensor, sin: Tensor, scale: float, window: int,
+                            interleaved: bool, window_cache: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """gqa_attention of q [B, C, H x D] and k_new [B, C, KV x D] before their heads are split and
     rotated by the tables cos and sin [positions, D / 2] at each row's position:
     (output [B, H, C, D], next k cache, next v cache)."""
@@ -143,21 +135,22 @@ def gqa_rope_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor,
     positions = (start_pos[:, None] + torch.arange(q.shape[1], device=q.device)).clamp(max=cos.shape[0] - 1)
     q_heads, k_heads = (rotate_heads(x.unflatten(-1, (-1, dim)).transpose(1, 2), cos, sin, positions, interleaved)
                         for x in (q, k_new))
-    return _gqa_attention_impl(q_heads, k_heads, v_new, k_cache, v_cache, start_pos, n_valid, scale, window,
-                               window_cache)
+    return gqa_attention_impl(q_heads, k_heads, v_new, k_cache, v_cache, start_pos, n_valid, scale, window,
+                              window_cache)
 
 
-@gqa_rope_attention.register_fake
-def _(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, cos, sin, scale, window, interleaved,
-      window_cache=False):
+def _gqa_rope_attention_shape(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
+                              *_: object, **__: object) -> tuple[Tensor, Tensor, Tensor]:
     b, chunk, _ = q.shape
     dim = v_new.shape[-1]
     return (q.new_empty((b, q.shape[-1] // dim, chunk, dim)), k_cache.new_empty(k_cache.shape),
             v_cache.new_empty(v_cache.shape))
 
 
-GQA_ATTENTION = torch.ops.foldline.gqa_attention.default
-GQA_ROPE_ATTENTION = torch.ops.foldline.gqa_rope_attention.default
+# Kept as nodes of their own: the ONNX exporter writes each as one GroupQueryAttention.
+GQA_ATTENTION = declare_op("gqa_attention", gqa_attention_impl, ["q", "k_cache", "v_cache"], decompose=False)
+GQA_ROPE_ATTENTION = declare_op("gqa_rope_attention", gqa_rope_attention_impl, _gqa_rope_attention_shape,
+                                decompose=False)
 
 
 @dataclass(frozen=True)
@@ -199,7 +192,7 @@ def _fusable(attention: Node, window_caches: bool) -> _Triple | None:
     without ring-buffer-swa); with window_caches, a windowed layer's rings, in window order."""
     if attention.target == CACHE_ATTENTION:
         q, k, v, pos, window, scale, kv_mapping, _length = attention.args
-        if not _one_row_float(q, kv_mapping) or not _written_state((k, v), CACHE_WRITE, pos):
+        if not _one_row_float(q, kv_mapping) or not _written_state((k, v), KV_CACHE_WRITE, pos):
             return None
         return _Triple(attention, k, v, q, k.args[1], v.args[1], k.args[0], v.args[0], pos, k.args[3], scale, window,
                        False)

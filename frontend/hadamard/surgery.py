@@ -25,7 +25,13 @@ from .metadata import (
     Permutation,
     parse_hadamard_metadata,
 )
-from .transform import HadamardMetadataError, block_for_width, rotate_weight
+from .transform import (
+    HADAMARD_ROTATE,
+    HADAMARD_UNROTATE,
+    HadamardMetadataError,
+    block_for_width,
+    rotate_weight,
+)
 
 # ---------------------------------------------------------------------------
 # Attaching the rotation to a built model
@@ -47,7 +53,7 @@ class HadamardLinear(nn.Linear):
         self.register_buffer("hadamard_signs", signs.detach().clone().to(torch.float32), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        rotated = torch.ops.foldline.hadamard_rotate(x, self.hadamard_signs, self.block, self.perm_head_dim,
+        rotated = HADAMARD_ROTATE(x, self.hadamard_signs, self.block, self.perm_head_dim,
                                                      self.perm_rep)
         return F.linear(rotated, self.weight, self.bias)
 
@@ -70,7 +76,7 @@ class HadamardEmbedding(nn.Embedding):
 
     def forward(self, ids: Tensor) -> Tensor:
         rows = super().forward(ids)
-        return torch.ops.foldline.hadamard_unrotate(rows, self.hadamard_signs, self.block)
+        return HADAMARD_UNROTATE(rows, self.hadamard_signs, self.block)
 
 
 class HeadRotationNorm(RMSNorm):
@@ -88,7 +94,7 @@ class HeadRotationNorm(RMSNorm):
         self.register_buffer("hadamard_signs", signs.detach().clone().to(torch.float32), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.foldline.hadamard_rotate(super().forward(x), self.hadamard_signs, self.block, 0, 1)
+        return HADAMARD_ROTATE(super().forward(x), self.hadamard_signs, self.block, 0, 1)
 
 
 @dataclass

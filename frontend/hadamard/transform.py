@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ...errors import FoldlineError
-from ..ops import register_decomposition
+from ..op_registry import declare_op
 
 DEFAULT_BLOCK_SIZE = 1024  # where the metadata names none: the qwen35 / Bonsai files' block
 
@@ -161,29 +161,9 @@ def hadamard_unrotate_impl(z: Tensor, signs: Tensor, block: int) -> Tensor:
     return unrotate_rows(z, signs, block)
 
 
-@torch.library.custom_op("foldline::hadamard_rotate", mutates_args=())
-def hadamard_rotate(x: Tensor, signs: Tensor, block: int, perm_head_dim: int, perm_rep: int) -> Tensor:
-    return hadamard_rotate_impl(x, signs, block, perm_head_dim, perm_rep)
+HADAMARD_ROTATE = declare_op("hadamard_rotate", hadamard_rotate_impl, ["x"])
+HADAMARD_UNROTATE = declare_op("hadamard_unrotate", hadamard_unrotate_impl, ["z"])
 
-
-@hadamard_rotate.register_fake
-def _(x, signs, block, perm_head_dim, perm_rep):
-    return x.new_empty(x.shape)
-
-
-@torch.library.custom_op("foldline::hadamard_unrotate", mutates_args=())
-def hadamard_unrotate(z: Tensor, signs: Tensor, block: int) -> Tensor:
-    return hadamard_unrotate_impl(z, signs, block)
-
-
-@hadamard_unrotate.register_fake
-def _(z, signs, block):
-    return z.new_empty(z.shape)
-
-
-register_decomposition(torch.ops.foldline.hadamard_rotate.default, hadamard_rotate_impl)
-register_decomposition(torch.ops.foldline.hadamard_unrotate.default, hadamard_unrotate_impl)
-
-HADAMARD_OPS = (torch.ops.foldline.hadamard_rotate.default, torch.ops.foldline.hadamard_unrotate.default)
+HADAMARD_OPS = (HADAMARD_ROTATE, HADAMARD_UNROTATE)
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from reliability_common import FULL, record, scaled
 from torch import nn
 
-from foldline.frontend import ops
+from foldline.frontend import attention_ops, gdn_ops
 from foldline.frontend.arch import get_preset
 from foldline.frontend.gdn import gdn_sequential_reference, gdn_state_specs
 from foldline.frontend.model import build_model
@@ -77,12 +77,12 @@ def test_ring_ops_equal_full_cache_ops(case):
         k_new = torch.randn(b, h, chunk, d, generator=gen)
         v_new = torch.randn(b, h, chunk, d, generator=gen)
         q = torch.randn(b, 2 * h, chunk, d, generator=gen)
-        full_k = ops.kv_cache_write_impl(full_k, k_new, pos, n_valid)
-        full_v = ops.kv_cache_write_impl(full_v, v_new, pos, n_valid)
-        want = ops.cache_attention_impl(q, full_k, full_v, pos, window, 0.5, "blocked", length)
-        got = ops.ring_attention_impl(q, ring_k, ring_v, k_new, v_new, pos, n_valid, window, 0.5, "blocked")
-        ring_k = ops.ring_write_impl(ring_k, k_new, pos, n_valid)
-        ring_v = ops.ring_write_impl(ring_v, v_new, pos, n_valid)
+        full_k = attention_ops.kv_cache_write_impl(full_k, k_new, pos, n_valid)
+        full_v = attention_ops.kv_cache_write_impl(full_v, v_new, pos, n_valid)
+        want = attention_ops.cache_attention_impl(q, full_k, full_v, pos, window, 0.5, "blocked", length)
+        got = attention_ops.ring_attention_impl(q, ring_k, ring_v, k_new, v_new, pos, n_valid, window, 0.5, "blocked")
+        ring_k = attention_ops.ring_write_impl(ring_k, k_new, pos, n_valid)
+        ring_v = attention_ops.ring_write_impl(ring_v, v_new, pos, n_valid)
         valid = torch.arange(chunk)[None, :] < n_valid[:, None]  # padded queries have no defined output
         torch.testing.assert_close(got.transpose(1, 2)[valid], want.transpose(1, 2)[valid], rtol=0, atol=1e-5)
         pos = pos + n_valid
@@ -112,12 +112,12 @@ def test_one_token_ring_ops_equal_full_cache_ops(window, starts, steps, seed):
     for _ in range(steps):
         k_new, v_new = torch.randn(b, h, 1, d, generator=gen), torch.randn(b, h, 1, d, generator=gen)
         q = torch.randn(b, 2 * h, 1, d, generator=gen)
-        full_k = ops.kv_cache_write_impl(full_k, k_new, pos, ones)
-        full_v = ops.kv_cache_write_impl(full_v, v_new, pos, ones)
-        want = ops.cache_attention_impl(q, full_k, full_v, pos, window, 0.5, "blocked", length)
-        ring_k = ops.ring_write_token_impl(ring_k, k_new, pos, ones)
-        ring_v = ops.ring_write_token_impl(ring_v, v_new, pos, ones)
-        got = ops.ring_decode_attention_impl(q, ring_k, ring_v, pos, window, 0.5, "blocked")
+        full_k = attention_ops.kv_cache_write_impl(full_k, k_new, pos, ones)
+        full_v = attention_ops.kv_cache_write_impl(full_v, v_new, pos, ones)
+        want = attention_ops.cache_attention_impl(q, full_k, full_v, pos, window, 0.5, "blocked", length)
+        ring_k = attention_ops.ring_write_token_impl(ring_k, k_new, pos, ones)
+        ring_v = attention_ops.ring_write_token_impl(ring_v, v_new, pos, ones)
+        got = attention_ops.ring_decode_attention_impl(q, ring_k, ring_v, pos, window, 0.5, "blocked")
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         pos = pos + 1
         assert torch.equal(ring_k, ring_from_full(full_k, pos, window))
@@ -182,7 +182,7 @@ def series_amplification(k: torch.Tensor, log_g: torch.Tensor, beta: torch.Tenso
     """Per row, ||(I - |A|)^-1||_inf in float64, A the chunk's strictly lower beta_t (gamma_t/gamma_s) k_t.k_s.
 
     The chunk op inverts (I + A) as the series sum_n (-A)^n by repeated squaring
-    (ops._unit_lower_inverse): each term is rounded to fp32 relative to its own
+    (gdn_ops._unit_lower_inverse): each term is rounded to fp32 relative to its own
     size, and the sizes of all terms add up to (I - |A|)^-1. Rounding in the
     result is therefore bounded by fp32 rounding times this norm; it is 1 to a
     few when keys are nearly orthogonal (head widths of 8 and up) and reaches
@@ -225,14 +225,14 @@ def test_gdn_chunk_equals_recurrence(case):
     state = torch.randn(b, h, dv, dk, generator=gen)
     n_valid = torch.tensor(n_valid_list)
     scale = dk**-0.5
-    o, s = ops.gdn_chunk_impl(q, k, v, log_g, beta, state, n_valid, scale)
+    o, s = gdn_ops.gdn_chunk_impl(q, k, v, log_g, beta, state, n_valid, scale)
     o_ref, s_ref = gdn_sequential_reference(q, k, v, log_g, beta, state, n_valid, scale)
     # Each output is a dot product S_t q_t; a row's errors are scaled by the largest size of those
     # terms, |S_t| |q_t| over its valid tokens (as the golden harness scales logits by their terms):
     # an output near zero made of large terms legitimately keeps their rounding.
     terms, s_t = [], state
     for i in range(c):
-        _, s_t = ops.gdn_step_impl(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1],
+        _, s_t = gdn_ops.gdn_step_impl(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1],
                                    log_g[:, :, i : i + 1], beta[:, :, i : i + 1], s_t, (n_valid > i).long(), scale)
         terms.append(torch.matmul(s_t.abs(), q[:, :, i].abs()[..., None])[..., 0] * scale)
     o_terms = torch.stack(terms, dim=2)  # [B, H, C, Dv]

@@ -1,10 +1,10 @@
-"""Small foldline custom ops that the reference modules emit.
+"""The KV-cache and attention custom ops the reference modules emit: full-length caches and rings.
 
 Passes anchor their rewrites on these ops instead of matching long aten
 sequences. Each op is functional (returns a new tensor, mutates nothing) and
 its eager kernel is written in plain aten ops with static shapes, so the same
 function serves as the eager reference and as the decomposition applied before
-MLIR import (`DECOMPOSITIONS`).
+MLIR import (frontend/op_registry.py).
 
 Positions are absolute token positions. A chunk of C tokens for batch row b
 covers positions start_pos[b] + i, i < C; tokens with i >= n_valid[b] are
@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..contract.entry_points import kv_tile_size
+from .op_registry import declare_op
 
 MASK_VALUE = -1e30  # finite: a fully masked padded row stays finite, never NaN
 
@@ -293,244 +294,12 @@ def ring_write_token_impl(
 
 
 # ---------------------------------------------------------------------------
-# Registration.
+# Declaration: the handles passes and backends match graph nodes against.
 # ---------------------------------------------------------------------------
 
-
-@torch.library.custom_op("foldline::kv_cache_write", mutates_args=())
-def kv_cache_write(cache: Tensor, new: Tensor, start_pos: Tensor, n_valid: Tensor, host_pos: int | None = None) -> Tensor:
-    return kv_cache_write_impl(cache, new, start_pos, n_valid, host_pos)
-
-
-@kv_cache_write.register_fake
-def _(cache, new, start_pos, n_valid, host_pos=None):
-    return cache.new_empty(cache.shape)
-
-
-@torch.library.custom_op("foldline::cache_attention", mutates_args=())
-def cache_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    start_pos: Tensor,
-    window: int,
-    scale: float,
-    kv_mapping: str,
-    length: int,
-) -> Tensor:
-    return cache_attention_impl(q, k_cache, v_cache, start_pos, window, scale, kv_mapping, length)
-
-
-@cache_attention.register_fake
-def _(q, k_cache, v_cache, start_pos, window, scale, kv_mapping, length):
-    return q.new_empty(q.shape)
-
-
-@torch.library.custom_op("foldline::ring_attention", mutates_args=())
-def ring_attention(
-    q: Tensor,
-    ring_k: Tensor,
-    ring_v: Tensor,
-    k_new: Tensor,
-    v_new: Tensor,
-    start_pos: Tensor,
-    n_valid: Tensor,
-    window: int,
-    scale: float,
-    kv_mapping: str,
-    length: int = 0,
-) -> Tensor:
-    return ring_attention_impl(q, ring_k, ring_v, k_new, v_new, start_pos, n_valid, window, scale, kv_mapping, length)
-
-
-@ring_attention.register_fake
-def _(q, ring_k, ring_v, k_new, v_new, start_pos, n_valid, window, scale, kv_mapping, length=0):
-    return q.new_empty(q.shape)
-
-
-@torch.library.custom_op("foldline::ring_write_token", mutates_args=())
-def ring_write_token(ring: Tensor, new: Tensor, start_pos: Tensor, n_valid: Tensor, host_pos: int | None = None) -> Tensor:
-    return ring_write_token_impl(ring, new, start_pos, n_valid, host_pos)
-
-
-@ring_write_token.register_fake
-def _(ring, new, start_pos, n_valid, host_pos=None):
-    return ring.new_empty(ring.shape)
-
-
-@torch.library.custom_op("foldline::ring_decode_attention", mutates_args=())
-def ring_decode_attention(
-    q: Tensor, ring_k: Tensor, ring_v: Tensor, start_pos: Tensor, window: int, scale: float, kv_mapping: str,
-    length: int = 0,
-) -> Tensor:
-    return ring_decode_attention_impl(q, ring_k, ring_v, start_pos, window, scale, kv_mapping, length)
-
-
-@ring_decode_attention.register_fake
-def _(q, ring_k, ring_v, start_pos, window, scale, kv_mapping, length=0):
-    return q.new_empty(q.shape)
-
-
-@torch.library.custom_op("foldline::ring_write", mutates_args=())
-def ring_write(ring: Tensor, new: Tensor, start_pos: Tensor, n_valid: Tensor) -> Tensor:
-    return ring_write_impl(ring, new, start_pos, n_valid)
-
-
-@ring_write.register_fake
-def _(ring, new, start_pos, n_valid):
-    return ring.new_empty(ring.shape)
-
-
-# Custom op -> aten implementation, for `ExportedProgram.run_decompositions`.
-DECOMPOSITIONS: dict = {
-    torch.ops.foldline.kv_cache_write.default: kv_cache_write_impl,
-    torch.ops.foldline.cache_attention.default: cache_attention_impl,
-    torch.ops.foldline.ring_attention.default: ring_attention_impl,
-    torch.ops.foldline.ring_write.default: ring_write_impl,
-    torch.ops.foldline.ring_decode_attention.default: ring_decode_attention_impl,
-    torch.ops.foldline.ring_write_token.default: ring_write_token_impl,
-}
-
-
-def register_decomposition(op, impl) -> None:
-    """Other modules (GDN, Hadamard) add their custom ops here."""
-    DECOMPOSITIONS[op] = impl
-
-
-# ---------------------------------------------------------------------------
-# Gated delta net (Qwen3.5 / qwen35 "linear attention" layers).
-#
-# Per v head, with the state S[dv][dk] (v-major), a token (q, k, v, g, beta):
-#     kv = S k;  delta = (v - g kv) beta;  S = g S + outer(delta, k);  o = (S q) scale
-# g = exp(log_g). Tokens with i >= n_valid get beta = 0 and log_g = 0, which
-# makes them an exact identity on S. q and k arrive normalised and head-mapped
-# (one q/k row per v head), all tensors [B, H, C, *] with the state [B, H, Dv, Dk].
-# ---------------------------------------------------------------------------
-
-
-def _gdn_mask_padding(log_g: Tensor, beta: Tensor, n_valid: Tensor) -> tuple[Tensor, Tensor]:
-    valid = _valid(n_valid, log_g.shape[-1])[:, None, :]
-    zero = torch.zeros_like(beta)
-    return torch.where(valid, log_g, zero), torch.where(valid, beta, zero)
-
-
-def _unit_lower_inverse(a: Tensor) -> Tensor:
-    """(I + A)^-1 for strictly lower-triangular A [..., C, C], by repeated squaring.
-
-    A is nilpotent, so (I + A)^-1 = sum_n (-A)^n = prod_j (I + (-A)^(2^j)): ceil(log2 C)
-    matmuls instead of C dependent row updates, and no data-dependent control flow.
-    """
-    c = a.shape[-1]
-    idx = torch.arange(c, device=a.device)
-    eye = (idx[:, None] == idx[None, :]).to(a.dtype)  # aten.eye crashes IREE's torch lowering
-    power = -a
-    inverse = eye + power
-    span = 2
-    while span < c:
-        power = torch.matmul(power, power)
-        inverse = inverse + torch.matmul(inverse, power)
-        span *= 2
-    return inverse
-
-
-def gdn_chunk_impl(
-    q: Tensor, k: Tensor, v: Tensor, log_g: Tensor, beta: Tensor, state: Tensor, n_valid: Tensor, scale: float
-) -> tuple[Tensor, Tensor]:
-    """A whole chunk of the delta rule as matrix work (WY / UT form); returns (o, new state).
-
-    With gamma_t = prod_{s<=t} g_s the chunk's writes u_t solve the unit lower-triangular
-    system (I + A) U = beta V - beta gamma K S0^T, A[t,s] = beta_t (gamma_t/gamma_s) k_t.k_s (s<t);
-    then O = gamma Q S0^T + (mask * gamma_t/gamma_s * Q K^T) U and
-    S = gamma_C S0 + U^T diag(gamma_C / gamma) K.
-    """
-    out_dtype = v.dtype
-    log_g, beta = _gdn_mask_padding(log_g.float(), beta.float(), n_valid)
-    q, k, v, s0 = q.float() * scale, k.float(), v.float(), state.float()
-    c = q.shape[2]
-    cum = torch.cumsum(log_g, dim=-1)  # [B,H,C], <= 0 and non-increasing
-    t_idx = torch.arange(c, device=q.device)
-    causal = t_idx[:, None] >= t_idx[None, :]
-    strict = t_idx[:, None] > t_idx[None, :]
-    diff = cum[..., :, None] - cum[..., None, :]  # log(gamma_t / gamma_s)
-    decay = torch.where(causal, torch.exp(diff.clamp(max=0.0)), torch.zeros_like(diff))
-    kk = torch.matmul(k, k.transpose(-1, -2))
-    a = torch.where(strict, beta[..., :, None] * decay * kk, torch.zeros_like(kk))
-    gamma = torch.exp(cum)
-    s0_t = s0.transpose(-1, -2)  # [B,H,Dk,Dv]
-    rhs = beta[..., None] * (v - gamma[..., None] * torch.matmul(k, s0_t))
-    u = torch.matmul(_unit_lower_inverse(a), rhs)  # [B,H,C,Dv]
-    qk = torch.where(causal, decay * torch.matmul(q, k.transpose(-1, -2)), torch.zeros_like(kk))
-    o = gamma[..., None] * torch.matmul(q, s0_t) + torch.matmul(qk, u)
-    last = cum[..., -1:]
-    tail = torch.exp(last - cum)  # gamma_C / gamma_s
-    new_state = torch.exp(last)[..., None] * s0 + torch.matmul((u * tail[..., None]).transpose(-1, -2), k)
-    return o.to(out_dtype), new_state.to(state.dtype)
-
-
-def gdn_step_impl(
-    q: Tensor, k: Tensor, v: Tensor, log_g: Tensor, beta: Tensor, state: Tensor, n_valid: Tensor, scale: float
-) -> tuple[Tensor, Tensor]:
-    """One token (C == 1) of the delta rule, written exactly as the recurrence."""
-    out_dtype = v.dtype
-    log_g, beta = _gdn_mask_padding(log_g.float(), beta.float(), n_valid)
-    q0, k0, v0 = q[:, :, 0].float(), k[:, :, 0].float(), v[:, :, 0].float()
-    g = torch.exp(log_g[:, :, 0])[..., None]  # [B,H,1]
-    s = state.float()
-    kv = torch.matmul(s, k0[..., None])[..., 0]  # S k: [B,H,Dv]
-    delta = (v0 - g * kv) * beta[:, :, 0][..., None]
-    s = g[..., None] * s + delta[..., :, None] * k0[..., None, :]
-    o = torch.matmul(s, q0[..., None])[..., 0] * scale
-    return o[:, :, None].to(out_dtype), s.to(state.dtype)
-
-
-@torch.library.custom_op("foldline::gdn_chunk", mutates_args=())
-def gdn_chunk(
-    q: Tensor, k: Tensor, v: Tensor, log_g: Tensor, beta: Tensor, state: Tensor, n_valid: Tensor, scale: float
-) -> tuple[Tensor, Tensor]:
-    return gdn_chunk_impl(q, k, v, log_g, beta, state, n_valid, scale)
-
-
-@gdn_chunk.register_fake
-def _(q, k, v, log_g, beta, state, n_valid, scale):
-    return v.new_empty(v.shape), state.new_empty(state.shape)
-
-
-@torch.library.custom_op("foldline::gdn_step", mutates_args=())
-def gdn_step(
-    q: Tensor, k: Tensor, v: Tensor, log_g: Tensor, beta: Tensor, state: Tensor, n_valid: Tensor, scale: float
-) -> tuple[Tensor, Tensor]:
-    return gdn_step_impl(q, k, v, log_g, beta, state, n_valid, scale)
-
-
-@gdn_step.register_fake
-def _(q, k, v, log_g, beta, state, n_valid, scale):
-    return v.new_empty(v.shape), state.new_empty(state.shape)
-
-
-register_decomposition(torch.ops.foldline.gdn_chunk.default, gdn_chunk_impl)
-register_decomposition(torch.ops.foldline.gdn_step.default, gdn_step_impl)
-
-
-# ---------------------------------------------------------------------------
-# Placement over several devices (passes/place_devices.py): a value moved to device `device`.
-# The identity in eager; IREE's `flow.tensor.transfer` in a module compiled for several devices
-# (backends/iree/multi_device.py).
-# ---------------------------------------------------------------------------
-
-
-@torch.library.custom_op("foldline::to_device", mutates_args=())
-def to_device(x: Tensor, device: int) -> Tensor:
-    return x.clone()
-
-
-@to_device.register_fake
-def _(x, device):
-    return x.new_empty(x.shape)
-
-
-def to_device_impl(x: Tensor, device: int) -> Tensor:
-    """One device's view of a move: the value itself (a target without several devices decomposes it)."""
-    return x.clone()
-
-
-register_decomposition(torch.ops.foldline.to_device.default, to_device_impl)
+KV_CACHE_WRITE = declare_op("kv_cache_write", kv_cache_write_impl, ["cache"])
+CACHE_ATTENTION = declare_op("cache_attention", cache_attention_impl, ["q"])
+RING_ATTENTION = declare_op("ring_attention", ring_attention_impl, ["q"])
+RING_WRITE = declare_op("ring_write", ring_write_impl, ["ring"])
+RING_DECODE_ATTENTION = declare_op("ring_decode_attention", ring_decode_attention_impl, ["q"])
+RING_WRITE_TOKEN = declare_op("ring_write_token", ring_write_token_impl, ["ring"])
