@@ -21,6 +21,7 @@ from typing import Any
 
 import iree.runtime as rt
 import numpy as np
+from iree.runtime._binding import create_hal_driver
 
 from ..contract.errors import BundleError
 from ..contract.isa import ARCH_ALIASES, CPUINFO_FEATURES_LINE
@@ -433,12 +434,9 @@ def _create_config(device: str, threads: int | None = None) -> rt.Config:
         raise BundleError(f"device {device!r} is not available here: {e}") from e
 
 
-def _more_devices(device: str, threads: int | None, count: int) -> list[rt.HalDevice]:
-    """Devices 1..count of a bundle compiled for several: CPU devices with their own worker threads, or
-    the driver's next GPUs in its order, one GPU each (IREE will not make one GPU two devices of a group)."""
-    if device == "cpu":
-        driver = rt.get_driver(_cpu_driver(threads))
-        return [driver.create_default_device() for _ in range(count)]
+def _more_devices(device: str, count: int) -> list[rt.HalDevice]:
+    """GPU devices 1..count of a bundle compiled for several: the driver's next GPUs in its order, one GPU
+    each (IREE will not make one GPU two devices of a group)."""
     driver = rt.get_driver(DRIVERS[device])
     found = [d["device_id"] for d in driver.query_available_devices()]
     if len(found) <= count:
@@ -449,6 +447,61 @@ def _more_devices(device: str, threads: int | None, count: int) -> list[rt.HalDe
         return [driver.create_device(found[j + 1]) for j in range(count)]
     except Exception as e:
         raise BundleError(f"could not open {count + 1} {device} devices: {e}") from e
+
+
+# IREE's own default of --task_topology_max_group_count: the cap on one worker per physical core.
+_IREE_DEFAULT_MAX_WORKERS = 64
+
+
+def physical_cores() -> int:
+    """This host's physical cores (/proc/cpuinfo's distinct physical id and core id pairs), as IREE counts
+    them for its default worker count; the logical CPU count where cpuinfo does not say."""
+    cores = set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        package = core = None
+        for line in cpuinfo.read_text().splitlines() + [""]:
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "physical id":
+                package = value.strip()
+            elif key == "core id":
+                core = value.strip()
+            elif not line.strip():
+                if core is not None:
+                    cores.add((package, core))
+                package = core = None
+    return len(cores) or os.cpu_count() or 1
+
+
+def workers_per_device(threads: int | None, count: int) -> list[int]:
+    """Each device's worker count when a bundle runs on `count` CPU devices: `threads` in all (None: one
+    per physical core) shared out evenly, at least one each."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise InputError(f"threads must be a positive integer, got {threads!r}")
+    total = max(threads or physical_cores(), count)
+    return [total // count + (1 if i < total % count else 0) for i in range(count)]
+
+
+def _own_cpu_devices(threads: int | None, count: int) -> list[rt.HalDevice]:
+    """`count` CPU devices, each with a task executor and worker threads of its own, so that what the
+    module runs on one device never waits for a worker busy with another's.
+
+    IREE reads the worker count from its flags when a driver is created; each device gets a driver of
+    its own, and the flag is put back to what the process-wide CPU driver reads (`_cpu_driver`).
+    """
+    workers = workers_per_device(threads, count)
+    devices = []
+    with _cpu_task_lock:
+        try:
+            for n in workers:
+                rt.flags.parse_flags(f"--task_topology_max_group_count={n}")
+                devices.append(create_hal_driver("local-task").create_default_device())
+        except Exception as e:
+            raise BundleError(f"could not open {count} cpu devices: {e}") from e
+        finally:
+            rt.flags.parse_flags(f"--task_topology_max_group_count={_cpu_task_threads or _IREE_DEFAULT_MAX_WORKERS}")
+    return devices
 
 
 def _reflection(module: rt.VmModule, name: str) -> dict[str, str] | None:
@@ -493,7 +546,13 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
         manifest.verify_tokenizer()
     if threads is not None and device != "cpu":
         raise InputError(f"threads applies to the cpu device, not {device!r}")
-    config = _create_config(device, threads)
+    own_cpu_devices = device == "cpu" and manifest.device_count > 1
+    if own_cpu_devices:  # a bundle compiled with --devices N for the CPU: N devices, each with its own workers
+        devices = _own_cpu_devices(threads, manifest.device_count)
+        config = rt.Config(device=devices[0])
+    else:
+        config = _create_config(device, threads)
+        devices = [config.device]
     instance = config.vm_instance
     modules = []
     providers = []
@@ -507,9 +566,9 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
         providers.append(index.create_provider(scope=archive.scope))
     if providers:
         modules.append(rt.create_io_parameters_module(instance, *providers))
-    devices = [config.device]
     if manifest.device_count > 1:  # a bundle compiled with --devices N: N devices of the same driver, in order
-        devices += _more_devices(device, threads, manifest.device_count - 1)
+        if not own_cpu_devices:
+            devices += _more_devices(device, manifest.device_count - 1)
         config.default_vm_modules = ()  # the HAL module below is the only one, over every device
     modules.append(rt.create_hal_module(instance, devices=devices) if len(devices) > 1
                    else rt.create_hal_module(instance, config.device))
