@@ -105,7 +105,7 @@ def keeps_five_bit_codes(targets: list[Target], activations: list[str]) -> bool:
 
     The int8 kernels of an IREE CPU module read q5's planes as they lie; the float kernels
     (GPU targets, --activations f32, batched bundles) read them through a widening copy each
-    call (kernels/qlinear._widen_q5), slower than reading bytes. The codes stay 5-bit where
+    call (kernels/templates/qlinear_widen_q5.mlir), slower than reading bytes. The codes stay 5-bit where
     some IREE CPU module decodes with int8 activations: a multi-ISA bundle's baseline module
     then takes the slower read, as its fallback. The ONNX export widens its own copy.
     """

@@ -62,22 +62,9 @@ util.func private @{{ name }}(%x: !x_tensor, {{ "%codes_q5" if fmt == "q5" else 
     ^bb0(%q: i8, %s: {{ scale_type }}{{ ", %mn: " ~ scale_type if has_min }}, %o: f32):
         %qf = arith.sitofp %q : i8 to f32
 {% endif %}
-{% if scale_type == "f16" %}
-{% with src = "%s", dst = "%sf", f16_type = "f16", pad = "        " %}
-{% include "widen_f16.mlir" %}
+{% with pad = "        " %}
+{% include "qlinear_scale_code.mlir" %}
 {% endwith %}
-        %w0 = arith.mulf %sf, %qf : f32
-{% else %}
-        %w0 = arith.mulf %s, %qf : f32
-{% endif %}
-{% if has_min and scale_type == "f16" %}
-{% with src = "%mn", dst = "%mf", f16_type = "f16", pad = "        " %}
-{% include "widen_f16.mlir" %}
-{% endwith %}
-        %w = arith.addf %w0, %mf : f32
-{% elif has_min %}
-        %w = arith.addf %w0, %mn : f32
-{% endif %}
         linalg.yield {{ "%w" if has_min else "%w0" }} : f32
   } -> !w_tile
   %w = tensor.collapse_shape %w3 [[0], [1, 2, 3]] : !w_tile into !w

@@ -1,8 +1,12 @@
 {# %codes [n, k] (one byte per code, 0..31, in k order) from %codes_q5, q5's stored planes: k/2 bytes
-   of nibbles, then k/8 of fifth bits (kernels/qlinear.py, `_widen_q5`, says why and how). Code
-   h * g/2 + c * 8 + t of a group is nibble h of its nibble byte c * 8 + t, plus bit t of its fifth-bit
-   byte h * g/16 + c: with the code index split as (h, c, t) every read is an affine map. Parameters:
-   n, k, groups, group; each line starts with `pad`. #}
+   of nibbles, then k/8 of fifth bits. Code h * g/2 + c * 8 + t of a group is nibble h of its nibble
+   byte c * 8 + t, plus bit t of its fifth-bit byte h * g/16 + c: with the code index split as
+   (h, c, t) every read is an affine map. The float kernels include it and then read q5 codes as they
+   read q8 ones: the portable form, which copies the planes apart and writes the widened codes each
+   call (the pinned IREE fuses neither into the kernel's dispatch; reading the planes in place crashes
+   the compiler). The int8 kernels read the planes as they lie; where a bundle would run the float
+   kernels at every step, the quantize-weights pass widens the codes once instead
+   (docs/quantization.md). Parameters: n, k, groups, group; each line starts with `pad`. #}
 {% set half = group // 2 %}
 {% set stored_t = "tensor<" ~ n ~ "x" ~ (k // 2 + k // 8) ~ "xi8>" %}
 {% set lo_t = "tensor<" ~ n ~ "x" ~ k // 2 ~ "xi8>" %}
