@@ -15,7 +15,7 @@ from iree.compiler import ir
 
 from ..contract.entry_points import row_entry_name
 from ..contract.manifest import Manifest, ModuleEntry, ParamsEntry
-from ..frontend.export import ENTRY_POINTS, export_entry_point, parameter_target
+from ..frontend.export import ENTRY_POINTS, export_entry_point, export_step, parameter_target
 from ..frontend.fingerprint import checkpoint_fingerprint
 from ..frontend.sources import load_model
 from ..frontend.tensor_parallel import split_model
@@ -96,6 +96,8 @@ def compile_model(loaded: LoadedModel, out_dir: str | Path, options: BuildOption
     With a `cache`, a model whose checkpoint fingerprint and options were compiled
     before is copied from it, and a new bundle is stored in it.
     """
+    if any(t.genai for t in options.targets):
+        return _compile_genai(loaded, out_dir, options, progress)
     key = build_cache_key(loaded.fingerprint, options)
     if from_cache(cache, key, out_dir, progress):
         return Path(out_dir)
@@ -206,6 +208,43 @@ def _compile(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, pr
     return out
 
 
+def _compile_genai(loaded: LoadedModel, out_dir: str | Path, options: BuildOptions, progress: Progress) -> Path:
+    """--target onnx-genai: the step function through the default passes, written as ONNX Runtime GenAI's
+    model directory (backends/onnx/genai.py). Not a bundle: no manifest, so not in the compile cache."""
+    from .onnx.genai import check, export_genai
+
+    if len(options.targets) != 1:
+        raise TargetError("--target onnx-genai writes a GenAI model directory, not a bundle: give it alone")
+    activations = target_activations(options.targets[0], options.activations, options.batch)
+    dtype, kv_dtype = resolve_dtypes(loaded, options)
+    check(loaded.config, options.batch, options.devices, kv_dtype)  # before any work
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    with loaded.reconfigured(dtype=dtype, kv_dtype=kv_dtype if kv_dtype != dtype else None), _fewer_collections():
+        cfg = loaded.config
+        clock = StageClock(progress)
+        clock.stage("export", f"[1/3] exporting {cfg.name}: {cfg.dtype} compute, context {cfg.max_context} "
+                    f"(K/V {cfg.cache_dtype}), one step function for any token count; quantized-product "
+                    f"activations {activations}", total=1)
+        entry = export_step(loaded.module)
+        clock.advance(entry.name)
+        unit = CompileUnit(cfg, {entry.name: entry.program}, entry.state_specs,
+                           options={"hadamard": options.hadamard, "weights": options.weights, "group": options.group,
+                                    "devices": 1, "scheme": options.scheme, FIVE_BIT_CODES: False},
+                           source_blocks={parameter_target(k): v for k, v in loaded.source_blocks.items()})
+        del entry
+        clock.stage("passes", "[2/3] running passes")
+        run_pipeline(unit, options.passes, dump_after=options.dump_after, progress=progress)
+        clock.stage("onnx", "[3/3] exporting the ONNX Runtime GenAI model", total=1)
+        export_genai(unit, out, activations, loaded.tokenizer_json, loaded.chat_template, progress,
+                     options.dump_after)
+        clock.advance("step")
+        progress(clock.summary())
+    progress(f"ONNX Runtime GenAI model written to {out} in {time.time() - t0:.0f} s")
+    return out
+
+
 def _export_onnx(activations: str, unit: CompileUnit, out: Path, clock: StageClock, options: BuildOptions,
                  progress: Progress) -> ModuleEntry:
     """Stage 3 for the ONNX target: the post-pass programs as ONNX graphs; their module's manifest entry."""
@@ -303,4 +342,6 @@ def compile_spec(spec: str, out_dir: str | Path, options: BuildOptions, progress
     progress(f"loading {spec}")
     # The blocks are what a weights=auto compile keeps: their float values are never made.
     loaded = load_model(spec, max_context=options.max_context, defer_block_weights=options.weights == "auto")
+    if any(t.genai for t in options.targets):
+        return _compile_genai(loaded, out_dir, options, progress)
     return _compile_and_store(loaded, out_dir, options, progress, cache, key)

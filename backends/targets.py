@@ -40,6 +40,7 @@ func.func @probe(%a: tensor<4xf32>) -> tensor<4xf32> {
 # what the code and docs say IREE does or cannot do was found with it.
 IREE_VERSION = "3.13"
 ONNX_DEVICE = "onnxruntime"  # the runtime device that runs an ONNX module (runtime/onnx_device.py)
+GENAI_TARGET = "onnx-genai"  # a model directory for ONNX Runtime GenAI, not a foldline bundle (docs/onnx.md)
 
 DEFAULT_VULKAN_TARGET = "host"
 DEFAULT_CUDA_ARCH = "sm_80"
@@ -67,6 +68,7 @@ class Target:
     arch: str | None = None
     cpu_flags: list[str] = field(default_factory=list)
     cpu: str | None = None  # the --cpu name of a CPU module: names its file when a bundle holds several
+    genai: bool = False  # an ONNX Runtime GenAI model directory instead of a bundle (--target onnx-genai)
 
 
 def host_arch() -> str:
@@ -256,7 +258,9 @@ def make_target(name: str, cpu: str = "host", triple: str | None = None,
         return cuda_target(cuda_arch)
     if name == "onnx":
         return Target(ONNX_DEVICE, [], "ONNX for ONNX Runtime (backends/onnx/export.py)")
-    raise TargetError(f"unknown target {name!r}; expected cpu, vulkan, cuda or onnx")
+    if name == GENAI_TARGET:
+        return Target(ONNX_DEVICE, [], "ONNX Runtime GenAI model (backends/onnx/genai.py)", genai=True)
+    raise TargetError(f"unknown target {name!r}; expected cpu, vulkan, cuda, onnx or {GENAI_TARGET}")
 
 
 def make_targets(name: str, cpu: str = "host", triple: str | None = None,

@@ -31,6 +31,7 @@ from ..contract.state import StateBuffer
 from .model import CausalLM, new_state
 
 ENTRY_POINTS = ("prefill", "decode")
+STEP = "step"  # an ONNX Runtime GenAI model's one function (export_step)
 # The attribute under which each entry point holds the CausalLM: its parameters are
 # lifted as "model.<parameter name>".
 MODEL_ATTR = "model"
@@ -99,6 +100,15 @@ class _BatchDecodeEntry(_ChunkEntry):
         return self.model(tokens, pos, torch.ones_like(pos), *state)
 
 
+class _StepEntry(_ChunkEntry):
+    """step(tokens[1, S], start_pos[1], n_valid[1], state...) -> logits[1, S, V]: any number of tokens of
+    one row, every position's logits. The one function of an ONNX Runtime GenAI model
+    (backends/onnx/genai.py), which feeds a whole prompt, then one token a call."""
+
+    def forward(self, tokens, start_pos, n_valid, *state):
+        return self.model(tokens, start_pos, n_valid, *state, all_logits=True)
+
+
 def position_shape(position: int) -> torch.Tensor:
     """decode's `pos_shape` input for row 0 at `position`: no data, the position is its shape."""
     return torch.empty((0, position), dtype=POSITION_SHAPE_DTYPE)
@@ -164,6 +174,22 @@ def export_entry_point(model: CausalLM, name: str, batch: int = 1, chunk: int = 
             {op: _special_op_to_preserve_cia for op in PRESERVED_COMPOSITES}):
         program = _export(wrapper, args, dynamic_shapes=dynamic, strict=False, pre_dispatch=False)
     return EntryPoint(name, program, batch, chunk if name == "prefill" else 1, specs)
+
+
+def export_step(model: CausalLM) -> EntryPoint:
+    """The `step` function (_StepEntry), its token count a dynamic dimension up to the context."""
+    specs = model.state_specs(1)
+    wrapper = _StepEntry(model, len(specs)).eval()
+    # torch.export specialises a dynamic dimension traced at size 0 or 1: trace at 2.
+    traced = min(2, model.cfg.max_context)
+    args = (torch.zeros((1, traced), dtype=torch.int64), torch.zeros((1,), dtype=torch.int64),
+            torch.full((1,), traced, dtype=torch.int64), *new_state(model.cfg, 1, specs))
+    tokens = torch.export.Dim("sequence", min=1, max=model.cfg.max_context)
+    dynamic = ({1: tokens}, None, None, (None,) * len(specs))
+    with torch.no_grad(), _override_composite_implicit_decomp(
+            {op: _special_op_to_preserve_cia for op in PRESERVED_COMPOSITES}):
+        program = _export(wrapper, args, dynamic_shapes=dynamic, strict=False, pre_dispatch=False)
+    return EntryPoint(STEP, program, 1, model.cfg.max_context, specs)
 
 
 def export_model(model: CausalLM, batch: int = 1, chunk: int = 16) -> dict[str, EntryPoint]:

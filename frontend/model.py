@@ -181,10 +181,12 @@ class CausalLM(nn.Module):
 
     def forward(
         self, tokens: Tensor, start_pos: Tensor, n_valid: Tensor, *state: Tensor, host_pos: int | None = None,
-        kv_tiles: int | None = None,
+        kv_tiles: int | None = None, all_logits: bool = False,
     ) -> Tensor:
         """`host_pos`: start_pos[0] as a host integer, for a chunk of one real token (decode).
         `kv_tiles`: attention over full caches reads only their first kv_tiles tiles (prefill).
+        `all_logits`: logits [B, C, V] of every position, as ONNX Runtime GenAI reads them, instead of
+        [B, V] of each row's last valid one.
 
         Both may be symbolic in an exported program: the attention then reads a
         length known only when the entry point is called.
@@ -206,6 +208,8 @@ class CausalLM(nn.Module):
             count = layer.mixer.state_count
             x = layer(x, ctx, list(state[start : start + count]))
             start += count
+        if all_logits:
+            return self.head(self.norm(x)).float()
         # Logits only for the last valid position of each row.
         last = (n_valid - 1).clamp(min=0)
         x = torch.gather(x, 1, last[:, None, None].expand(b, 1, x.shape[-1]))[:, 0]

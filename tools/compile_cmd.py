@@ -17,9 +17,11 @@ def add_parser(sub) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace the bundle already in --output; the old one stays until the new one is "
                         "complete (default: refuse)")
-    p.add_argument("--target", action="append", choices=["cpu", "vulkan", "cuda", "onnx"],
+    p.add_argument("--target", action="append", choices=["cpu", "vulkan", "cuda", "onnx", "onnx-genai"],
                    help="compile target (repeat for several; default cpu). onnx: ONNX graphs that a stock "
-                        "onnxruntime runs (docs/onnx.md), loaded with --device onnxruntime")
+                        "onnxruntime runs (docs/onnx.md), loaded with --device onnxruntime. onnx-genai (alone): "
+                        "not a bundle but a model directory for ONNX Runtime GenAI (onnxruntime_genai.Model), "
+                        "one graph and genai_config.json")
     p.add_argument("--cpu", default=None,
                    help="CPU(s) for llvm-cpu: host, generic, an LLVM CPU name, a comma-separated list "
                         "(e.g. x86-64-v3,znver4) or x86-all (x86-64-v2, x86-64-v3, cascadelake): one module "

@@ -136,15 +136,15 @@ def _functional(program: ExportedProgram, n_state: int) -> ExportedProgram:
 
 
 def export_function(program: ExportedProgram, function: str, rows: int, state: list[StateBuffer],
-                    activations: str = "f32") -> onnx.ModelProto:
+                    activations: str = "f32", steps: tuple[str, ...] | None = None) -> onnx.ModelProto:
     """One function as an ONNX model, its inputs and outputs named as the module's contract names them.
 
     program: after the target passes (a one-row program's attention as GroupQueryAttention's op).
     activations: what MatMulNBits multiplies the codes by, "int8" (per block, ONNX Runtime's accuracy
-    level 4) or "f32".
+    level 4) or "f32". steps: the step inputs' names (default: the entry point's, step_inputs).
     """
     functional = _functional(program, len(state))
-    inputs = [*step_inputs(function, rows), *(s.name for s in state)]
+    inputs = [*(steps if steps is not None else step_inputs(function, rows)), *(s.name for s in state)]
     outputs = [*(s.name + NEXT_SUFFIX for s in state), "logits"]
     # The exporter logs a line per torchvision op it cannot register and pytree deprecations: noise to a user.
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)

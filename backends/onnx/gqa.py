@@ -337,46 +337,55 @@ def translation():
     op = onnxscript.opset20
     int32, f16, f32 = onnx.TensorProto.INT32, onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
 
-    def attend(placeholder, q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, chunk: int, heads: int,
+    def attend(placeholder, q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, chunk: int | None, heads: int,
                extra: list, **attributes):
-        """The placeholder over q and k in BSH and v in BHSD; the output back in BHSD, padded rows zero."""
+        """The placeholder over q and k in BSH and v in BHSD; the output back in BHSD, padded rows zero.
+        chunk: the static chunk length, or None where it varies from call to call (read off q's shape)."""
         dim = k_cache.shape[3]
         half = k_cache.dtype == onnxscript.ir.DataType.FLOAT16
         to_cache = (lambda x: op.Cast(x, to=f16)) if half else (lambda x: x)  # noqa: E731
-        flat = op.Constant(value_ints=[0, chunk, -1])
+        flat = op.Constant(value_ints=[0, 0 if chunk is None else chunk, -1])
         v_bsh = op.Reshape(op.Transpose(v_new, perm=[0, 2, 1, 3]), flat)
         end = op.Add(start_pos, n_valid)
         seqlens = op.Cast(op.Sub(end, op.Constant(value_int=1)), to=int32)
+        length = (op.Constant(value_int=chunk) if chunk is not None
+                  else op.Squeeze(op.Shape(q, start=1, end=2), op.Constant(value_ints=[0])))
         # an upper bound of every row's end, at least the chunk (the op requires it of a full cache)
-        total = op.Cast(op.Max(op.ReduceMax(end, keepdims=0), op.Constant(value_int=chunk)), to=int32)
+        total = op.Cast(op.Max(op.ReduceMax(end, keepdims=0), length), to=int32)
         out, k_next, v_next = placeholder(to_cache(q), to_cache(k_new), to_cache(v_bsh), k_cache, v_cache, seqlens,
                                           total, op.Cast(n_valid, to=int32), *[to_cache(x) for x in extra],
                                           num_heads=heads, kv_num_heads=int(k_cache.shape[1]), **attributes)
         out = op.Cast(out, to=f32) if half else out
-        if chunk > 1:  # padded rows: unspecified by the op, zero here
-            rows = op.Range(op.Constant(value_int=0), op.Constant(value_int=chunk), op.Constant(value_int=1))
+        if chunk is None or chunk > 1:  # padded rows: unspecified by the op, zero here
+            rows = op.Range(op.Constant(value_int=0), length, op.Constant(value_int=1))
             valid = op.Less(op.Unsqueeze(rows, op.Constant(value_ints=[0])), op.Unsqueeze(n_valid, op.Constant(value_ints=[1])))
             out = op.Where(op.Unsqueeze(valid, op.Constant(value_ints=[2])), out, op.CastLike(op.Constant(value_float=0.0), out))
-        out = op.Transpose(op.Reshape(out, op.Constant(value_ints=[0, chunk, heads, int(dim)])), perm=[0, 2, 1, 3])
+        out = op.Transpose(op.Reshape(out, op.Constant(value_ints=[0, 0 if chunk is None else chunk, heads, int(dim)])),
+                           perm=[0, 2, 1, 3])
         return out, k_next, v_next
+
+    def static(length) -> int | None:
+        """A chunk length as an int, or None where the graph's is symbolic (one graph for every length)."""
+        return length if isinstance(length, int) else None
 
     def translate(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, scale: float, window: int = 0,
                   window_cache: bool = False):
         _b, heads, chunk, _dim = q.shape
-        flat = op.Constant(value_ints=[0, int(chunk), -1])
+        chunk = static(chunk)
+        flat = op.Constant(value_ints=[0, 0 if chunk is None else chunk, -1])
 
         def bsh(x):  # [B, H, C, D] -> [B, C, H x D]
             return op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), flat)
 
         return attend(ops.DecodeAttention, bsh(q), bsh(k_new), v_new, k_cache, v_cache, start_pos, n_valid,
-                      int(chunk), int(heads), [], scale=scale, local_window_size=local_window(window),
+                      chunk, int(heads), [], scale=scale, local_window_size=local_window(window),
                       sliding_window_cache=int(window_cache))
 
     def translate_rope(q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, cos, sin, scale: float, window: int,
                        interleaved: bool, window_cache: bool = False):
         _b, chunk, width = q.shape
         heads = int(width) // int(k_cache.shape[3])
-        return attend(ops.RopeAttention, q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, int(chunk), heads,
+        return attend(ops.RopeAttention, q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, static(chunk), heads,
                       [cos, sin], scale=scale, local_window_size=local_window(window),
                       rotary_interleaved=int(interleaved), sliding_window_cache=int(window_cache))
 
