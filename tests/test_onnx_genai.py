@@ -1,0 +1,154 @@
+"""`--target onnx-genai`: the model directory ONNX Runtime GenAI loads, run by the real onnxruntime-genai.
+
+Against the eager reference over a three-chunk prompt and 60 decode steps
+(gemma3-tiny's 16-position windows passed six times over; llama-tiny's full
+caches; llama-tiny with q8 blocks kept as MatMulNBits), with the bounds of
+tests/test_onnx.py; GenAI's greedy tokens against foldline's own ONNX Runtime
+device and IREE CPU bundle; the directory's layout; the refusal of a model
+GenAI's graph cannot hold.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from foldline.runtime import Model
+from foldline.testing.parity import SCALED_TOL_FP32, EagerRunner, ParityReport, compare_logits
+
+og = pytest.importorskip("onnxruntime_genai")
+pytestmark = pytest.mark.slow
+PROMPT = list(range(3, 43))  # what tests/test_onnx.py feeds: three chunks of foldline's prefill
+STEPS = 60  # gemma3-tiny's 16-position windows wrap six times
+
+
+@pytest.fixture(scope="module")
+def genai_models(tmp_path_factory):
+    """name -> (eager reference module, GenAI model directory), compiled once."""
+    from test_quant_compile import _blocked
+
+    from foldline.backends.build import BuildOptions, compile_model
+    from foldline.backends.targets import make_target
+    from foldline.frontend.sources import load_model
+
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            loaded = _blocked("llama-tiny", "q8") if name == "llama-tiny-q8" else load_model(name)
+            out = tmp_path_factory.mktemp(name) / "genai"
+            # f32 activations: the q8 blocks' products exact, so the fp32 bound holds
+            options = BuildOptions(targets=[make_target("onnx-genai")], activations="f32")
+            compile_model(loaded, out, options, progress=lambda _m: None)
+            cache[name] = (loaded.module, out)
+        return cache[name]
+
+    return get
+
+
+def genai_generator(directory, length: int):
+    model = og.Model(str(directory))
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=length)
+    return og.Generator(model, params)
+
+
+def genai_greedy(directory, prompt: list[int], steps: int) -> list[int]:
+    """GenAI's own greedy search, as a user runs it: the prompt, then generate_next_token until done."""
+    generator = genai_generator(directory, len(prompt) + steps)
+    generator.append_tokens(prompt)
+    tokens = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    return tokens
+
+
+def foldline_greedy(model: Model, prompt: list[int], steps: int) -> list[int]:
+    session = model.session()
+    tokens = [int(np.argmax(session.prefill(prompt)))]
+    while len(tokens) < steps:
+        tokens.append(int(np.argmax(session.decode(tokens[-1]))))
+    return tokens
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gemma3-tiny", "llama-tiny-q8"])
+def test_genai_matches_eager(name, genai_models):
+    module, directory = genai_models(name)
+    eager = EagerRunner(module, 16)
+    generator = genai_generator(directory, len(PROMPT) + STEPS + 1)
+    generator.append_tokens(PROMPT)
+    genai_logits = np.asarray(generator.get_logits()).reshape(-1)
+    eager_logits = eager.prefill(PROMPT)
+    report = ParityReport()
+    for step in range(STEPS + 1):
+        compare_logits(report, genai_logits, eager_logits, eager.term_scale())
+        report.eager_tokens.append(int(eager_logits.argmax()))
+        report.compiled_tokens.append(int(genai_logits.argmax()))
+        if step == STEPS:
+            break
+        eager_logits = eager.decode(report.eager_tokens[-1])
+        generator.append_tokens([report.compiled_tokens[-1]])
+        genai_logits = np.asarray(generator.get_logits()).reshape(-1)
+    assert report.steps == STEPS + 1
+    assert report.tokens_agree, report.summary()
+    assert report.worst_scaled_error <= SCALED_TOL_FP32, report.summary()
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gemma3-tiny"])
+def test_genai_generates_the_tokens_of_foldlines_onnx_device(name, genai_models, bundle_factory):
+    _module, directory = genai_models(name)
+    expected = foldline_greedy(Model.load(bundle_factory(name, target="onnx"), device="onnxruntime"), PROMPT, STEPS)
+    assert genai_greedy(directory, PROMPT, STEPS) == expected
+
+
+def test_genai_generates_the_tokens_of_the_iree_bundle(genai_models, bundle_factory):
+    _module, directory = genai_models("llama-tiny")
+    assert genai_greedy(directory, PROMPT, STEPS) == foldline_greedy(Model.load(bundle_factory("llama-tiny")),
+                                                                      PROMPT, STEPS)
+
+
+def test_the_directory_is_one_graph_named_as_genai_names_it(genai_models):
+    """GenAI's input and output names, one graph over one data file, the windowed layers' caches declared
+    to GenAI and attended by GroupQueryAttention over window-sized caches."""
+    _module, directory = genai_models("gemma3-tiny")
+    assert sorted(p.name for p in directory.iterdir()) == ["genai_config.json", "model.onnx", "model.onnx.data"]
+    config = json.loads((directory / "genai_config.json").read_text())
+    decoder = config["model"]["decoder"]
+    local = [0, 1, 2, 3, 4, 6, 7]  # gemma3-tiny: layer 5 is global
+    assert decoder["sliding_window"]["layers"] == local and decoder["sliding_window"]["window_size"] == 16
+    assert config["search"]["past_present_share_buffer"] is True
+    model = onnx.load(directory / "model.onnx", load_external_data=False)
+    caches = [f"past_key_values.{i}.{kv}" for i in range(8) for kv in ("key", "value")]
+    assert [i.name for i in model.graph.input] == ["input_ids", "attention_mask", *caches]
+    assert sorted(o.name for o in model.graph.output) == sorted(
+        ["logits", *(f"present.{i}.{kv}" for i in range(8) for kv in ("key", "value"))])
+    attention = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(attention) == 8
+    windows = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in attention]
+    assert [w["local_window_size"] for w in windows] == [16 if i in local else -1 for i in range(8)]
+    assert [w.get("sliding_window_cache", 0) for w in windows] == [int(i in local) for i in range(8)]
+    assert max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) == 23
+
+
+def test_q8_blocks_stay_matmulnbits(genai_models):
+    _module, directory = genai_models("llama-tiny-q8")
+    ops = {n.op_type for n in onnx.load(directory / "model.onnx", load_external_data=False).graph.node}
+    assert "MatMulNBits" in ops
+    assert "MatMul" not in ops  # no weight multiplied as floats
+
+
+def test_gated_delta_net_is_refused_before_any_work(tmp_path):
+    from foldline.backends.build import BuildOptions, compile_model
+    from foldline.backends.onnx.genai import GenaiExportError
+    from foldline.backends.targets import make_target
+    from foldline.frontend.sources import load_model
+
+    out = tmp_path / "genai"
+    with pytest.raises(GenaiExportError, match="gated delta net"):
+        compile_model(load_model("qwen35-tiny"), out, BuildOptions(targets=[make_target("onnx-genai")]),
+                      progress=lambda _m: None)
+    assert not out.exists()
