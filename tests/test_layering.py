@@ -203,6 +203,7 @@ GENERIC_KEYS = {"name", "model", "cpu", "device", "dtype", "file", "size", "shap
 # (module, key): another document's field that shares a name with one of the manifest's.
 OTHER_DOCUMENTS = {
     ("foldline.frontend.hf_loader", "chat_template"): "HF tokenizer_config.json",
+    ("foldline.backends.onnx.genai", "chat_template"): "the tokenizer_config.json beside a GenAI model",
     ("foldline.runtime.session_file", "format_version"): "the session file's header",
     ("foldline.runtime.session_file", "params_sha256"): "the session file's header (the bundle it belongs to)",
     ("foldline.runtime.session_file", "window_order"): "the session file's header (the module that saved it)",
