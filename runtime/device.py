@@ -29,8 +29,8 @@ from ..contract.manifest import Manifest, ModuleEntry
 from ..contract.vmfb import vmfb_info
 from ..errors import InputError
 from .cpu_select import fallback_notice, missing_flags, select_cpu_module
+from .onnx_device import DEFAULT_PROVIDERS, OnnxContext, open_onnx
 from .onnx_device import DEVICE as ONNX_DEVICE
-from .onnx_device import OnnxContext, open_onnx
 from .waiter import Waiter, inline, wait_nice
 
 # foldline device name -> IREE HAL driver
@@ -511,15 +511,19 @@ def _reflection(module: rt.VmModule, name: str) -> dict[str, str] | None:
 
 
 def open_device(manifest: Manifest, device: str, verify: bool = True, threads: int | None = None,
-                cpu: str | None = None, features: str | Iterable[str] | None = None) -> DeviceContext | OnnxContext:
+                cpu: str | None = None, features: str | Iterable[str] | None = None,
+                ort_providers: Sequence[str] | None = None) -> DeviceContext | OnnxContext:
     """Create the device, load params + module for it; clear errors for what is missing.
 
     threads: CPU worker threads (None: IREE's default, one per physical core; 1: the caller's thread).
     cpu: pin the CPU module compiled for that --cpu name (else the best one this CPU runs,
     runtime/cpu_select.py); features: the CPU flags to assume (cpu_features).
+    ort_providers: the onnxruntime device's execution providers, in order of preference (default: cpu).
     """
     if device not in (*DRIVERS, ONNX_DEVICE):
         raise BundleError(f"unknown device {device!r}; expected one of {', '.join((*DRIVERS, ONNX_DEVICE))}")
+    if ort_providers is not None and device != ONNX_DEVICE:
+        raise InputError(f"ONNX Runtime providers apply to the {ONNX_DEVICE} device, not {device!r}")
     if device not in manifest.devices():
         raise BundleError(
             f"bundle {manifest.root} has no module for device {device!r} (it has: {', '.join(manifest.devices())}); "
@@ -528,7 +532,7 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
     if (cpu is not None or features is not None) and device != "cpu":
         raise InputError(f"cpu and cpu_features apply to the cpu device, not {device!r}")
     if device == ONNX_DEVICE:
-        return open_onnx(manifest, verify, threads)
+        return open_onnx(manifest, verify, threads, DEFAULT_PROVIDERS if ort_providers is None else ort_providers)
     nice = wait_nice()  # a bad $FOLDLINE_WAIT_NICE is refused before any file is read
     have = cpu_features(features) if device == "cpu" else None
     try:

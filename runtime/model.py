@@ -46,7 +46,7 @@ class Model(ClosedOnExit):
     @classmethod
     def load(cls, bundle_dir: str | Path, device: str = "cpu", verify: bool = True,
              threads: int | None = None, cpu: str | None = None,
-             cpu_features: str | Iterable[str] | None = None) -> Model:
+             cpu_features: str | Iterable[str] | None = None, ort_providers: Sequence[str] | None = None) -> Model:
         """Open a bundle on `device`.
 
         threads: CPU worker threads (None: IREE's default, one per physical core;
@@ -56,9 +56,12 @@ class Model(ClosedOnExit):
         one compiled for this --cpu name; by default the best one this CPU runs.
         cpu_features: the CPU flags to assume instead of this CPU's (cpuinfo spelling, a subset
         of them; default: $FOLDLINE_CPU_FEATURES, else the CPU's own).
+        ort_providers: on the onnxruntime device, ONNX Runtime's execution providers in order of preference
+        (`["cuda", "cpu"]`; default: cpu).
         """
         manifest = Manifest.load(bundle_dir)
-        ctx = open_device(manifest, device, verify=verify, threads=threads, cpu=cpu, features=cpu_features)
+        ctx = open_device(manifest, device, verify=verify, threads=threads, cpu=cpu, features=cpu_features,
+                          ort_providers=ort_providers)
         return cls(manifest, ctx)
 
     @property

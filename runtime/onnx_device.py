@@ -24,8 +24,11 @@ import numpy as np
 from ..contract.entry_points import DYNAMIC, INPLACE_STATE_KEY, NEXT_SUFFIX
 from ..contract.errors import BundleError
 from ..contract.manifest import Manifest
+from ..errors import InputError
 
 DEVICE = "onnxruntime"
+PROVIDER_SUFFIX = "ExecutionProvider"  # CUDAExecutionProvider: the short name is "cuda"
+DEFAULT_PROVIDERS = ("cpu",)
 # ONNX Runtime's type names of the dtypes a bundle's inputs use.
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int8)": "int8", "tensor(int64)": "int64"}
 
@@ -147,12 +150,42 @@ def _check_inputs(manifest: Manifest, fn: str, session: Any, want: list[tuple[li
                               f"says {dtype}{shape}: graph and manifest are from different builds")
 
 
-def open_onnx(manifest: Manifest, verify: bool = True, threads: int | None = None) -> OnnxContext:
-    """ONNX Runtime sessions for every function of the bundle's ONNX module."""
+def short_provider_name(provider: str) -> str:
+    """ONNX Runtime's provider name as the command line spells it: CUDAExecutionProvider -> cuda."""
+    return provider.removesuffix(PROVIDER_SUFFIX).lower()
+
+
+def execution_providers(names: Sequence[str], known: Sequence[str], available: Sequence[str]) -> list[str]:
+    """ONNX Runtime's names of the providers asked for, in order of preference (`cuda`, `cpu`, or the full
+    `CUDAExecutionProvider`); InputError for a name ONNX Runtime does not know, or one this build lacks.
+
+    known: every provider ONNX Runtime names (get_all_providers); available: those this build has."""
+    by_name = {short_provider_name(p): p for p in known} | {p.lower(): p for p in known}
+    have = ", ".join(short_provider_name(p) for p in available)
+    resolved = []
+    for name in names:
+        provider = by_name.get(name.strip().lower())
+        if provider is None:
+            raise InputError(f"unknown ONNX Runtime provider {name!r}; this onnxruntime has: {have} "
+                             f"(ONNX Runtime knows: {', '.join(sorted(short_provider_name(p) for p in known))})")
+        if provider not in available:
+            raise InputError(f"ONNX Runtime provider {name!r} ({provider}) is not in this onnxruntime build, which "
+                             f"has: {have} (a GPU provider needs its own package, e.g. onnxruntime-gpu for cuda)")
+        resolved.append(provider)
+    if not resolved:
+        raise InputError("no ONNX Runtime provider given; e.g. cpu, or cuda,cpu")
+    return resolved
+
+
+def open_onnx(manifest: Manifest, verify: bool = True, threads: int | None = None,
+              providers: Sequence[str] = DEFAULT_PROVIDERS) -> OnnxContext:
+    """ONNX Runtime sessions for every function of the bundle's ONNX module, on `providers` (short or full
+    names, in order of preference; each node runs on the first that takes it)."""
     try:
         import onnxruntime as ort
     except ImportError:
         raise BundleError("the onnxruntime device needs ONNX Runtime: pip install 'foldline[onnx]'") from None
+    chosen = execution_providers(providers, ort.get_all_providers(), ort.get_available_providers())
     if DEVICE not in manifest.modules:
         raise BundleError(f"bundle {manifest.root} has no ONNX module (it has: {', '.join(manifest.devices())}); "
                           "recompile with --target onnx")
@@ -174,7 +207,7 @@ def open_onnx(manifest: Manifest, verify: bool = True, threads: int | None = Non
         if fn not in wanted:
             raise BundleError(f"the ONNX module has a graph for {fn!r}, which the manifest does not imply")
         try:
-            session = ort.InferenceSession(str(manifest.root / part.file), options, providers=["CPUExecutionProvider"])
+            session = ort.InferenceSession(str(manifest.root / part.file), options, providers=chosen)
         except Exception as e:
             raise BundleError(f"ONNX Runtime could not load {manifest.root / part.file}: {e}") from e
         _check_inputs(manifest, fn, session, wanted[fn])

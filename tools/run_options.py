@@ -19,6 +19,9 @@ def add_load_options(p: argparse.ArgumentParser) -> None:
                         "(default: the best one this CPU runs)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the bundle's hash check at load (default: check)")
+    p.add_argument("--ort-provider", default=None, metavar="LIST",
+                   help="with --device onnxruntime: ONNX Runtime's execution providers, comma-separated in order "
+                        "of preference, e.g. cuda,cpu (default: cpu)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser, max_new_tokens: int, what: str) -> None:
@@ -45,7 +48,9 @@ def make_sampler(args: argparse.Namespace):
 def load_model(args: argparse.Namespace):
     from ..runtime import Model
 
-    return Model.load(args.bundle, device=args.device, verify=not args.no_verify, threads=args.threads, cpu=args.cpu)
+    providers = None if args.ort_provider is None else [p for p in args.ort_provider.split(",") if p.strip()]
+    return Model.load(args.bundle, device=args.device, verify=not args.no_verify, threads=args.threads, cpu=args.cpu,
+                      ort_providers=providers)
 
 
 def check_output_file(path: str | None, option: str = "--session") -> None:
