@@ -260,7 +260,8 @@ def make_target(name: str, cpu: str = "host", triple: str | None = None,
         return Target(ONNX_DEVICE, [], "ONNX for ONNX Runtime (backends/onnx/export.py)")
     if name == GENAI_TARGET:
         return Target(ONNX_DEVICE, [], "ONNX Runtime GenAI model (backends/onnx/genai.py)", genai=True)
-    raise TargetError(f"unknown target {name!r}; expected cpu, vulkan, cuda, onnx or {GENAI_TARGET}")
+    raise TargetError(f"unknown target {name!r}; expected cpu, vulkan, cuda or onnx, or {GENAI_TARGET} for an ONNX "
+                      "Runtime GenAI model")
 
 
 def make_targets(name: str, cpu: str = "host", triple: str | None = None,
