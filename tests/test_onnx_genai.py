@@ -134,11 +134,22 @@ def test_the_directory_is_one_graph_named_as_genai_names_it(genai_models):
     assert max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) == 23
 
 
-def test_q8_blocks_stay_matmulnbits(genai_models):
+def test_q8_blocks_stay_matmulnbits_and_the_tied_table_is_read_from_the_heads(genai_models):
+    """Products as MatMulNBits; the embedding tied to the q8 head one GatherBlockQuantized over the head's
+    blocks (no copy of the table), 8 bits in groups of 32."""
     _module, directory = genai_models("llama-tiny-q8")
-    ops = {n.op_type for n in onnx.load(directory / "model.onnx", load_external_data=False).graph.node}
+    graph = onnx.load(directory / "model.onnx", load_external_data=False).graph
+    ops = {n.op_type for n in graph.node}
     assert "MatMulNBits" in ops
     assert "MatMul" not in ops  # no weight multiplied as floats
+    lookup, = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in lookup.attribute}
+    assert (attrs["bits"], attrs["block_size"], attrs["gather_axis"], attrs["quantize_axis"]) == (8, 32, 0, 1)
+    assert lookup.input[1] == "input_ids"
+    head = next(n for n in graph.node if n.op_type == "MatMulNBits" and "embed_tokens" in n.input[1])
+    reshape = next(n for n in graph.node if lookup.input[0] in n.output)
+    assert reshape.op_type == "Reshape" and reshape.input[0] == head.input[1]
+    assert not any("embed_tokens" in t.name and t.data_type == onnx.TensorProto.INT8 for t in graph.initializer)
 
 
 def test_gated_delta_net_is_refused_before_any_work(tmp_path):

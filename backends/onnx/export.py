@@ -40,7 +40,7 @@ from ...contract.state import StateBuffer
 from ...errors import FoldlineError
 from ...frontend import quant  # noqa: F401  (registers foldline::qlinear's decomposition)
 from ...frontend.op_registry import DECOMPOSITIONS
-from ...frontend.quant import QLINEAR
+from ...frontend.quant import QEMBEDDING, QLINEAR
 from ...passes.manager import CompileUnit, TargetPasses
 from ..lowering import KEPT_OPS, Lowering
 from ..targets import ONNX_DEVICE
@@ -55,7 +55,13 @@ from .gqa import (
 )
 from .gqa import translation as gqa_translation
 from .graph_rewrites import run_graph_rewrites
-from .nbits import NBITS_GRAPH_REWRITE, fits, placeholder_translation
+from .nbits import (
+    NBITS_GRAPH_REWRITE,
+    embedding_fits,
+    embedding_translation,
+    fits,
+    placeholder_translation,
+)
 from .norms import NORMS_GRAPH_REWRITE
 
 DATA_FILE = "model.onnx.data"
@@ -98,6 +104,11 @@ def _keeps_product(_name: str, node) -> bool:
     return node.target == QLINEAR and fits(node)
 
 
+def _keeps_product_and_lookup(name: str, node) -> bool:
+    """_keeps_product, and the q8 embedding lookups GatherBlockQuantized takes (nbits.embedding_fits)."""
+    return _keeps_product(name, node) or (node.target == QEMBEDDING and embedding_fits(node))
+
+
 def _with_fused_attention(gqa: TargetPasses, function: str, program: ExportedProgram) -> ExportedProgram:
     """A one-row program through the onnx-gqa pass: its caches' writes and attention as
     foldline::gqa_attention (the rings' too, with window caches: then none may be left, since the graphs
@@ -111,17 +122,17 @@ def _with_fused_attention(gqa: TargetPasses, function: str, program: ExportedPro
     return program
 
 
-def _functional(program: ExportedProgram, n_state: int) -> ExportedProgram:
+def _functional(program: ExportedProgram, n_state: int, lookups: bool = False) -> ExportedProgram:
     """The program in core aten, its state updates as outputs: (next state..., logits).
 
     An exported entry point writes its state buffers in place (input mutations);
     ONNX has no in-place update, so each mutation becomes an output, in the
-    order of the state inputs.
+    order of the state inputs. lookups: q8 embedding lookups are kept too (GatherBlockQuantized).
     """
-    program = _lowering().program("", program, keep=_keeps_product)
+    program = _lowering().program("", program, keep=_keeps_product_and_lookup if lookups else _keeps_product)
     left = sorted({str(n.target) for n in program.graph.nodes
                    if n.op == "call_function" and str(n.target).startswith("foldline.")
-                   and n.target not in (QLINEAR, GQA_ATTENTION, GQA_ROPE_ATTENTION)})
+                   and n.target not in (QLINEAR, QEMBEDDING, GQA_ATTENTION, GQA_ROPE_ATTENTION)})
     if left:
         raise OnnxExportError(f"no decomposition for {', '.join(left)}: ONNX has no form of these ops")
     sig = program.graph_signature
@@ -136,14 +147,17 @@ def _functional(program: ExportedProgram, n_state: int) -> ExportedProgram:
 
 
 def export_function(program: ExportedProgram, function: str, rows: int, state: list[StateBuffer],
-                    activations: str = "f32", steps: tuple[str, ...] | None = None) -> onnx.ModelProto:
+                    activations: str = "f32", steps: tuple[str, ...] | None = None,
+                    gather_block_quantized: bool = False) -> onnx.ModelProto:
     """One function as an ONNX model, its inputs and outputs named as the module's contract names them.
 
     program: after the target passes (a one-row program's attention as GroupQueryAttention's op).
     activations: what MatMulNBits multiplies the codes by, "int8" (per block, ONNX Runtime's accuracy
     level 4) or "f32". steps: the step inputs' names (default: the entry point's, step_inputs).
+    gather_block_quantized: q8 embedding lookups as ONNX Runtime's GatherBlockQuantized (nbits.py).
     """
-    functional = _functional(program, len(state))
+    functional = _functional(program, len(state), gather_block_quantized)
+    lookups = {QEMBEDDING: embedding_translation()} if gather_block_quantized else {}
     inputs = [*(steps if steps is not None else step_inputs(function, rows)), *(s.name for s in state)]
     outputs = [*(s.name + NEXT_SUFFIX for s in state), "logits"]
     # The exporter logs a line per torchvision op it cannot register and pytree deprecations: noise to a user.
@@ -152,7 +166,7 @@ def export_function(program: ExportedProgram, function: str, rows: int, state: l
         warnings.simplefilter("ignore", FutureWarning)
         exported = torch.onnx.export(functional, dynamo=True, verbose=False, input_names=inputs,
                                      output_names=outputs, optimize=False,
-                                     custom_translation_table={QLINEAR: placeholder_translation(),
+                                     custom_translation_table={QLINEAR: placeholder_translation(), **lookups,
                                                                **gqa_translation()})
     model = exported.model_proto
     run_graph_rewrites(model, GRAPH_REWRITE_ORDER, activations)

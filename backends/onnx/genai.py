@@ -231,7 +231,8 @@ def export_genai(unit: CompileUnit, out: Path, activations: str, tokenizer_json:
     if left:
         raise GenaiExportError(f"{unit.config.name}: attention left as {', '.join(left)}, not GroupQueryAttention: "
                                "GenAI shares each cache between past and present, which only it updates in place")
-    model = export_function(program, name, 1, unit.state_specs, activations, steps=STEP_INPUTS)
+    model = export_function(program, name, 1, unit.state_specs, activations, steps=STEP_INPUTS,
+                            gather_block_quantized=True)
     windowed = {s.name for s in unit.state_specs if window_caches and s.kind == "local_kv"}
     to_genai_graph(model, unit.state_specs, windowed)
     weights = SharedWeights(out / DATA_FILE)

@@ -19,6 +19,10 @@ one).
 
 An embedding table tied to a q8 head is held once: the lookup gathers its rows
 from the head's blocks (u = q + 128) and takes the 128 off the gathered rows.
+Where the export keeps a q8 lookup as a `foldline.QEmbedding` placeholder
+(`--target onnx-genai`), it becomes one `com.microsoft.GatherBlockQuantized`
+over the same blocks and scales (8 bits, its default zero point 128), the head's
+when the table is tied to it.
 """
 
 from __future__ import annotations
@@ -61,6 +65,43 @@ def register_placeholder() -> None:
         attributes=[OpSchema.Attribute("fmt", OpSchema.AttrType.STRING, ""),
                     OpSchema.Attribute("group", OpSchema.AttrType.INT, "")],
     ))
+
+
+def register_embedding_placeholder() -> None:
+    """Register `foldline.QEmbedding` (codes, scales, ids) -> rows with attributes fmt and group, once."""
+    if onnx.defs.has("QEmbedding", PLACEHOLDER_DOMAIN):
+        return
+    param = OpSchema.FormalParameter
+    onnx.defs.register_schema(OpSchema(
+        "QEmbedding", PLACEHOLDER_DOMAIN, 1,
+        inputs=[param("codes", "C"), param("scales", "S"), param("ids", "I")],
+        outputs=[param("rows", "T")],
+        type_constraints=[("T", ["tensor(float)"], ""), ("C", ["tensor(uint8)", "tensor(int8)"], ""),
+                          ("S", ["tensor(float)", "tensor(float16)"], ""), ("I", ["tensor(int64)"], "")],
+        attributes=[OpSchema.Attribute("fmt", OpSchema.AttrType.STRING, ""),
+                    OpSchema.Attribute("group", OpSchema.AttrType.INT, "")],
+    ))
+
+
+def embedding_translation():
+    """The exporter's translation of foldline::qembedding: the placeholder node, rewritten after export."""
+    import onnxscript
+
+    register_embedding_placeholder()
+    ops = onnxscript.values.Opset(PLACEHOLDER_DOMAIN, 1)
+
+    def qembedding(codes, scales, mins, ids, fmt: str = "q8", group: int = 32):
+        return ops.QEmbedding(codes, scales, ids, fmt=fmt, group=group)
+
+    return qembedding
+
+
+def embedding_fits(node: Node) -> bool:
+    """Whether a foldline::qembedding node becomes GatherBlockQuantized: q8 blocks without mins that are
+    program inputs, in a group it takes (a power of two >= 16)."""
+    codes, scales, mins, _ids, fmt, group = node.args
+    weights_are_inputs = all(isinstance(a, Node) and a.op == "placeholder" for a in (codes, scales))
+    return fmt == "q8" and mins is None and weights_are_inputs and group >= 16 and group & (group - 1) == 0
 
 
 def placeholder_translation():
@@ -169,6 +210,32 @@ class _Rewrite:
         ]
         return out
 
+    def gather_nodes_for(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+        """A q8 lookup as GatherBlockQuantized: the head's MatMulNBits blocks and scales reshaped to [N, K] and
+        [N, K / group] where the table is tied to a q8 head (held once), else its own codes + 128."""
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        group = attrs["group"]
+        codes_name, scales_name, ids = node.input
+        base = node.output[0]
+        out = []
+        head_scales = f"{scales_name}.nbits"
+        if codes_name in self.q8_blocks and any(t.name == head_scales for t in self.new_inits):
+            blocks, n, k = self.q8_blocks[codes_name]
+            rows, row_scales = f"{codes_name}.from_blocks", f"{scales_name}.from_blocks"
+            out += [helper.make_node("Reshape", [blocks, self.constant(f"{rows}.shape", np.array([n, k], np.int64))],
+                                     [rows], name=rows),
+                    helper.make_node("Reshape", [head_scales,
+                                                 self.constant(f"{row_scales}.shape", np.array([n, k // group], np.int64))],
+                                     [row_scales], name=row_scales)]
+        else:
+            codes = self.array(codes_name, "codes")
+            scales = self.array(scales_name, "scales").astype(np.float32)
+            rows = self.constant(f"{codes_name}.u8", (codes.astype(np.int16) + DEFAULT_ZERO["q8"]).astype(np.uint8))
+            row_scales = self.constant(f"{scales_name}.f32", scales.reshape(codes.shape[0], -1))
+        out.append(helper.make_node("GatherBlockQuantized", [rows, ids, row_scales], [base], name=base,
+                                    domain=ORT_DOMAIN, gather_axis=0, quantize_axis=1, block_size=group, bits=8))
+        return out
+
 
 # Ops that move a table's elements without reading their values: the embedding lookup's path from the
 # codes to the Cast that widens the gathered rows (the decomposition of foldline::qembedding).
@@ -242,11 +309,16 @@ def to_matmul_nbits(model: onnx.ModelProto, accuracy_level: int) -> int:
     nodes: list[onnx.NodeProto] = []
     count = 0
     for node in model.graph.node:
-        if node.domain == PLACEHOLDER_DOMAIN:
+        if node.domain == PLACEHOLDER_DOMAIN and node.op_type == "QLinear":
             nodes += rewrite.nodes_for(node)
             count += 1
         else:
             nodes.append(node)
+    lookups = [n for n in nodes if n.domain == PLACEHOLDER_DOMAIN and n.op_type == "QEmbedding"]
+    for node in lookups:  # after the products: a table tied to a head reads the head's blocks
+        at = nodes.index(node)
+        nodes[at:at + 1] = rewrite.gather_nodes_for(node)
+    count += len(lookups)
     if not count:
         return 0
     nodes = _read_tied_tables_from_blocks(model, nodes, rewrite)
