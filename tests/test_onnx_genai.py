@@ -163,3 +163,18 @@ def test_gated_delta_net_is_refused_before_any_work(tmp_path):
         compile_model(load_model("qwen35-tiny"), out, BuildOptions(targets=[make_target("onnx-genai")]),
                       progress=lambda _m: None)
     assert not out.exists()
+
+
+def test_what_genai_cannot_hold_is_refused_in_one_line():
+    from dataclasses import replace
+
+    from foldline.backends.onnx.genai import refusal
+    from foldline.frontend.arch import PRESETS
+
+    llama = PRESETS["llama-tiny"]()
+    assert refusal(llama, 1, 1, "float32") is None
+    assert "interleaved" in refusal(replace(llama, kv_mapping="interleaved"), 1, 1, "float32")
+    assert "rotates 8 of 16" in refusal(replace(llama, rotary_dim_global=8), 1, 1, "float32")
+    assert "--batch 2" in refusal(llama, 2, 1, "float32")
+    assert "--devices 2" in refusal(llama, 1, 2, "float32")
+    assert "bfloat16" in refusal(llama, 1, 1, "bfloat16")

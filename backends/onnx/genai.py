@@ -190,7 +190,7 @@ def genai_config(cfg: ModelConfig, windowed_layers: list[int]) -> dict:
             "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
             "max_length": cfg.max_context, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
             "num_return_sequences": 1, "past_present_share_buffer": True, "repetition_penalty": 1.0,
-            "temperature": 1.0, "top_k": 1, "top_p": 1.0,
+            "temperature": 1.0, "top_k": 50, "top_p": 1.0,
         },
     }
 
