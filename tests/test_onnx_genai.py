@@ -121,6 +121,7 @@ def test_the_directory_is_one_graph_named_as_genai_names_it(genai_models):
     local = [0, 1, 2, 3, 4, 6, 7]  # gemma3-tiny: layer 5 is global
     assert decoder["sliding_window"]["layers"] == local and decoder["sliding_window"]["window_size"] == 16
     assert config["search"]["past_present_share_buffer"] is True
+    assert "bos_token_id" not in config["model"] and config["model"]["eos_token_id"] == []  # the preset has neither
     model = onnx.load(directory / "model.onnx", load_external_data=False)
     caches = [f"past_key_values.{i}.{kv}" for i in range(8) for kv in ("key", "value")]
     assert [i.name for i in model.graph.input] == ["input_ids", "attention_mask", *caches]

@@ -158,7 +158,8 @@ def to_genai_graph(model: onnx.ModelProto, state: list[StateBuffer], windowed: s
 
 
 def genai_config(cfg: ModelConfig, windowed_layers: list[int]) -> dict:
-    """genai_config.json, with the fields GenAI's model builder writes for a decoder over GroupQueryAttention."""
+    """genai_config.json, with the fields GenAI's model builder writes for a decoder over GroupQueryAttention
+    (bos_token_id only where the model has one)."""
     eos = list(cfg.eos_token_ids)
     decoder = {
         "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
@@ -176,9 +177,8 @@ def genai_config(cfg: ModelConfig, windowed_layers: list[int]) -> dict:
     if windowed_layers:
         decoder["sliding_window"] = {"window_size": cfg.sliding_window, "slide_key_value_cache": False,
                                      "slide_inputs": False, "layers": windowed_layers, "cache_slack": 0}
-    return {
+    config = {
         "model": {
-            "bos_token_id": cfg.bos_token_id if cfg.bos_token_id is not None else -1,
             "context_length": cfg.max_context,
             "decoder": decoder,
             "eos_token_id": eos[0] if len(eos) == 1 else eos,  # none (a preset): generation runs to max_length
@@ -193,6 +193,9 @@ def genai_config(cfg: ModelConfig, windowed_layers: list[int]) -> dict:
             "temperature": 1.0, "top_k": 50, "top_p": 1.0,
         },
     }
+    if cfg.bos_token_id is not None:  # GenAI's tokenizer adds none here: the caller prepends it
+        config["model"]["bos_token_id"] = cfg.bos_token_id
+    return config
 
 
 def tokenizer_config(tokenizer_json: str, cfg: ModelConfig, chat_template: str | None) -> dict:
