@@ -46,6 +46,7 @@ from .iree.importer import import_programs
 from .iree.inplace_state import ElideReport, elide_aliases_in
 from .iree.input_ir import module_text
 from .iree.multi_device import device_scope, multi_device_flags, parameters_by_device, place_module
+from .iree.online_attention import expand_online_attention
 from .lowering import Lowering
 from .options import BuildOptions, Progress, build_cache_key, check_devices, from_cache, row_counts
 from .policy import (
@@ -314,6 +315,7 @@ def _compile_targets(targets: list[Target], activations: list[str], imported: di
         fused = count_fused_attention(target_mlir)
         if fused:
             sites[FUSED_SITE] = fused
+            target_mlir, _merged = expand_online_attention(target_mlir)
         if placement is not None:
             target_mlir, _moves = place_module(target_mlir, placement)
         vmfb, inplace = compile_torch_module(target_mlir, module_flags(target))
