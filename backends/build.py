@@ -61,8 +61,11 @@ from .stage_clock import StageClock
 from .targets import ONNX_DEVICE, Target, TargetError
 
 
-def compile_torch_module(mlir: str, flags: list[str]) -> tuple[bytes, ElideReport]:
-    """torch-dialect MLIR -> vmfb, in two steps so in-place cache updates stay in place (inplace_state)."""
+def compile_torch_module(mlir: str, flags: list[str], stop_at: str | None = None) -> tuple[bytes, ElideReport]:
+    """torch-dialect MLIR -> vmfb, in two steps so in-place cache updates stay in place (inplace_state).
+
+    stop_at: an iree-compile phase (`stream`, ...) whose IR is returned instead of the vmfb, to read
+    what the module allocates (tests/test_fused_attention_memory.py)."""
     converted = ireec.compile_str(mlir, input_type="torch", extra_args=[*flags, "--compile-to=input"])
     text = converted.decode() if isinstance(converted, bytes) else converted
     inputs_of = torch_inputs(mlir)
@@ -71,7 +74,24 @@ def compile_torch_module(mlir: str, flags: list[str]) -> tuple[bytes, ElideRepor
         report = elide_aliases_in(module)
         declare_signatures(module, inputs_of)  # the runtime compares them with the manifest
         edited = module_text(module)
-    return ireec.compile_str(edited, extra_args=[*flags, "--compile-from=input"]), report
+    stop = [f"--compile-to={stop_at}"] if stop_at is not None else []
+    return ireec.compile_str(edited, extra_args=[*flags, "--compile-from=input", *stop]), report
+
+
+def expand_kernels(mlir: str, target: Target, activations: str) -> tuple[str, Int8Kernels, Counter[str]]:
+    """An imported module with the target's kernels in place (quantized products, CPU decode attention,
+    the fused form's online attention): what iree-compile is given; the int8 kernels and the sites of each."""
+    cpu = target.device == "cpu"
+    int8, float_isa = target_kernels(target, activations)
+    target_mlir, sites = expand_qlinear_ops(mlir, cpu_tiles=cpu, int8=int8, float_isa=float_isa)
+    if cpu:
+        target_mlir, decode_attention = expand_decode_attention_ops(target_mlir, float_isa)
+        sites += decode_attention
+    fused = count_fused_attention(target_mlir)
+    if fused:
+        sites[FUSED_SITE] = fused
+        target_mlir, _merged = expand_online_attention(target_mlir)
+    return target_mlir, int8, sites
 
 
 def entry_point_variants(options: BuildOptions) -> list[tuple[str, str, int]]:
@@ -305,17 +325,7 @@ def _compile_targets(targets: list[Target], activations: list[str], imported: di
     def build(job: tuple[Target, str, tuple[str, str]]) -> tuple[Int8Kernels, Counter[str], bytes, ElideReport, float]:
         target, acts, _ = job
         t1 = time.time()
-        cpu = target.device == "cpu"
-        int8, float_isa = target_kernels(target, acts)
-        target_mlir, sites = expand_qlinear_ops(imported[import_kind(target, attention)][0], cpu_tiles=cpu,
-                                                int8=int8, float_isa=float_isa)
-        if cpu:
-            target_mlir, decode_attention = expand_decode_attention_ops(target_mlir, float_isa)
-            sites += decode_attention
-        fused = count_fused_attention(target_mlir)
-        if fused:
-            sites[FUSED_SITE] = fused
-            target_mlir, _merged = expand_online_attention(target_mlir)
+        target_mlir, int8, sites = expand_kernels(imported[import_kind(target, attention)][0], target, acts)
         if placement is not None:
             target_mlir, _moves = place_module(target_mlir, placement)
         vmfb, inplace = compile_torch_module(target_mlir, module_flags(target))

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
+from ..contract.entry_points import kv_tile_size
 from ..contract.state import SEQ_DIM, StateBuffer
 from ..contract.tensor_split import deal_counts
 from ..dtypes import itemsize
@@ -57,6 +58,9 @@ from .state_layout import plan_state
 SCHEMES = ("tensor", "pipeline")
 # The prefill chunk `foldline plan` sizes scratch for.
 CHUNK = 64
+# The tiles the fused form attends with the causal mask (backends/iree/fused_attention.TAIL_TILES;
+# tests/test_fused_attention_memory.py checks they agree).
+FUSED_TAIL_TILES = 2
 # The device counts the smallest-fit search tries: the usual tensor-parallel group sizes.
 SEARCH_DEVICES = (1, 2, 4, 8, 16, 32, 64)
 LOGIT_BYTES = 4  # the runtime returns float32 logits
@@ -298,6 +302,13 @@ def _split_state(cfg: ModelConfig, spec: StateBuffer, s: Splits) -> tuple[int, .
 # ---- scratch --------------------------------------------------------------------------------------
 
 
+def fused_splits_at_a_tile(batch: int, chunk: int, slots: int) -> bool:
+    """Whether the fused form attends a chunk as a prefix and two tiles (backends/iree/fused_attention.py,
+    `_splits_at_a_tile`): one row, a chunk of at most one tile, a cache of several tiles."""
+    tile = kv_tile_size(slots)
+    return batch == 1 and chunk <= tile and slots // tile >= FUSED_TAIL_TILES
+
+
 def attention_scratch_bytes(cfg: ModelConfig, batch: int, length: int, chunk: int, heads: int | None = None,
                             fused: bool = False) -> int:
     """The float32 intermediates of one chunk's attention over `length` slots. `heads`: the query heads
@@ -305,14 +316,21 @@ def attention_scratch_bytes(cfg: ModelConfig, batch: int, length: int, chunk: in
 
     Decomposed (ops._attend), the largest scratch that grows with the context: scores
     [heads, chunk, length] and K, V read per query head [heads, length, head_dim].
-    Fused (backends/iree/fused_attention.py, `--attention fused`): the online softmax's
-    accumulator, running maximum and sum [heads, chunk, head_dim + 2], whatever the
-    length; the scores exist one key tile at a time inside the dispatch.
+    Fused (backends/iree/fused_attention.py, `--attention fused`), one row: the keys before the
+    chunk's last two tiles take IREE's online attention, whose scratch is a tile of keys per
+    workgroup; the two tiles take a softmax of their own, whose scores and weights [heads, chunk,
+    2 tiles] and K and V widened to f32 [kv_heads, 2 tiles, head_dim] are the scratch, whatever the
+    length. Batched rows keep one attention over every key read with an additive mask
+    [heads, chunk, length].
     """
     heads = cfg.num_heads if heads is None else heads
-    if fused:
-        return 4 * batch * heads * chunk * (cfg.head_dim + 2)
-    return 4 * batch * heads * length * (chunk + 2 * cfg.head_dim)
+    if not fused:
+        return 4 * batch * heads * length * (chunk + 2 * cfg.head_dim)
+    if fused_splits_at_a_tile(batch, chunk, length):
+        keys = FUSED_TAIL_TILES * kv_tile_size(length)
+        kv_heads = max(1, heads * cfg.num_kv_heads // cfg.num_heads)
+        return 4 * (2 * heads * chunk * keys + 2 * kv_heads * keys * cfg.head_dim)
+    return 4 * batch * heads * chunk * length
 
 
 def mlp_scratch_bytes(cfg: ModelConfig, batch: int, chunk: int, features: int | None = None) -> int:

@@ -168,18 +168,25 @@ def test_smallest_fit_flips_at_the_largest_device(capsys):
 
 
 def test_fused_attention_scratch_does_not_grow_with_the_context(capsys):
-    """The fused form's scratch is the online softmax's state per query head and chunk row: the same at
-    4096 positions and at 1 Mi, split with the heads, and `plan --devices` sizes it so by default."""
+    """The fused form's scratch is the masked two tiles' softmax per query head and chunk row: the same at
+    4096 positions and at 1 Mi, split with the heads; `plan --devices` sizes it so for CUDA, whose form it
+    is by default, and sizes the decomposed form for the CPU, whose default that is."""
     cfg = get_preset("ripple-65b")
     short, long = (shard_plan(cfg, 8, 1, n, fused_attention=True) for n in (4096, MI))
-    per_device = 4 * 10 * 64 * (cfg.head_dim + 2)  # 10 query heads a device, chunk 64
+    # 10 query heads and 1 KV head a device, chunk 64, two tiles of 64 keys
+    per_device = 4 * (2 * 10 * 64 * 128 + 2 * 1 * 128 * cfg.head_dim)
     assert all(d.attention_scratch == per_device for d in short.devices + long.devices)
     assert long.one_device.attention_scratch == 8 * per_device
     decomposed = shard_plan(cfg, 8, 1, MI)
     assert decomposed.devices[0].attention_scratch > 10_000 * per_device
-    assert main(["plan", "ripple-65b", "--devices", "8", "--context", "1048576"]) == 0
+    batched = shard_plan(cfg, 8, 2, MI, fused_attention=True)  # rows apart: the mask over every key
+    assert batched.devices[0].attention_scratch == 4 * 2 * 10 * 64 * MI
+    assert main(["plan", "ripple-65b", "--devices", "8", "--context", "1048576", "--target", "cuda"]) == 0
     table = capsys.readouterr().out
     assert re.search(r"^\s+0\s+15\.09 GiB\s+8\.03 GiB\s+[\d.]+ MiB", table, flags=re.M), table
+    assert main(["plan", "ripple-65b", "--devices", "8", "--context", "1048576"]) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"^\s+0\s+15\.09 GiB\s+8\.03 GiB\s+[\d.]+ GiB", table, flags=re.M), table
 
 
 def test_pipeline_holds_every_layer_once():
@@ -251,7 +258,8 @@ def test_plan_devices_errors(capsys, argv, needle):
 
 def test_docs_show_the_commands_output(capsys):
     """docs/scaling.md's worked example is what the command prints today."""
-    argv = ["plan", "ripple-65b", "--devices", "8", "--context", "1048576", "--device-memory", "80GB"]
+    argv = ["plan", "ripple-65b", "--devices", "8", "--context", "1048576", "--device-memory", "80GB",
+            "--target", "cuda"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     text = (DOCS / "scaling.md").read_text()

@@ -10,8 +10,11 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..dtypes import ALIASES as DTYPES
-from ..passes.shard_plan import SCHEMES, SEARCH_DEVICES, fmt_bytes
+from ..passes.shard_plan import SCHEMES, SEARCH_DEVICES, fmt_bytes, fused_splits_at_a_tile
 from .cli import positive_int, require_extra
+
+# --target -> the device `attention_form` decides for (backends/targets.py's devices)
+PLAN_TARGETS = {"cpu": "cpu", "cuda": "cuda", "vulkan": "vulkan", "onnx": "onnxruntime"}
 
 
 def add_parser(sub) -> None:
@@ -38,16 +41,21 @@ def add_parser(sub) -> None:
     p.add_argument("--weight-bits", type=float, default=None, metavar="B",
                    help="with --devices: bits per weight of the projections and embedding tables "
                         "(4.5 for Q4_0 blocks; default: the compute dtype's)")
-    p.add_argument("--attention", default=None, choices=["fused", "decomposed"],
-                   help="with --devices: size attention's scratch for the fused prefill attention (default: "
-                        "`compile --attention fused`, CUDA's default form, scratch independent of the context) "
-                        "or the decomposed one (scores for the whole length)")
+    p.add_argument("--target", default="cpu", choices=list(PLAN_TARGETS),
+                   help="with --devices: the compile target whose prefill attention form sizes the scratch "
+                        "(default cpu, as compile)")
+    p.add_argument("--attention", default="auto", choices=["auto", "fused", "decomposed"],
+                   help="with --devices: size attention's scratch for the form `compile --attention` gives "
+                        "--target (default auto: the target's own, decomposed on CPU, fused on CUDA), the fused "
+                        "one (one row: scratch independent of the context) or the decomposed one (scores for "
+                        "the whole length)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     # Reading a config goes through the model definitions (frontend/arch), which import torch.
     require_extra("compiler", ("torch", "gguf"))
+    from ..backends.iree.fused_attention import attention_form
     from ..contract.entry_points import kv_tile_size
     from ..frontend.config import ConfigError
     from ..frontend.sources import holds_block_quantized_weights, resolve_config
@@ -66,7 +74,8 @@ def run(args) -> int:
     if args.devices is None:
         given = [flag for flag, value in (("--device-memory", args.device_memory), ("--weight-bits", args.weight_bits),
                                           ("--scheme", None if args.scheme == "tensor" else args.scheme),
-                                          ("--attention", args.attention))
+                                          ("--attention", None if args.attention == "auto" else args.attention),
+                                          ("--target", None if args.target == "cpu" else args.target))
                  if value is not None]
         if given:
             raise ConfigError(f"{', '.join(given)}: only with --devices N (a split over devices)")
@@ -77,7 +86,7 @@ def run(args) -> int:
     except ModuleNotFoundError as e:
         raise ConfigError(f"{cfg.name}: cannot lay out its state ({e})") from e
     shards = None
-    args.attention = args.attention or "fused"
+    args.attention = attention_form(PLAN_TARGETS[args.target], args.attention)
     if args.devices is not None:  # before any output: a plan that cannot be made is one error line
         shards = shard_plan(cfg, args.devices, args.batch, context, args.scheme, args.weight_bits,
                             fused_attention=args.attention == "fused")
@@ -116,10 +125,12 @@ def run(args) -> int:
         print(f"attention reads the positions held, in tiles of {kv_tile_size(context)} slots")
         scratch = attention_scratch_bytes(cfg, args.batch, context, chunk=64)
         fused = attention_scratch_bytes(cfg, args.batch, context, chunk=64, fused=True)
+        fused_formula = ("4 B x heads x chunk x 2 tiles x 2 + 4 B x kv_heads x 2 tiles x head_dim x 2"
+                         if fused_splits_at_a_tile(args.batch, 64, context) else
+                         "batched rows: 4 B x heads x chunk x length, the mask")
         print(f"attention scratch at the full context, chunk 64: {fmt_bytes(scratch)} per call decomposed "
               f"(4 B x heads x length x (chunk + 2 x head_dim); CPU, Vulkan and ONNX by default), "
-              f"{fmt_bytes(fused)} fused (4 B x heads x chunk x (head_dim + 2); CUDA by default, "
-              f"compile --attention fused)")
+              f"{fmt_bytes(fused)} fused ({fused_formula}; CUDA by default, compile --attention fused)")
     return 0
 
 
@@ -132,7 +143,7 @@ def attention_scratch_bytes(cfg, batch: int, length: int, chunk: int, fused: boo
 
 def print_shard_plan(cfg, plan, args, context: int, memory: int | None) -> int:
     """The per-device table of a ShardPlan, the traffic per decode step and the fit in --device-memory."""
-    from ..passes.shard_plan import WeightWidth, parameter_count, smallest_fit
+    from ..passes.shard_plan import CHUNK, WeightWidth, parameter_count, smallest_fit
 
     n, scheme, bits = args.devices, args.scheme, args.weight_bits
     title = "tensor parallel" if scheme == "tensor" else "pipeline by layers"
@@ -156,9 +167,12 @@ def print_shard_plan(cfg, plan, args, context: int, memory: int | None) -> int:
     row("1 dev", one.weights, one.state, one.scratch, one.total)
     print(f"held beyond one device: {fmt_bytes(plan.weight_copies)} of weights ({plan.weight_copies:,} bytes), "
           f"{fmt_bytes(plan.state_copies)} of state ({plan.state_copies:,} bytes)")
-    attention = ("the fused attention's accumulator, maximum and sum (whatever the length)"
-                 if args.attention == "fused" else
-                 "attention's float32 scores and K/V per query head at the longest cache (decomposed)")
+    if args.attention == "decomposed":
+        attention = "attention's float32 scores and K/V per query head at the longest cache (decomposed)"
+    elif fused_splits_at_a_tile(args.batch, CHUNK, context):
+        attention = "the fused attention's masked two tiles: scores, weights, K and V (whatever the length)"
+    else:
+        attention = "the fused attention's additive mask per query head (batched rows: it grows with the length)"
     print(f"scratch: one prefill chunk of 64: {attention}, plus the MLP's gate and up outputs (both counted)")
     print(f"traffic per decode step: {fmt_bytes(plan.traffic.per_device)} sent by the busiest device, "
           f"{fmt_bytes(plan.traffic.total)} in all")
