@@ -1,27 +1,35 @@
-"""Prefill attention as one fused op whose scratch does not grow with the context.
+"""Prefill attention in IREE's own attention op, whose scratch does not grow with the context.
 
 The portable decomposition of `foldline::cache_attention` (frontend/attention_ops.py)
 materialises a chunk's float32 scores against every key it reads,
 `4 B x heads x chunk x length`: 20 GiB for Ripple-65B's 80 heads at 1 Mi
-positions. Here the same attention becomes one `aten.scaled_dot_product_attention`
-per layer, which torch-mlir imports as `tm_tensor.attention` and IREE compiles
-as `iree_linalg_ext.attention`: tiled over the keys with an online softmax
-(flash attention), the f16 cache widening and the mask computed inside the one
-dispatch. What a call keeps beyond its output is a tile of keys per workgroup,
-whatever the length.
+positions. Here the same attention is lowered for IREE's attention op, tiled
+over the keys with an online softmax (flash attention), the f16 cache widening
+inside its dispatch.
 
-The mask is an additive float32 bias of 0 or `MASK_VALUE` rather than a
+One row (`_prefix_and_tail`): the keys before the chunk's last two tiles are
+allowed for every query, so they take `aten.scaled_dot_product_attention` with
+no mask and their log-sum-exp (`foldline::attention_lse`), which
+backends/iree/online_attention.py makes one online-attention pass after the
+import; the two tiles holding the chunk take the causal mask in a small softmax
+of their own, and the parts add as a split softmax does. Nothing made has the
+context's length.
+
+Batched rows sit at positions the host does not pass, so they (and windows
+over full caches) keep one biased attention over every key read: an additive
+float32 bias of 0 or `MASK_VALUE`, `4 B x heads x chunk x length`, since IREE
+3.13 computes no mask inside its attention dispatch. The bias is not a
 boolean: a padded query past the keys read (a sliding-window layer's) has no
 allowed key, and a boolean mask becomes -inf inside IREE's online softmax,
-whose running maximum would then give NaN for that row. The finite bias keeps
-such a row finite, as the decomposed form does.
+whose running maximum would then give NaN for that row.
 
 GQA needs no repeated K/V: the query heads that read one KV head are stacked
 as that head's query rows, [B, Hkv, rep x C, D] against [B, Hkv, L, D].
 
-The lowering makes the op with `fused_decompositions`; the `fused-attention`
-target pass (run by the importer on each lowered entry point) renames it to the
-aten op, so `--dump-after fused-attention` shows the graph as imported.
+The lowering makes the ops with `fused_decompositions`; the `fused-attention`
+target pass (run by the importer on each lowered entry point) renames the
+attention op to the aten op, so `--dump-after fused-attention` shows the graph
+as imported.
 
 Which targets take it is decided per target (`attention_form`): IREE's SPIR-V
 backend cannot compile the attention op, and its CPU backend compiles it one
