@@ -118,3 +118,27 @@ def test_fused_sites_are_counted_in_the_imported_text():
             "%2 = torch.aten.scaled_dot_product_attention %q, %k, %v, %m : ...\n"
             "%3 = torch.aten.softmax.int %x")
     assert count_fused_attention(text) == 2
+
+
+@pytest.mark.usefixtures("torch_one_thread")
+def test_each_one_row_prefix_becomes_one_online_attention(exported_unit):
+    """After the import, each prefill layer's unmasked attention and its log-sum-exp (the same queries and
+    keys) are one call of an online-attention function, whose key length is the symbolic prefix; the
+    batched form keeps its masked attention op and has none."""
+    from foldline.backends.iree.importer import import_programs
+    from foldline.backends.iree.online_attention import expand_online_attention
+    from foldline.passes.manager import TargetPasses
+
+    cfg = get_preset("llama-tiny").replace(max_context=512)
+    for batch, expected in ((1, cfg.num_layers), (2, 0)):
+        unit = copy_unit(exported_unit(cfg, batch=batch, chunk=16))
+        mlir, _params = import_programs(unit.programs.items(), lowering=Lowering(fused_decompositions()),
+                                        target_passes=TargetPasses(unit, [FUSED_ATTENTION_PASS], {}))
+        assert count_fused_attention(mlir) == cfg.num_layers
+        text, merged = expand_online_attention(mlir)
+        assert merged == expected
+        assert "attention_lse" not in text
+        assert text.count("iree_linalg_ext.online_attention") == (1 if expected else 0)  # one function, shared
+        assert count_fused_attention(text) == cfg.num_layers - expected
+        if expected:
+            assert "tensor<1x2x?x16xf32>" in text  # the prefix: T - min(T, 2) tiles of 64 keys
