@@ -333,6 +333,12 @@ def attention_scratch_bytes(cfg: ModelConfig, batch: int, length: int, chunk: in
     return 4 * batch * heads * chunk * length
 
 
+def decode_attention_scratch_bytes(cfg: ModelConfig, batch: int, length: int) -> int:
+    """A decode step's attention scratch on CPU targets: the decode kernel's scores, one float32 row of
+    `length` per query head (kernels/attention.py)."""
+    return 4 * batch * cfg.num_heads * length
+
+
 def mlp_scratch_bytes(cfg: ModelConfig, batch: int, chunk: int, features: int | None = None) -> int:
     """The MLP's largest intermediates: gate and up of one chunk, [batch, chunk, features] each."""
     features = cfg.intermediate_size if features is None else features

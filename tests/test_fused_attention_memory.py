@@ -20,7 +20,12 @@ from foldline.backends.lowering import Lowering
 from foldline.backends.targets import make_target
 from foldline.frontend.arch import get_preset
 from foldline.passes.manager import TargetPasses, run_pipeline
-from foldline.passes.shard_plan import FUSED_TAIL_TILES, attention_scratch_bytes, mlp_scratch_bytes
+from foldline.passes.shard_plan import (
+    FUSED_TAIL_TILES,
+    attention_scratch_bytes,
+    decode_attention_scratch_bytes,
+    mlp_scratch_bytes,
+)
 from foldline.testing.golden import copy_unit
 
 CHUNK = 64  # the chunk `foldline plan` sizes scratch for
@@ -45,11 +50,11 @@ def _stream_program(exported_unit, context: int, fused: bool, target: str) -> st
     return stream.decode() if isinstance(stream, bytes) else stream
 
 
-def prefill_transients(stream: str) -> list[str]:
-    """The sizes of the transient allocations of `prefill`'s stream program: a byte count, or the name
+def prefill_transients(stream: str, function: str = "prefill") -> list[str]:
+    """The sizes of the transient allocations of `function`'s stream program: a byte count, or the name
     of the value that computes it."""
     lines = stream.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("  util.func public @prefill$async("))
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"  util.func public @{function}$async("))
     end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("  util.func"))
     return [m.group(1) for line in lines[start:end] if (m := _TRANSIENT.search(line))]
 
@@ -82,12 +87,18 @@ def test_the_transient_size_is_read_from_a_stream_program():
 def test_fused_prefill_allocates_the_same_at_any_context(target, exported_unit):
     """The fused form's prefill allocates one constant transient block, the same at 8 Ki and 128 Ki
     positions, within 10% of `foldline plan`'s scratch (attention's and the MLP's, chunk 64); compiled
-    for CUDA (sm_80) too, which needs no GPU to reach the stream phase."""
+    for CUDA (sm_80) too, which needs no GPU to reach the stream phase. A CPU decode step's is the decode
+    kernel's scores, as the plan states it, at each context."""
     cfg = get_preset("llama-tiny")
-    short, long = (_bytes(prefill_transients(_stream_program(exported_unit, n, True, target))) for n in CONTEXTS)
+    programs = {n: _stream_program(exported_unit, n, True, target) for n in CONTEXTS}
+    short, long = (_bytes(prefill_transients(programs[n])) for n in CONTEXTS)
     assert short == long
     plan = attention_scratch_bytes(cfg, 1, CONTEXTS[1], CHUNK, fused=True) + mlp_scratch_bytes(cfg, 1, CHUNK)
     assert abs(long - plan) <= 0.1 * long, (long, plan)
+    if target == "cpu":
+        for n, program in programs.items():
+            decode = _bytes(prefill_transients(program, "decode"))
+            assert abs(decode - decode_attention_scratch_bytes(cfg, 1, n)) <= 0.1 * decode, (n, decode)
 
 
 @pytest.mark.slow

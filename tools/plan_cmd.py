@@ -10,7 +10,13 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..dtypes import ALIASES as DTYPES
-from ..passes.shard_plan import SCHEMES, SEARCH_DEVICES, fmt_bytes, fused_splits_at_a_tile
+from ..passes.shard_plan import (
+    SCHEMES,
+    SEARCH_DEVICES,
+    decode_attention_scratch_bytes,
+    fmt_bytes,
+    fused_splits_at_a_tile,
+)
 from .cli import positive_int, require_extra
 
 # --target -> the device `attention_form` decides for (backends/targets.py's devices)
@@ -131,6 +137,8 @@ def run(args) -> int:
         print(f"attention scratch at the full context, chunk 64: {fmt_bytes(scratch)} per call decomposed "
               f"(4 B x heads x length x (chunk + 2 x head_dim); CPU, Vulkan and ONNX by default), "
               f"{fmt_bytes(fused)} fused ({fused_formula}; CUDA by default, compile --attention fused)")
+        print(f"decode attention scratch at the full context: {fmt_bytes(decode_attention_scratch_bytes(cfg, args.batch, context))} "
+              f"per step on CPU targets (the decode kernel's scores, 4 B x heads x length)")
     return 0
 
 
