@@ -25,6 +25,7 @@ import numpy as np
 
 from .child import BenchError, run_script
 from .engines import random_ids
+from .timer import WARMUP_DECODE_STEPS
 
 
 def chat_script(vocab: int, turns: int, user_tokens: int, reply_tokens: int, seed: int) -> list[dict[str, list[int]]]:
@@ -32,6 +33,12 @@ def chat_script(vocab: int, turns: int, user_tokens: int, reply_tokens: int, see
     rng = np.random.default_rng(seed)
     return [{"user": random_ids(rng, vocab, user_tokens), "reply": random_ids(rng, vocab, reply_tokens)}
             for _ in range(turns)]
+
+
+def chat_warmup(vocab: int, user_tokens: int, seed: int) -> list[int]:
+    """What every chat engine is warmed up on: a first turn's worth of ids the chat does not start with (so
+    a prompt cache serves it nothing), then WARMUP_DECODE_STEPS answer tokens."""
+    return random_ids(np.random.default_rng([seed, 1]), vocab, user_tokens + WARMUP_DECODE_STEPS + 1)
 
 
 def check_fits(script: list[dict[str, list[int]]], max_context: int) -> None:
@@ -53,8 +60,8 @@ class _ForcedReply:
         return token
 
 
-def bench_chat_foldline(bundle: str, device: str, script: list[dict[str, list[int]]], prompt_cache: bool,
-                        threads: int | None = None, cpu: str | None = None) -> dict[str, Any]:
+def bench_chat_foldline(bundle: str, device: str, script: list[dict[str, list[int]]], warmup: list[int],
+                        prompt_cache: bool, threads: int | None = None, cpu: str | None = None) -> dict[str, Any]:
     """Runs in the child process: the conversation through the serving scheduler, one turn at a time."""
     from ..runtime import Model
     from ..runtime.scheduler import Request, Scheduler
@@ -64,8 +71,9 @@ def bench_chat_foldline(bundle: str, device: str, script: list[dict[str, list[in
     check_fits(script, model.max_context)
     scheduler = Scheduler(model, prompt_cache=prompt_cache).start()
     try:
-        # warm-up (pages in the weights) on ids the chat does not start with, so its row serves nothing
-        _turn(scheduler, Request, script[0]["reply"][: model.chunk], [1, 1])
+        # the warm-up every chat engine gets (chat_warmup): a prefill, then its decode steps
+        split = len(warmup) - WARMUP_DECODE_STEPS - 1
+        _turn(scheduler, Request, warmup[:split], warmup[split:])
         conversation: list[int] = []
         out = []
         for turn in script:
@@ -76,7 +84,8 @@ def bench_chat_foldline(bundle: str, device: str, script: list[dict[str, list[in
             conversation += turn["reply"]
     finally:
         scheduler.stop()
-    return {"turns": out, "threads": threads or os.cpu_count(), "module": model.module_key}
+    return {"turns": out, "threads": threads or os.cpu_count(), "module": model.module_key,
+            "warmup": {"prefill_tokens": split, "decode_steps": WARMUP_DECODE_STEPS}}
 
 
 def _turn(scheduler, request_cls, prompt: list[int], reply: list[int]) -> tuple[Any, float, float]:
@@ -106,13 +115,16 @@ from importlib.metadata import version
 
 from llama_cpp import Llama
 
-script, threads, reuse = args["script"], args["threads"], args["reuse"]
+script, warmup, threads, reuse = args["script"], args["warmup"], args["threads"], args["reuse"]
 params = inspect.signature(Llama.__init__).parameters
 settings = {k: v for k, v in (("flash_attn", True), ("swa_full", False)) if k in params}
 n_ctx = args["n_ctx"]
 llm = Llama(model_path=args["gguf"], n_ctx=n_ctx, n_batch=min(n_ctx, 512), n_ubatch=min(n_ctx, 512),
             n_threads=threads, n_threads_batch=threads, logits_all=False, verbose=False, **settings)
-llm.eval(script[0]["user"][:16]); llm.eval([script[0]["reply"][0]])  # warm up
+split = len(warmup) - WARMUP_DECODE_STEPS - 1  # the warm-up every chat engine gets: a prefill, its decode steps
+llm.eval(warmup[:split])
+for token in warmup[split:-1]:
+    llm.eval([token])
 llm.reset()
 
 def common_prefix(a, b):
@@ -139,11 +151,12 @@ for turn in script:
                 "first_token_ms": 1e3 * (first - t0), "turn_ms": 1e3 * (end - t0)})
     conversation += turn["reply"]
 print("BENCH " + json.dumps({"turns": out, "threads": threads, "version": version("llama-cpp-python"),
-                             "settings": {**settings, "n_ctx": n_ctx}}))
+                             "settings": {**settings, "n_ctx": n_ctx},
+                             "warmup": {"prefill_tokens": split, "decode_steps": WARMUP_DECODE_STEPS}}))
 '''
 
 
-def bench_chat_llama_cpp(gguf: str, script: list[dict[str, list[int]]], threads: int, n_ctx: int, reuse: bool,
-                         python: str | None = None) -> dict[str, Any]:
-    return run_script(_LLAMA_CPP_CHAT, {"gguf": gguf, "script": script, "threads": threads, "n_ctx": n_ctx,
-                                        "reuse": reuse}, "llama.cpp chat", python, peer=True)
+def bench_chat_llama_cpp(gguf: str, script: list[dict[str, list[int]]], warmup: list[int], threads: int,
+                         n_ctx: int, reuse: bool, python: str | None = None) -> dict[str, Any]:
+    return run_script(_LLAMA_CPP_CHAT, {"gguf": gguf, "script": script, "warmup": warmup, "threads": threads,
+                                        "n_ctx": n_ctx, "reuse": reuse}, "llama.cpp chat", python, peer=True)

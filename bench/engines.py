@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .timer import peak_rss_mib, time_engine
+from .timer import peak_rss, run_engine
 
 
 def random_ids(rng: np.random.Generator, vocab: int, n: int) -> list[int]:
@@ -32,31 +32,34 @@ def bench_compiled(bundle: str, device: str, prompt_len: int, new_tokens: int, s
                        **({"cpu": cpu} if device == "cpu" else {}))
     load_s = time.perf_counter() - t0
     ids = prompt_ids(model.vocab_size, prompt_len, seed)
-    session = model.session()  # first calls allocate and page in the weights
-    session.prefill(ids[: model.chunk])
-    session.decode(ids[0])
-    session.reset()  # the same buffers, zeroed: one session's state at the peak, as an app holds
-    out = time_engine(session.prefill, session.decode, ids, new_tokens)
-    out.update(load_s=load_s, peak_rss_mib=peak_rss_mib(), chunk=model.chunk, max_context=model.max_context,
+    session = model.session()
+    # reset: the same buffers, zeroed: one session's state at the peak, as an app holds
+    out = run_engine(session.prefill, session.decode, session.reset, ids, new_tokens)
+    out.update(load_s=load_s, **peak_rss(), chunk=model.chunk, max_context=model.max_context,
                threads=threads or os.cpu_count(), module=model.module_key)
     return out
 
 
-def bench_eager(spec: str, max_context: int, chunk: int, prompt_len: int, new_tokens: int, seed: int) -> dict[str, Any]:
+def bench_eager(spec: str, max_context: int, chunk: int, prompt_len: int, new_tokens: int, seed: int,
+                threads: int | None = None) -> dict[str, Any]:
     """Runs in the child process: the torch reference module, chunked like the runtime."""
     import torch
 
     from ..frontend.sources import load_model
     from ..testing.parity import EagerRunner
 
+    if threads:
+        torch.set_num_threads(threads)
     t0 = time.perf_counter()
     loaded = load_model(spec, max_context=max_context)
     load_s = time.perf_counter() - t0
     ids = prompt_ids(loaded.config.vocab_size, prompt_len, seed)
-    warm = EagerRunner(loaded.module, chunk)
-    warm.prefill(ids[:chunk])
-    warm.decode(ids[0])
-    runner = EagerRunner(loaded.module, chunk)
-    out = time_engine(runner.prefill, runner.decode, ids, new_tokens)
-    out.update(load_s=load_s, peak_rss_mib=peak_rss_mib(), threads=torch.get_num_threads())
+    runner: list[EagerRunner | None] = [EagerRunner(loaded.module, chunk)]
+
+    def fresh() -> None:
+        runner[0] = None  # the warm-up's state freed before the next is made: one state at the peak
+        runner[0] = EagerRunner(loaded.module, chunk)
+
+    out = run_engine(lambda t: runner[0].prefill(t), lambda t: runner[0].decode(t), fresh, ids, new_tokens)
+    out.update(load_s=load_s, **peak_rss(), threads=torch.get_num_threads())
     return out

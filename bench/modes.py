@@ -1,40 +1,47 @@
 """The kinds of `foldline bench` run, one function each; the CLI (tools/bench_cmd.py) parses and calls them.
 
-- throughput: prefill and decode of one prompt, foldline beside its peers, in
-  alternating rounds (on a shared host one 128-token decode moves between runs
-  of the same engine by enough that a single pair of runs can rank two engines
-  either way, docs/history.md; alternating rounds meet the same host load);
-- held: decode speed with N tokens already held;
+- throughput: prefill and decode of a prompt (of each length asked), foldline
+  beside its peers, at each thread count asked, in rounds of shuffled order
+  (bench/rounds.py: on a shared host one 128-token decode moves between runs
+  of the same engine by enough that a single pair of runs can rank two
+  engines either way, docs/history.md);
+- held: decode speed with N tokens already held, the same rounds;
 - streams: aggregate decode of N concurrent streams through the scheduler;
-- chat: a multi-turn chat, with the prompt cache on and off.
+- chat: a multi-turn chat, with the prompt cache on and off, in rounds.
+
+Every mode first reads the host's load (bench/host.py) and refuses a busy
+host unless `--busy-ok`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
 from ..contract.manifest import Manifest
-from .chat import bench_chat_llama_cpp, chat_script, check_fits
-from .child import BenchError, PeerUnavailable, run_foldline
+from .chat import bench_chat_llama_cpp, chat_script, chat_warmup, check_fits
+from .child import BenchError, run_foldline
 from .engines import prompt_ids
+from .host import HostLoad, check_host
 from .peers import bench_hf_eager, bench_llama_cpp, bench_ort_genai
+from .progress import BenchProgress
+from .rounds import RoundResults, Runner, run_rounds
 from .streams import bench_streams, parse_streams
 from .tables import (
-    combine_rounds,
+    best_of_threads,
+    combine_chat_rounds,
     format_table,
     print_chat,
     print_held,
     print_streams,
-    round_ratios,
 )
 
-# The CLI's defaults; a mode that wants other ones uses them when the option was left at its default.
-DEFAULT_PROMPT_LEN, DEFAULT_NEW_TOKENS = 128, 128
+# Each mode's defaults when --prompt-len / --new-tokens are not given. 100 is no multiple of a prefill chunk,
+# so foldline's last chunk is padded, as most prompts' are.
+DEFAULT_PROMPT_LEN, DEFAULT_NEW_TOKENS = 100, 128
 
 
 def source_model(manifest: Manifest, given: str) -> str:
@@ -47,12 +54,17 @@ def source_model(manifest: Manifest, given: str) -> str:
     return source
 
 
-def _or_default(value: int, cli_default: int, mode_default: int) -> int:
-    return value if value != cli_default else mode_default
+def _one(values: list[int] | None, option: str, default: int) -> int:
+    """A count given once (modes that take no list)."""
+    if values is None:
+        return default
+    if len(values) != 1:
+        raise BenchError(f"{option} takes one value in this mode, got {len(values)}")
+    return values[0]
 
 
-def _threads(args: Namespace) -> int:
-    return args.threads or os.cpu_count() or 1
+def _thread_counts(args: Namespace) -> list[int]:
+    return list(dict.fromkeys(args.threads)) if args.threads else [os.cpu_count() or 1]
 
 
 def _write_json(args: Namespace, payload: dict[str, Any]) -> None:
@@ -71,85 +83,126 @@ def also_device(manifest: Manifest) -> str:
     return "cpu" if "cpu" in devices else devices[0]
 
 
-def _also_runner(bundle: str, manifest: Manifest, ours: dict[str, Any]) -> dict[str, Any]:
-    """`--also BUNDLE`: another compiled form of the model (an ONNX bundle beside the IREE one), same prompt.
-
-    manifest: the benched bundle's."""
-    other = Manifest.load(bundle)
-    if other.vocab_size != manifest.vocab_size:
-        raise BenchError(f"--also {bundle}: its vocabulary ({other.vocab_size}) is not the benched bundle's")
-    device = also_device(other)
-    args = {**ours, "bundle": str(bundle), "device": device, "cpu": None}
-    return {f"foldline ({device}) {Path(bundle).name}": lambda: run_foldline("engines", "bench_compiled", args)}
+def _compiled_runner(bundle: str, device: str, cpu: str | None, new_tokens: int, seed: int) -> Runner:
+    def run(length: int, threads: int) -> dict[str, Any]:
+        return run_foldline("engines", "bench_compiled", {
+            "bundle": bundle, "device": device, "prompt_len": length, "new_tokens": new_tokens, "seed": seed,
+            "threads": threads, "cpu": cpu})
+    return run
 
 
-def run_throughput(args: Namespace, manifest: Manifest) -> int:
-    """Prefill and decode of one prompt: foldline, then each peer, `--rounds` times; medians."""
-    if args.prompt_len < 1 or args.new_tokens < 0:
-        raise BenchError("--prompt-len must be >= 1 and --new-tokens >= 0")
-    if args.prompt_len + args.new_tokens > manifest.max_context:
-        raise BenchError(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} exceeds the bundle's "
-                         f"max_context {manifest.max_context}")
-    if args.rounds < 1:
-        raise BenchError("--rounds must be >= 1")
-    common = {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "seed": args.seed}
-    ids = prompt_ids(manifest.vocab_size, args.prompt_len, args.seed)
-    threads = _threads(args)
-    ours = {"bundle": str(args.bundle), "device": args.device, "threads": threads, "cpu": args.cpu, **common}
+def engine_runners(args: Namespace, manifest: Manifest, new_tokens: int) -> dict[str, Runner]:
+    """Every engine the command line asks for, foldline first: (prompt length, threads) -> figures."""
+    vocab, seed = manifest.vocab_size, args.seed
+    n_ctx = args.peer_context or manifest.max_context
     label = f"foldline ({args.device}{', ' + args.cpu if args.cpu else ''})"
-    runners = {label: lambda: run_foldline("engines", "bench_compiled", ours)}
-    for other in args.also or []:
-        runners.update(_also_runner(other, manifest, ours))
+    runners = {label: _compiled_runner(str(args.bundle), args.device, args.cpu, new_tokens, seed)}
+    for bundle in args.also or []:
+        other = Manifest.load(bundle)
+        if other.vocab_size != vocab:
+            raise BenchError(f"--also {bundle}: its vocabulary ({other.vocab_size}) is not the benched bundle's")
+        device = also_device(other)
+        runners[f"foldline ({device}) {Path(bundle).name}"] = _compiled_runner(str(bundle), device, None,
+                                                                               new_tokens, seed)
     if args.llama_cpp:
         gguf = source_model(manifest, args.llama_cpp)
-        runners["llama.cpp"] = lambda: bench_llama_cpp(gguf, ids, args.new_tokens, threads, python=args.llama_python,
-                                                       n_ctx=args.peer_context or manifest.max_context)
+        runners["llama.cpp"] = lambda n, t: bench_llama_cpp(gguf, prompt_ids(vocab, n, seed), new_tokens, t,
+                                                            python=args.llama_python, n_ctx=n_ctx)
     if args.ort_genai:
-        runners["ORT GenAI"] = lambda: bench_ort_genai(args.ort_genai, ids, args.new_tokens, threads,
-                                                       python=args.genai_python,
-                                                       n_ctx=args.peer_context or manifest.max_context)
+        runners["ORT GenAI"] = lambda n, t: bench_ort_genai(args.ort_genai, prompt_ids(vocab, n, seed), new_tokens,
+                                                            t, python=args.genai_python, n_ctx=n_ctx)
     if args.hf:
         hf_model = source_model(manifest, args.hf)
-        runners["HF eager"] = lambda: bench_hf_eager(hf_model, ids, args.new_tokens, threads)
+        runners["HF eager"] = lambda n, t: bench_hf_eager(hf_model, prompt_ids(vocab, n, seed), new_tokens, t)
     if args.eager:
-        eager = {"spec": args.eager, "max_context": manifest.max_context, "chunk": manifest.prefill_chunk, **common}
-        runners["reference eager"] = lambda: run_foldline("engines", "bench_eager", eager)
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in runners}
-    skipped: dict[str, str] = {}
-    for r in range(args.rounds):
-        for name, runner in runners.items():
-            if name in skipped:
-                continue
-            print(f"round {r + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
-            try:
-                runs[name].append(runner())
-            except PeerUnavailable as e:
-                skipped[name] = str(e)
-    engines = {name: combine_rounds(rs) for name, rs in runs.items() if rs}
-    name = _model_name(manifest, args)
-    print(f"bench {name}: prompt {args.prompt_len} tokens (foldline in chunks of {manifest.prefill_chunk}), "
-          f"{args.new_tokens} greedy decoded tokens, {threads} threads, load average "
-          f"{os.getloadavg()[0]:.1f}, median of {args.rounds} alternating round(s)")
-    print(format_table(engines, args.prompt_len, args.new_tokens))
-    if args.rounds > 1:
-        for peer, ratios in round_ratios(engines).items():
-            print(f"decode ratio to {peer} by round: {', '.join(f'{x:.2f}x' for x in ratios)}")
-    for line in skipped.values():
+        eager = {"spec": args.eager, "max_context": manifest.max_context, "chunk": manifest.prefill_chunk,
+                 "new_tokens": new_tokens, "seed": seed}
+        runners["reference eager"] = lambda n, t: run_foldline("engines", "bench_eager",
+                                                               {**eager, "prompt_len": n, "threads": t})
+    return runners
+
+
+def best_by_length(results: RoundResults, lengths: list[int]) -> dict[int, dict[str, dict[str, Any]]]:
+    """Per prompt length, each engine's figures at its best thread count."""
+    out: dict[int, dict[str, dict[str, Any]]] = {}
+    for length in lengths:
+        engines = {}
+        for name in results.engines():
+            by_threads = {t: rs for (n, ln, t), rs in results.runs.items() if n == name and ln == length}
+            if by_threads:
+                engines[name] = best_of_threads(by_threads)
+        out[length] = engines
+    return out
+
+
+def _header(host: HostLoad, text: str) -> None:
+    if host.busy:
+        print(host.flag())
+    print(text)
+
+
+def _print_run_notes(results: RoundResults, engines: dict[str, dict[str, Any]]) -> None:
+    """Under the tables: each round's order, the engines that did not run, foldline's module, the peers'
+    settings."""
+    print("order by round: " + "; ".join(f"{i + 1}: {', '.join(o)}" for i, o in enumerate(results.orders)))
+    for line in results.skipped.values():
         print(f"skipped {line}")
     compiled = next(iter(engines.values()))
-    print(f"foldline: module {compiled.get('module', '?')}, {compiled.get('threads')} threads")
+    print(f"foldline: module {compiled.get('module', '?')}")
+    for name, figures in engines.items():
+        if len(figures.get("threads_tried", [])) > 1:
+            print(f"{name}: best at {figures['threads']} of {figures['threads_tried']} threads")
     for peer in ("llama.cpp", "ORT GenAI"):
         if peer in engines:
             settings = engines[peer].get("settings") or {}
             print(f"{peer} " + engines[peer].get("version", "") + ": "
                   + ", ".join(f"{k}={v}" for k, v in settings.items()))
+
+
+def _check_lengths(lengths: list[int], new_tokens: int, max_context: int) -> None:
+    for length in lengths:
+        if length + new_tokens > max_context:
+            raise BenchError(f"--prompt-len {length} + --new-tokens {new_tokens} exceeds the bundle's "
+                             f"max_context {max_context}")
+
+
+def run_throughput(args: Namespace, manifest: Manifest) -> int:
+    """Prefill and decode of each prompt length: every engine at every thread count, `--rounds` shuffled
+    rounds; medians, and each ratio's spread over the rounds."""
+    lengths = list(dict.fromkeys(args.prompt_len or [DEFAULT_PROMPT_LEN]))
+    new_tokens = args.new_tokens or DEFAULT_NEW_TOKENS
+    _check_lengths(lengths, new_tokens, manifest.max_context)
+    host = check_host(args.busy_ok)
+    threads = _thread_counts(args)
+    runners = engine_runners(args, manifest, new_tokens)
+    with BenchProgress() as progress:
+        results = run_rounds(runners, lengths, threads, args.rounds, args.seed, progress)
+    by_length = best_by_length(results, lengths)
+    name = _model_name(manifest, args)
+    for length, engines in by_length.items():
+        _header(host, f"bench {name}: prompt {length} tokens (foldline in chunks of {manifest.prefill_chunk}), "
+                      f"{new_tokens} greedy decoded tokens, threads {','.join(map(str, threads))} (each engine's "
+                      f"best), {host.describe()}, median of {args.rounds} shuffled round(s), ratios' "
+                      f"(min-max) over rounds")
+        print(format_table(engines, length, new_tokens))
+    first = by_length[lengths[0]]
+    _print_run_notes(results, first)
     if args.hadamard_online:
-        online = run_foldline("engines", "bench_compiled", {**ours, "bundle": str(args.hadamard_online), "cpu": None})
-        fold_ms, online_ms = (1000 * r["decode_s"] / max(args.new_tokens, 1) for r in (compiled, online))
+        compiled = next(iter(first.values()))
+        online = run_foldline("engines", "bench_compiled", {
+            "bundle": str(args.hadamard_online), "device": args.device, "prompt_len": lengths[0],
+            "new_tokens": new_tokens, "seed": args.seed, "threads": compiled["threads"], "cpu": None})
+        fold_ms, online_ms = (1000 * r["decode_s"] / max(new_tokens, 1) for r in (compiled, online))
         print(f"online Hadamard rotation: {online_ms - fold_ms:+.3f} ms per decode step "
               f"(online {online_ms:.3f} ms vs this bundle {fold_ms:.3f} ms)")
-    _write_json(args, {"bundle": str(args.bundle), "model": name, **common, "threads": threads,
-                       "rounds": args.rounds, "engines": engines})
+    if args.plot:
+        from .plot import plot_throughput
+
+        plot_throughput(args.plot, name, by_length)
+    _write_json(args, {"bundle": str(args.bundle), "model": name, "new_tokens": new_tokens, "seed": args.seed,
+                       "threads": threads, "rounds": args.rounds, "orders": results.orders, "host_load": host.load,
+                       "host_busy": host.busy, "prompt_len": lengths[0], "engines": first,
+                       "prompt_lengths": [{"prompt_len": n, "engines": e} for n, e in by_length.items()]})
     return 0
 
 
@@ -166,71 +219,77 @@ def parse_held(text: str, max_context: int, new_tokens: int) -> list[int]:
 
 
 def run_held(args: Namespace, manifest: Manifest) -> int:
-    """Decode speed as a function of the tokens held, foldline beside llama.cpp at the same positions."""
-    new_tokens = _or_default(args.new_tokens, DEFAULT_NEW_TOKENS, 32)
+    """Decode speed as a function of the tokens held: every engine of the run at the same positions, in
+    shuffled rounds."""
+    new_tokens = args.new_tokens or 32
     held_list = parse_held(args.held, manifest.max_context, new_tokens)
-    threads = _threads(args)
-    rows, skipped = [], None
-    for held in held_list:
-        prompt_len = min(held, manifest.max_context - new_tokens)  # the last decode must still fit
-        ids = prompt_ids(manifest.vocab_size, prompt_len, args.seed)
-        ours = run_foldline("engines", "bench_compiled", {
-            "bundle": str(args.bundle), "device": args.device, "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "seed": args.seed, "threads": threads, "cpu": args.cpu})
-        peer = None
-        if args.llama_cpp and skipped is None:
-            try:
-                peer = bench_llama_cpp(source_model(manifest, args.llama_cpp), ids, new_tokens, threads,
-                                       python=args.llama_python, n_ctx=args.peer_context or manifest.max_context)
-            except PeerUnavailable as e:
-                skipped = str(e)
-        rows.append((prompt_len, ours, peer))
+    lengths = list(dict.fromkeys(min(h, manifest.max_context - new_tokens) for h in held_list))  # last decode fits
+    host = check_host(args.busy_ok)
+    threads = _thread_counts(args)
+    runners = engine_runners(args, manifest, new_tokens)
+    with BenchProgress() as progress:
+        results = run_rounds(runners, lengths, threads, args.rounds, args.seed, progress)
+    by_length = best_by_length(results, lengths)
     name = _model_name(manifest, args)
-    print(f"bench {name}: decode {new_tokens} greedy tokens after N tokens held (max_context "
-          f"{manifest.max_context}), {threads} threads, load average {os.getloadavg()[0]:.1f}")
-    print_held(rows)
-    if skipped:
-        print(f"skipped {skipped}")
+    _header(host, f"bench {name}: decode {new_tokens} greedy tokens after N tokens held (max_context "
+                  f"{manifest.max_context}), threads {','.join(map(str, threads))} (each engine's best), "
+                  f"{host.describe()}, median of {args.rounds} shuffled round(s), ratios' (min-max) over rounds")
+    print_held(list(by_length.items()))
+    _print_run_notes(results, by_length[lengths[0]])
+    if args.plot:
+        from .plot import plot_held
+
+        plot_held(args.plot, name, by_length)
     _write_json(args, {"bundle": str(args.bundle), "model": name, "new_tokens": new_tokens, "threads": threads,
-                       "held": [{"held": h, "foldline": o, "llama.cpp": p} for h, o, p in rows]})
+                       "rounds": args.rounds, "orders": results.orders, "host_load": host.load,
+                       "host_busy": host.busy, "held": [{"held": h, "engines": e} for h, e in by_length.items()]})
     return 0
 
 
 def run_streams(args: Namespace, manifest: Manifest) -> int:
     """Concurrent streams on the rows of a batched bundle (bench/streams.py)."""
     streams = parse_streams(args.streams, manifest.batch)
-    prompt_len = _or_default(args.prompt_len, DEFAULT_PROMPT_LEN, 32)
-    new_tokens = _or_default(args.new_tokens, DEFAULT_NEW_TOKENS, 64)
+    prompt_len = _one(args.prompt_len, "--prompt-len", 32)
+    new_tokens = args.new_tokens or 64
+    host = check_host(args.busy_ok)
     results = bench_streams(str(args.bundle), args.device, streams, prompt_len, new_tokens, args.seed)
+    if host.busy:
+        print(host.flag())
     print_streams(_model_name(manifest, args), results, prompt_len, new_tokens)
-    _write_json(args, {"streams": results})
+    _write_json(args, {"streams": results, "host_load": host.load, "host_busy": host.busy})
     return 0
 
 
 def run_chat(args: Namespace, manifest: Manifest) -> int:
-    """A multi-turn chat: foldline's prompt cache on and off, beside llama.cpp's prefix reuse (bench/chat.py)."""
-    if args.chat < 1:
-        raise BenchError(f"--chat takes a positive number of turns, got {args.chat}")
-    user_tokens = _or_default(args.prompt_len, DEFAULT_PROMPT_LEN, 32)
-    reply_tokens = _or_default(args.new_tokens, DEFAULT_NEW_TOKENS, 16)
-    if user_tokens < 1 or reply_tokens < 1:
-        raise BenchError("a chat turn needs at least one user token and one answer token")
+    """A multi-turn chat: foldline's prompt cache on and off, beside llama.cpp's prefix reuse (bench/chat.py),
+    in `--rounds` shuffled rounds."""
+    user_tokens = _one(args.prompt_len, "--prompt-len", 32)
+    reply_tokens = args.new_tokens or 16
+    threads = _one(args.threads, "--threads", os.cpu_count() or 1)
     script = chat_script(manifest.vocab_size, args.chat, user_tokens, reply_tokens, args.seed)
     check_fits(script, manifest.max_context)
-    threads = _threads(args)
-    engines = {}
+    warmup = chat_warmup(manifest.vocab_size, user_tokens, args.seed)
+    host = check_host(args.busy_ok)
+    runners: dict[str, Runner] = {}
     for label, cache in (("foldline", True), ("foldline, no cache", False)):
-        engines[label] = run_foldline("chat", "bench_chat_foldline", {
-            "bundle": str(args.bundle), "device": args.device, "script": script, "prompt_cache": cache,
-            "threads": threads, "cpu": args.cpu})
+        chat_args = {"bundle": str(args.bundle), "device": args.device, "script": script, "warmup": warmup,
+                     "prompt_cache": cache, "threads": threads, "cpu": args.cpu}
+        runners[label] = lambda _n, _t, a=chat_args: run_foldline("chat", "bench_chat_foldline", a)
     if args.llama_cpp:
         gguf = source_model(manifest, args.llama_cpp)
         n_ctx = args.peer_context or manifest.max_context
-        try:
-            for label, reuse in (("llama.cpp", True), ("llama.cpp, reset", False)):
-                engines[label] = bench_chat_llama_cpp(gguf, script, threads, n_ctx, reuse, args.llama_python)
-        except PeerUnavailable as e:
-            print(f"llama.cpp skipped: {e}")
+        for label, reuse in (("llama.cpp", True), ("llama.cpp, reset", False)):
+            runners[label] = lambda _n, _t, r=reuse: bench_chat_llama_cpp(gguf, script, warmup, threads, n_ctx, r,
+                                                                          args.llama_python)
+    with BenchProgress() as progress:
+        results = run_rounds(runners, [user_tokens], [threads], args.rounds, args.seed, progress)
+    engines = {n: combine_chat_rounds(results.runs[(n, user_tokens, threads)]) for n in results.engines()}
+    if host.busy:
+        print(host.flag())
     print_chat(_model_name(manifest, args), engines, user_tokens, reply_tokens)
-    _write_json(args, {"chat": engines})
+    print("order by round: " + "; ".join(f"{i + 1}: {', '.join(o)}" for i, o in enumerate(results.orders)))
+    for line in results.skipped.values():
+        print(f"skipped {line}")
+    _write_json(args, {"chat": engines, "rounds": args.rounds, "orders": results.orders, "host_load": host.load,
+                       "host_busy": host.busy})
     return 0

@@ -11,9 +11,11 @@
   buffer shared between past and present. Like llama-cpp-python it is not a
   foldline dependency: `--genai-python` names an interpreter that has it.
 
-Every engine gets the same prompt ids, prefills them at once, then decodes
-greedily one token at a time; wall-clock and process CPU time are taken around
-each phase, and peak RSS is the child's own (bench/child.py). The scripts
+Every engine gets the same prompt ids and the same warm-up, prefills them at
+once, then decodes greedily one token at a time (bench/timer.run_engine);
+wall-clock and process CPU time are taken around each phase, and peak RSS is
+the child's own VmHWM (bench/child.py). Whatever starts a conversation (a
+reset cache, GenAI's generator) is done before the timer starts. The scripts
 import nothing from foldline.
 """
 
@@ -58,7 +60,6 @@ def last_logits():
     return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,)).copy()
 
 def prefill(tokens):
-    llm.reset()
     llm.eval(tokens)
     return last_logits()
 
@@ -66,9 +67,9 @@ def decode(token):
     llm.eval([token])
     return last_logits()
 
-prefill(ids[:8]); decode(ids[0])  # warm up, as every engine: page in the weights
-out = time_engine(prefill, decode, ids, new_tokens)
-out.update(load_s=load_s, peak_rss_mib=peak_rss_mib(), threads=threads, version=version("llama-cpp-python"),
+llm.reset()
+out = run_engine(prefill, decode, llm.reset, ids, new_tokens)  # reset: the cache emptied past position 0
+out.update(load_s=load_s, **peak_rss(), threads=threads, version=version("llama-cpp-python"),
            settings={**settings, "n_ctx": n_ctx, "logits": "llama_get_logits_ith"})
 print("BENCH " + json.dumps(out))
 '''
@@ -94,7 +95,7 @@ state = {}
 
 @torch.no_grad()
 def prefill(tokens):
-    out = model(torch.tensor([tokens]), use_cache=True)
+    out = model(torch.tensor([tokens]), past_key_values=state.get("past"), use_cache=True)
     state["past"] = out.past_key_values
     return out.logits[0, -1].float().numpy()
 
@@ -104,13 +105,13 @@ def decode(token):
     state["past"] = out.past_key_values
     return out.logits[0, -1].float().numpy()
 
-prefill(ids[:8]); decode(ids[0])
-out = time_engine(prefill, decode, ids, new_tokens)
-out.update(load_s=load_s, peak_rss_mib=peak_rss_mib(), threads=threads, version=transformers.__version__)
+out = run_engine(prefill, decode, state.clear, ids, new_tokens)
+out.update(load_s=load_s, **peak_rss(), threads=threads, version=transformers.__version__)
 print("BENCH " + json.dumps(out))
 '''
 
 _ORT_GENAI = '''
+import gc
 from importlib.metadata import version
 
 import onnxruntime_genai as og
@@ -129,8 +130,14 @@ params.set_search_options(max_length=n_ctx, do_sample=False)
 load_s = time.perf_counter() - t0
 state = {}
 
-def prefill(tokens):
+def fresh():
+    # A generator allocates (and zeroes) its max_length cache: set-up, built before the timer starts, and the
+    # previous one freed first, so one cache counts toward the peak RSS, as one conversation holds.
+    state.pop("gen", None)
+    gc.collect()
     state["gen"] = og.Generator(model, params)
+
+def prefill(tokens):
     state["gen"].append_tokens(tokens)
     return np.asarray(state["gen"].get_logits()).reshape(-1)
 
@@ -138,9 +145,9 @@ def decode(token):
     state["gen"].append_tokens([token])
     return np.asarray(state["gen"].get_logits()).reshape(-1)
 
-prefill(ids[:8]); decode(ids[0])
-out = time_engine(prefill, decode, ids, new_tokens)
-out.update(load_s=load_s, peak_rss_mib=peak_rss_mib(), threads=threads, version=version("onnxruntime-genai"),
+fresh()
+out = run_engine(prefill, decode, fresh, ids, new_tokens)
+out.update(load_s=load_s, **peak_rss(), threads=threads, version=version("onnxruntime-genai"),
            settings={"max_length": n_ctx, "model": args["model"]})
 print("BENCH " + json.dumps(out))
 '''

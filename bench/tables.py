@@ -16,16 +16,34 @@ ROWS = (
 )
 
 
+def spread(values: list[float]) -> str:
+    """`(min-max)` of a ratio over rounds; empty for one round."""
+    return f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else ""
+
+
+def ratio_cell(first: dict[str, Any], other: dict[str, Any], key: str) -> str:
+    """first / other for `key`: the ratio of the medians, then its spread over the rounds."""
+    if not other.get(key):
+        return "-"
+    return f"{first[key] / other[key]:.2f}x" + spread(round_ratios({"a": first, "b": other}, key)["b"])
+
+
 def format_table(engines: dict[str, dict[str, Any]], prompt_len: int, new_tokens: int) -> str:
-    """One column per engine (the first is foldline), then foldline / engine for each other one."""
+    """One column per engine (the first is foldline), then foldline / engine for each other one, with the
+    ratio's spread over the rounds."""
     names = list(engines)
     first, others = names[0], names[1:]
     table = [["", *names, *[f"{first} / {o}" for o in others]]]
     for label, key, fmt in ROWS:
         line = [label.format(prompt_len=prompt_len, new_tokens=new_tokens)]
         line += [fmt.format(engines[n][key]) for n in names]
-        line += [f"{engines[first][key] / engines[o][key]:.2f}x" if engines[o][key] else "-" for o in others]
+        line += [ratio_cell(engines[first], engines[o], key) for o in others]
         table.append(line)
+    table.append(["threads", *(str(engines[n].get("threads", "?")) for n in names), *([""] * len(others))])
+    return _aligned(table)
+
+
+def _aligned(table: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                      for r in table)
@@ -34,27 +52,41 @@ def format_table(engines: dict[str, dict[str, Any]], prompt_len: int, new_tokens
 # Figures that are a rate or a time take the median over rounds; peak RSS takes the largest round.
 _MEDIAN_KEYS = ("prefill_tok_s", "decode_tok_s", "prefill_cpu_ms_tok", "decode_cpu_ms_tok", "load_s",
                 "prefill_s", "decode_s")
+_ROUND_KEYS = (*_MEDIAN_KEYS, "peak_rss_mib")
 
 
 def combine_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One engine's figures over its rounds: medians of the rates and times, the largest peak RSS.
 
-    Keeps every round's decode and prefill rate (`rounds`) so the spread is on record.
+    Keeps every round's figures (`rounds`) so the spread is on record.
     """
     out = dict(runs[0])
     for key in _MEDIAN_KEYS:
         if all(key in r for r in runs):
             out[key] = float(np.median([r[key] for r in runs]))
     out["peak_rss_mib"] = max(r["peak_rss_mib"] for r in runs)
-    out["rounds"] = [{"prefill_tok_s": r["prefill_tok_s"], "decode_tok_s": r["decode_tok_s"]} for r in runs]
+    out["rounds"] = [{k: r[k] for k in _ROUND_KEYS if k in r} for r in runs]
     return out
 
 
+def best_of_threads(by_threads: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
+    """An engine's rounds at its best thread count (fastest median decode, prefill when nothing was
+    decoded), combined; `threads_tried` lists the counts it ran at."""
+    combined = {t: combine_rounds(rs) for t, rs in by_threads.items() if rs}
+
+    def speed(t: int) -> float:
+        c = combined[t]
+        return c["decode_tok_s"] if c["decode_tok_s"] == c["decode_tok_s"] else c["prefill_tok_s"]  # nan: none
+
+    best = max(combined, key=speed)
+    return {**combined[best], "threads": best, "threads_tried": sorted(combined)}
+
+
 def round_ratios(engines: dict[str, dict[str, Any]], key: str = "decode_tok_s") -> dict[str, list[float]]:
-    """Per peer, foldline's figure over the peer's in each round (rounds run back to back)."""
+    """Per other engine, the first engine's figure over its in each round (paired in the order they ran)."""
     names = list(engines)
     first = engines[names[0]]["rounds"]
-    return {o: [a[key] / b[key] for a, b in zip(first, engines[o]["rounds"]) if b[key]] for o in names[1:]}
+    return {o: [a[key] / b[key] for a, b in zip(first, engines[o]["rounds"]) if b.get(key)] for o in names[1:]}
 
 
 def print_streams(name: str, results: list[dict[str, Any]], prompt_len: int, new_tokens: int) -> None:
@@ -70,34 +102,48 @@ def print_streams(name: str, results: list[dict[str, Any]], prompt_len: int, new
 
 
 def print_chat(name: str, engines: dict[str, dict[str, Any]], user_tokens: int, reply_tokens: int) -> None:
-    """Per turn: each engine's prefilled tokens and time to the first answer token; totals at the end."""
+    """Per turn: each engine's prefilled tokens and median time to the first answer token; totals at the end,
+    with their spread over the rounds."""
     names = list(engines)
+    rounds = len(engines[names[0]]["rounds"])
     print(f"bench {name}: a {len(engines[names[0]]['turns'])}-turn chat, {user_tokens} new user tokens and "
-          f"{reply_tokens} answer tokens per turn; time to the first answer token in ms (prefilled tokens)")
+          f"{reply_tokens} answer tokens per turn; time to the first answer token in ms (prefilled tokens), "
+          f"median of {rounds} round(s)")
     print(" | ".join(["turn", "prompt", *names]))
     turns = zip(*(engines[n]["turns"] for n in names))
     for i, cells in enumerate(turns):
         print(" | ".join([str(i + 1), str(cells[0]["prompt"]),
                           *(f"{c['first_token_ms']:.0f} ({c['prefilled']})" for c in cells)]))
-    totals = {n: sum(t["turn_ms"] for t in engines[n]["turns"]) for n in names}
-    print(" | ".join(["all turns, ms", "", *(f"{totals[n]:.0f}" for n in names)]))
-    base = totals[names[0]]
-    print(" | ".join([f"time / {names[0]}'s", "", *(f"{totals[n] / base:.2f}x" for n in names)]))
+    print(" | ".join(["all turns, ms", "", *(f"{engines[n]['total_ms']:.0f}" for n in names)]))
+    first = engines[names[0]]
+    cells = [f"{engines[n]['total_ms'] / first['total_ms']:.2f}x"
+             + spread([b / a for a, b in zip(first["rounds"], engines[n]["rounds"])]) for n in names]
+    print(" | ".join([f"time / {names[0]}'s", "", *cells]))
 
 
-def print_held(rows: list[tuple[int, dict[str, Any], dict[str, Any] | None]]) -> None:
-    """One line per tokens-held count: foldline's figures, and llama.cpp's with the decode ratio when it ran."""
-    header = ["tokens held", "foldline prefill tok/s", "foldline decode tok/s", "peak RSS (MiB)"]
-    if any(p for _, _, p in rows):
-        header += ["llama.cpp prefill tok/s", "llama.cpp decode tok/s", "llama.cpp RSS (MiB)", "decode ratio"]
-    table = [header]
-    for held, ours, peer in rows:
-        line = [str(held), f"{ours['prefill_tok_s']:.1f}", f"{ours['decode_tok_s']:.1f}", f"{ours['peak_rss_mib']:.0f}"]
-        if peer:
-            line += [f"{peer['prefill_tok_s']:.1f}", f"{peer['decode_tok_s']:.1f}", f"{peer['peak_rss_mib']:.0f}",
-                     f"{ours['decode_tok_s'] / peer['decode_tok_s']:.2f}x"]
+def combine_chat_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One chat engine over its rounds: per turn the median times, the whole chat's median and each round's."""
+    out = dict(runs[0])
+    out["turns"] = [{**turns[0], "first_token_ms": float(np.median([t["first_token_ms"] for t in turns])),
+                     "turn_ms": float(np.median([t["turn_ms"] for t in turns]))}
+                    for turns in zip(*(r["turns"] for r in runs))]
+    out["rounds"] = [sum(t["turn_ms"] for t in r["turns"]) for r in runs]
+    out["total_ms"] = float(np.median(out["rounds"]))
+    return out
+
+
+def print_held(rows: list[tuple[int, dict[str, dict[str, Any]]]]) -> None:
+    """One line per tokens-held count: each engine's decode tok/s (its threads), then foldline / engine with
+    the spread over the rounds."""
+    names = list(rows[0][1])
+    first, others = names[0], names[1:]
+    table = [["tokens held", *(f"{n} decode tok/s" for n in names), f"{first} peak RSS (MiB)",
+              *(f"decode {first} / {o}" for o in others)]]
+    for held, engines in rows:
+        line = [str(held)]
+        line += [f"{engines[n]['decode_tok_s']:.1f} ({engines[n]['threads']}t)" if n in engines else "-"
+                 for n in names]
+        line.append(f"{engines[first]['peak_rss_mib']:.0f}")
+        line += [ratio_cell(engines[first], engines[o], "decode_tok_s") if o in engines else "-" for o in others]
         table.append(line)
-    widths = [max(len(r[i]) for r in table if i < len(r)) for i in range(len(header))]
-    for r in table:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
-
+    print(_aligned(table))

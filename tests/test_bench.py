@@ -7,7 +7,7 @@ import json
 import pytest
 
 from foldline.bench.engines import prompt_ids
-from foldline.bench.tables import combine_rounds, format_table, round_ratios
+from foldline.bench.tables import best_of_threads, combine_rounds, format_table, round_ratios
 from foldline.tools.cli import main
 
 
@@ -17,23 +17,26 @@ def test_prompt_ids_are_deterministic_and_in_range():
     assert len(a) == 128 and min(a) >= 1000 and max(a) < 49152
 
 
-def test_table_has_one_ratio_column_per_peer():
-    compiled = {"prefill_tok_s": 200.0, "decode_tok_s": 50.0, "prefill_cpu_ms_tok": 5.0, "decode_cpu_ms_tok": 20.0,
-                "peak_rss_mib": 300.0, "load_s": 1.0}
-    llama = {k: v / 2 for k, v in compiled.items()}
-    hf = {k: v * 4 for k, v in compiled.items()}
+def _figures(decode: float, rss: float = 300.0) -> dict:
+    return {"prefill_tok_s": 2 * decode, "decode_tok_s": decode, "prefill_cpu_ms_tok": 5.0,
+            "decode_cpu_ms_tok": 1000 / decode, "peak_rss_mib": rss, "load_s": 1.0}
+
+
+def test_table_has_one_ratio_column_per_peer_with_its_spread_over_rounds():
+    compiled = combine_rounds([_figures(50.0), _figures(40.0), _figures(60.0)])
+    llama = combine_rounds([_figures(25.0), _figures(25.0), _figures(20.0)])
+    hf = combine_rounds([_figures(200.0)] * 3)
     table = format_table({"foldline": compiled, "llama.cpp": llama, "HF eager": hf}, 128, 128)
     lines = table.splitlines()
     assert lines[0].split()[-4:] == ["foldline", "/", "HF", "eager"]
     assert "foldline / llama.cpp" in lines[0]
-    assert lines[1].split()[-2:] == ["2.00x", "0.25x"]  # prefill ratios against each peer
+    # decode: medians 50 / 25; by round 50/25, 40/25, 60/20
+    assert lines[2].split()[-4:] == ["2.00x", "(1.60-3.00)", "0.25x", "(0.20-0.30)"]
     assert "decode tok/s (128 tokens)" in table
     assert "/" not in format_table({"foldline": compiled}, 128, 128).splitlines()[0]
-
-
-def _figures(decode: float, rss: float = 300.0) -> dict:
-    return {"prefill_tok_s": 2 * decode, "decode_tok_s": decode, "prefill_cpu_ms_tok": 5.0,
-            "decode_cpu_ms_tok": 1000 / decode, "peak_rss_mib": rss, "load_s": 1.0}
+    single = format_table({"foldline": combine_rounds([_figures(50.0)]), "llama.cpp": combine_rounds(
+        [_figures(25.0)])}, 128, 128)
+    assert single.splitlines()[2].split()[-1] == "2.00x", "one round: no spread to show"
 
 
 def test_rounds_combine_into_medians_and_the_largest_peak_rss():
@@ -44,6 +47,16 @@ def test_rounds_combine_into_medians_and_the_largest_peak_rss():
     peer = combine_rounds([_figures(50.0), _figures(60.0), _figures(55.0)])
     ratios = round_ratios({"foldline": ours, "llama.cpp": peer})
     assert ratios == {"llama.cpp": [2.0, 1.0, 2.0]}  # round by round, in the order they ran
+
+
+def test_each_engine_is_reported_at_its_fastest_thread_count():
+    best = best_of_threads({1: [_figures(30.0), _figures(32.0)], 2: [_figures(45.0), _figures(20.0)],
+                            4: [_figures(40.0), _figures(41.0)]})
+    assert best["threads"] == 4 and best["threads_tried"] == [1, 2, 4]  # by median: 31, 32.5, 40.5
+    assert best["decode_tok_s"] == 40.5
+    no_decode = _figures(10.0) | {"decode_tok_s": float("nan")}
+    prefill_only = best_of_threads({1: [no_decode], 2: [no_decode | {"prefill_tok_s": 99.0}]})
+    assert prefill_only["threads"] == 2, "nothing decoded: the fastest prefill"
 
 
 def test_ort_genai_needs_its_builders_folder_and_is_reported_when_not_installed(tmp_path):
@@ -62,17 +75,18 @@ def test_bench_cli_on_a_compiled_bundle(bundle_factory, tmp_path, capsys):
     bundle = bundle_factory("llama-tiny")
     out = tmp_path / "bench.json"
     rc = main(["bench", str(bundle), "--prompt-len", "20", "--new-tokens", "8", "--eager", "llama-tiny",
-               "--rounds", "2", "--json", str(out)])
+               "--rounds", "2", "--busy-ok", "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "prefill tok/s (20 tokens)" in printed and "foldline (cpu) / reference eager" in printed
-    assert "decode ratio to reference eager by round: " in printed
+    assert "order by round: 1: " in printed
     data = json.loads(out.read_text())
     assert data["rounds"] == 2 and len(data["engines"]["reference eager"]["rounds"]) == 2
     for engine in ("foldline (cpu)", "reference eager"):
         figures = data["engines"][engine]
         assert figures["prefill_tok_s"] > 0 and figures["decode_tok_s"] > 0
         assert figures["peak_rss_mib"] > 10
+        assert figures["warmup"] == {"prefill_tokens": 20, "decode_steps": 4}
     assert data["engines"]["foldline (cpu)"]["chunk"] == 16
 
 
@@ -99,11 +113,13 @@ def test_chat_bench_prefills_only_the_new_tokens_with_the_cache(bundle_factory, 
     steps wrote, which a full cache does not serve); without it, the whole conversation."""
     bundle = bundle_factory("llama-tiny")
     out = tmp_path / "chat.json"
-    assert main(["bench", str(bundle), "--chat", "4", "--prompt-len", "10", "--new-tokens", "5",
-                 "--json", str(out)]) == 0
+    assert main(["bench", str(bundle), "--chat", "4", "--prompt-len", "10", "--new-tokens", "5", "--rounds", "2",
+                 "--busy-ok", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "a 4-turn chat, 10 new user tokens and 5 answer tokens per turn" in printed
+    assert "median of 2 round(s)" in printed
     engines = json.loads(out.read_text())["chat"]
+    assert all(len(e["rounds"]) == 2 for e in engines.values())
     cached, plain = engines["foldline"]["turns"], engines["foldline, no cache"]["turns"]
     assert [t["prompt"] for t in cached] == [t["prompt"] for t in plain] == [10, 25, 40, 55]
     assert [t["prefilled"] for t in cached] == [10, 15, 15, 15]
@@ -118,13 +134,13 @@ def test_streams_bench_shares_module_calls_between_streams(bundle_factory, tmp_p
     """--streams: streams submitted at once share every module call (a prompt within one chunk, then decode)."""
     bundle = bundle_factory("gemma3-tiny", batch=2)
     out = tmp_path / "streams.json"
-    assert main(["bench", str(bundle), "--streams", "1,2", "--prompt-len", "8", "--new-tokens", "6",
+    assert main(["bench", str(bundle), "--streams", "1,2", "--prompt-len", "8", "--new-tokens", "6", "--busy-ok",
                  "--json", str(out)]) == 0
     assert "6 greedy tokens per stream after a 8-token prompt" in capsys.readouterr().out
     results = json.loads(out.read_text())["streams"]
     assert [r["streams"] for r in results] == [1, 2] and all(r["rows"] == 2 for r in results)
     assert [r["module_calls"] for r in results] == [6, 6], "one call per token, for one stream or two"
-    assert all(r["aggregate_tok_s"] == pytest.approx(r["streams"] * r["per_stream_tok_s"]) for r in results)
+    assert [r["tokens"] for r in results] == [6, 12], "every stream's callbacks received all its tokens"
 
 
 def test_a_failing_child_names_the_engine():

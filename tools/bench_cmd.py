@@ -1,20 +1,34 @@
 """foldline bench BUNDLE: the CLI of the bench package (bench/), which holds the engines, modes and tables.
 
-    foldline bench BUNDLE [--prompt-len 128] [--new-tokens 128] [--llama-cpp [GGUF]] [--hf [MODEL]] [--rounds 3]
-                          [--ort-genai DIR] [--also BUNDLE]
+    foldline bench BUNDLE [--prompt-len 16,100,1000] [--new-tokens 128] [--threads 1,2] [--rounds 3]
+                          [--llama-cpp [GGUF]] [--hf [MODEL]] [--ort-genai DIR] [--also BUNDLE] [--plot FILE.png]
     foldline bench BUNDLE --held 128,1024,4096 | --streams 1,4,8 | --chat 5
 """
 
 from __future__ import annotations
 
+import argparse
+
 from .cli import positive_int, require_extra
+
+
+def positive_ints(text: str) -> list[int]:
+    """argparse type of a comma-separated list of counts (`16,100,1000`)."""
+    values = [positive_int(t.strip()) for t in text.split(",") if t.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure prefill/decode tokens/s and peak memory of a bundle (and torch eager)")
     p.add_argument("bundle", help="bundle directory")
-    p.add_argument("--prompt-len", type=positive_int, default=128, help="prompt tokens to prefill (default 128)")
-    p.add_argument("--new-tokens", type=positive_int, default=128, help="tokens to decode after the prompt (default 128)")
+    p.add_argument("--prompt-len", type=positive_ints, default=None, metavar="N[,N...]",
+                   help="prompt tokens to prefill; several lengths give a table each (e.g. 16,100,1000; default "
+                        "100, no multiple of a prefill chunk; 32 with --streams and --chat)")
+    p.add_argument("--new-tokens", type=positive_int, default=None,
+                   help="tokens to decode after the prompt (default 128; 32 with --held, 64 with --streams, "
+                        "16 with --chat)")
     p.add_argument("--llama-cpp", nargs="?", const="auto", default=None, metavar="GGUF",
                    help="also time llama.cpp (llama-cpp-python) on GGUF (default: not timed; GGUF defaults to "
                         "the GGUF the bundle came from)")
@@ -35,9 +49,17 @@ def add_parser(sub) -> None:
                    help="also time foldline's own torch reference module on MODEL (what compiling buys; not a "
                         "peer; default: not timed; needs the compiler extra)")
     p.add_argument("--rounds", type=positive_int, default=3,
-                   help="run the engines in turn this many times and report medians (default 3)")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="threads for foldline and every peer alike (default: all cores)")
+                   help="run every engine this many times, in a shuffled order each round, and report medians "
+                        "and the spread of each ratio (default 3)")
+    p.add_argument("--threads", type=positive_ints, default=None, metavar="N[,N...]",
+                   help="thread counts to run every engine at (e.g. 1,2); each engine's best is reported with its "
+                        "count (default: all cores)")
+    p.add_argument("--busy-ok", action="store_true",
+                   help="bench even when the host's 1-minute load exceeds half its cores (the tables are then "
+                        "flagged; default: refuse)")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also plot tok/s against prompt length (or tokens held, with --held) for every engine, "
+                        "the rounds' spread as error bars (needs the plot extra; default: no plot)")
     p.add_argument("--cpu", default=None, metavar="NAME",
                    help="bench the CPU module compiled for NAME (e.g. x86-64-v3: the AVX2 kernels on any "
                         "x86 host with AVX2), beside a llama.cpp built for the same ISA (--llama-python; "
@@ -72,6 +94,8 @@ def run(args) -> int:
         require_extra("compiler", ("torch",), what="--eager")
     if args.hf is not None:
         require_extra("compiler", ("torch", "gguf"), what="--hf")
+    if args.plot is not None:
+        require_extra("plot", ("matplotlib",), what="--plot")
     from ..bench import modes
     from ..contract.manifest import Manifest
 

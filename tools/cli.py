@@ -39,6 +39,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "compiler": ("torch", "iree.compiler", "gguf", "safetensors", "rich", "onnx", "onnxscript"),
     "serve": ("starlette", "uvicorn", "pydantic"),
     "onnx": ("onnxruntime",),
+    "plot": ("matplotlib",),
 }
 
 
