@@ -33,6 +33,7 @@ from .streams import bench_streams, parse_streams
 from .tables import (
     best_of_threads,
     combine_chat_rounds,
+    format_orders,
     format_table,
     print_chat,
     print_held,
@@ -141,17 +142,20 @@ def _header(host: HostLoad, text: str) -> None:
     print(text)
 
 
-def _print_run_notes(results: RoundResults, engines: dict[str, dict[str, Any]]) -> None:
-    """Under the tables: each round's order, the engines that did not run, foldline's module, the peers'
-    settings."""
-    print("order by round: " + "; ".join(f"{i + 1}: {', '.join(o)}" for i, o in enumerate(results.orders)))
+def _print_run_notes(results: RoundResults, by_length: dict[int, dict[str, dict[str, Any]]], what: str) -> None:
+    """Under the tables: each round's order, the engines that did not run, foldline's module, each engine's
+    best thread count, the peers' settings. what: what the lengths are ("prompt", "held")."""
+    print(format_orders(results.orders))
     for line in results.skipped.values():
         print(f"skipped {line}")
+    engines = next(iter(by_length.values()))
     compiled = next(iter(engines.values()))
     print(f"foldline: module {compiled.get('module', '?')}")
-    for name, figures in engines.items():
-        if len(figures.get("threads_tried", [])) > 1:
-            print(f"{name}: best at {figures['threads']} of {figures['threads_tried']} threads")
+    for name in engines:
+        tried = engines[name].get("threads_tried", [])
+        if len(tried) > 1:
+            best = ", ".join(f"{by_length[n][name]['threads']} at {what} {n}" for n in by_length if name in by_length[n])
+            print(f"{name}: best of {tried} threads: {best}")
     for peer in ("llama.cpp", "ORT GenAI"):
         if peer in engines:
             settings = engines[peer].get("settings") or {}
@@ -186,7 +190,7 @@ def run_throughput(args: Namespace, manifest: Manifest) -> int:
                       f"(min-max) over rounds")
         print(format_table(engines, length, new_tokens))
     first = by_length[lengths[0]]
-    _print_run_notes(results, first)
+    _print_run_notes(results, by_length, "prompt")
     if args.hadamard_online:
         compiled = next(iter(first.values()))
         online = run_foldline("engines", "bench_compiled", {
@@ -198,7 +202,7 @@ def run_throughput(args: Namespace, manifest: Manifest) -> int:
     if args.plot:
         from .plot import plot_throughput
 
-        plot_throughput(args.plot, name, by_length)
+        plot_throughput(args.plot, name + (" (HOST BUSY)" if host.busy else ""), by_length)
     _write_json(args, {"bundle": str(args.bundle), "model": name, "new_tokens": new_tokens, "seed": args.seed,
                        "threads": threads, "rounds": args.rounds, "orders": results.orders, "host_load": host.load,
                        "host_busy": host.busy, "prompt_len": lengths[0], "engines": first,
@@ -235,11 +239,11 @@ def run_held(args: Namespace, manifest: Manifest) -> int:
                   f"{manifest.max_context}), threads {','.join(map(str, threads))} (each engine's best), "
                   f"{host.describe()}, median of {args.rounds} shuffled round(s), ratios' (min-max) over rounds")
     print_held(list(by_length.items()))
-    _print_run_notes(results, by_length[lengths[0]])
+    _print_run_notes(results, by_length, "held")
     if args.plot:
         from .plot import plot_held
 
-        plot_held(args.plot, name, by_length)
+        plot_held(args.plot, name + (" (HOST BUSY)" if host.busy else ""), by_length)
     _write_json(args, {"bundle": str(args.bundle), "model": name, "new_tokens": new_tokens, "threads": threads,
                        "rounds": args.rounds, "orders": results.orders, "host_load": host.load,
                        "host_busy": host.busy, "held": [{"held": h, "engines": e} for h, e in by_length.items()]})
@@ -287,7 +291,7 @@ def run_chat(args: Namespace, manifest: Manifest) -> int:
     if host.busy:
         print(host.flag())
     print_chat(_model_name(manifest, args), engines, user_tokens, reply_tokens)
-    print("order by round: " + "; ".join(f"{i + 1}: {', '.join(o)}" for i, o in enumerate(results.orders)))
+    print(format_orders(results.orders))
     for line in results.skipped.values():
         print(f"skipped {line}")
     _write_json(args, {"chat": engines, "rounds": args.rounds, "orders": results.orders, "host_load": host.load,

@@ -89,6 +89,11 @@ def round_ratios(engines: dict[str, dict[str, Any]], key: str = "decode_tok_s") 
     return {o: [a[key] / b[key] for a, b in zip(first, engines[o]["rounds"]) if b.get(key)] for o in names[1:]}
 
 
+def format_orders(orders: list[list[str]]) -> str:
+    """Each round's order of the engines, as printed under the tables."""
+    return "order by round: " + "; ".join(f"{i + 1}: {' -> '.join(o)}" for i, o in enumerate(orders))
+
+
 def print_streams(name: str, results: list[dict[str, Any]], prompt_len: int, new_tokens: int) -> None:
     print(f"bench {name}: {new_tokens} greedy tokens per stream after a {prompt_len}-token prompt, "
           f"all streams submitted at once, {results[0]['rows']} rows")
@@ -137,13 +142,13 @@ def print_held(rows: list[tuple[int, dict[str, dict[str, Any]]]]) -> None:
     the spread over the rounds."""
     names = list(rows[0][1])
     first, others = names[0], names[1:]
-    table = [["tokens held", *(f"{n} decode tok/s" for n in names), f"{first} peak RSS (MiB)",
+    table = [["tokens held", *(f"{n} decode tok/s" for n in names), "peak RSS MiB (" + ", ".join(names) + ")",
               *(f"decode {first} / {o}" for o in others)]]
     for held, engines in rows:
         line = [str(held)]
         line += [f"{engines[n]['decode_tok_s']:.1f} ({engines[n]['threads']}t)" if n in engines else "-"
                  for n in names]
-        line.append(f"{engines[first]['peak_rss_mib']:.0f}")
+        line.append(" / ".join(f"{engines[n]['peak_rss_mib']:.0f}" if n in engines else "-" for n in names))
         line += [ratio_cell(engines[first], engines[o], "decode_tok_s") if o in engines else "-" for o in others]
         table.append(line)
     print(_aligned(table))

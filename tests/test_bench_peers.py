@@ -170,7 +170,7 @@ def test_bench_runs_every_engine_alike_in_shuffled_rounds(bundle_factory, stubs,
     names = ["foldline (cpu)", "llama.cpp", "ORT GenAI"]
     assert len(data["orders"]) == 2 and data["orders"][0] != data["orders"][1]
     assert all(sorted(o) == sorted(names) for o in data["orders"])
-    assert "order by round: 1: " + ", ".join(data["orders"][0]) in printed
+    assert "order by round: 1: " + " -> ".join(data["orders"][0]) + "; 2: " in printed
     assert [p["prompt_len"] for p in data["prompt_lengths"]] == [8, 20]
     assert "prefill tok/s (8 tokens)" in printed and "prefill tok/s (20 tokens)" in printed
     for entry in data["prompt_lengths"]:
