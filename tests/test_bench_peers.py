@@ -166,7 +166,9 @@ def test_bench_runs_every_engine_alike_in_shuffled_rounds(bundle_factory, stubs,
     rc, data = _bench_cli(bundle, tmp_path, genai_dir, "--prompt-len", "8,20", "--threads", "1,2",
                           "--rounds", "2", "--plot", str(plot))
     assert rc == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert "round 2/2, prompt 20, 2 threads: " in captured.err and "round 1/" not in printed  # progress: stderr
     names = ["foldline (cpu)", "llama.cpp", "ORT GenAI"]
     assert len(data["orders"]) == 2 and data["orders"][0] != data["orders"][1]
     assert all(sorted(o) == sorted(names) for o in data["orders"])
