@@ -40,9 +40,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from iree.compiler import ir
+
 from ..contract.block_formats import codes_dims
+from .builder import Builder, Value, stream_executable
 from .isa import Int8Isa
-from .mlir import as_tensor, f32_bits, f32_const, memref_type, stream_executable
+from .mlir import as_tensor, f32_bits, memref_type
 from .x86 import AVX512_VNNI
 
 # Workgroups per call below LARGE_N rows: every workgroup quantizes (and normalizes) the whole
@@ -188,273 +191,240 @@ def _nibble_mask(shape: Int8DotShape) -> list[int]:
     return mask
 
 
-def fifth_bit_constants(codes: int) -> list[str]:
-    """The constants `fifth_bit_lines` uses for runs of `codes` codes (once per function)."""
-    v = f"vector<{codes}xi8>"
-    return [f"%q5_zero{codes} = arith.constant dense<0> : {v}", f"%q5_16_{codes} = arith.constant dense<16> : {v}"]
+def fifth_bit_constants(b: Builder, codes: int) -> None:
+    """Make the constants `fifth_bits` uses for runs of `codes` codes here, once per function."""
+    b.shared(0, b.vector(codes, "i8"))
+    b.shared(16, b.vector(codes, "i8"))
 
 
-def fifth_bit_lines(out: str, packed: str, codes: int) -> list[str]:
-    """Lines making `out` (vector<codes x i8>: 16 or 0 per code) from `packed` (vector<codes/8 x i8>), the
-    q5 fifth bits of `codes` consecutive codes, bit t of byte j belonging to code 8j + t (frontend/quant.py).
+def fifth_bits(b: Builder, packed: Value, codes: int) -> Value:
+    """16 or 0 per code (vector<codes x i8>) from `packed` (vector<codes/8 x i8>), the q5 fifth bits of
+    `codes` consecutive codes, bit t of byte j belonging to code 8j + t (frontend/quant.py).
 
     The bytes are read as a vector of codes bits, the order LLVM gives a bitcast to i1 elements; on
     AVX-512 that is a mask register, and the select one masked move (`vpmovm2b`-like). Or-ed into the
     codes' nibbles this gives the 5-bit codes.
     """
-    v = f"vector<{codes}xi8>"
-    return [f"{out}_m = vector.bitcast {packed} : vector<{codes // 8}xi8> to vector<{codes}xi1>",
-            f"{out} = arith.select {out}_m, %q5_16_{codes}, %q5_zero{codes} : vector<{codes}xi1>, {v}"]
+    bits = b.vbitcast(packed, b.vector(codes, "i1"))
+    return b.select(bits, b.shared(16, b.vector(codes, "i8")), b.shared(0, b.vector(codes, "i8")))
 
 
-def quantize_group_lines(g: int) -> list[str]:
-    """Lines quantizing %v (vector<g x f32>, one group) to int8 as llama.cpp's Q8 rows do.
+@dataclass
+class QuantizedGroup:
+    """One activation group quantized to int8 as llama.cpp's Q8 rows: codes (vector<g x i8>), their
+    int32 sum (i32) and the scale d = max |x| / 127 (f32)."""
 
-    Defines %i8v (vector<g x i8> codes), %iv (the codes as i32), %isum (their i32 sum) and %d
-    (the scale, max |x| / 127). Shared by the decode kernel and the prefill GEMM's
-    activation pass, so both quantize a row identically.
+    codes: Value
+    code_sum: Value
+    scale: Value
+
+
+def quantize_group(b: Builder, v: Value, f0: Value, f127: Value) -> QuantizedGroup:
+    """Quantize v (vector<g x f32>, one group) to int8, rounding half to even; f0, f127: 0.0 and 127.0.
+
+    Shared by the decode kernel and the prefill GEMM's activation pass, so both quantize a row
+    identically.
     """
-    vf, vi = f"vector<{g}xf32>", f"vector<{g}xi32>"
-    return [
-        f"%av = math.absf %v : {vf}",
-        # max |x| as an integer max of the bit patterns (same order for non-negative floats): a float
-        # max reduction keeps NaN semantics and lowers to a serial chain of scalar compares.
-        f"%ab = arith.bitcast %av : {vf} to {vi}",
-        f"%amaxb = vector.reduction <maxui>, %ab : {vi} into i32",
-        "%amax = arith.bitcast %amaxb : i32 to f32",
-        "%d = arith.divf %amax, %f127 : f32",
-        "%nz = arith.cmpf ogt, %amax, %f0 : f32",
-        "%inv = arith.divf %f127, %amax : f32",
-        "%id = arith.select %nz, %inv, %f0 : f32",
-        f"%idv = vector.broadcast %id : f32 to {vf}",
-        f"%sv = arith.mulf %v, %idv : {vf}",
-        # LLVM's own roundeven (one vrndscaleps): math.roundeven expands to ~50 bit operations per vector.
-        f"%rv = llvm.intr.roundeven(%sv) : ({vf}) -> {vf}",
-        f"%iv = arith.fptosi %rv : {vf} to {vi}",
-        f"%isum = vector.reduction <add>, %iv : {vi} into i32",
-        f"%i8v = arith.trunci %iv : {vi} to vector<{g}xi8>",
-    ]
+    g = ir.VectorType(v.type).shape[0]
+    vi = b.vector(g, "i32")
+    magnitude = b.absf(v)
+    # max |x| as an integer max of the bit patterns (same order for non-negative floats): a float
+    # max reduction keeps NaN semantics and lowers to a serial chain of scalar compares.
+    amax = b.bitcast(b.reduce("maxui", b.bitcast(magnitude, vi)), b.element("f32"))
+    d = b.divf(amax, f127)
+    nonzero = b.cmpf_ogt(amax, f0)
+    inverse = b.select(nonzero, b.divf(f127, amax), f0)
+    scaled = b.mulf(v, b.broadcast(inverse, v.type))
+    # LLVM's own roundeven (one vrndscaleps): math.roundeven expands to ~50 bit operations per vector.
+    codes32 = b.fptosi(b.roundeven(scaled), vi)
+    code_sum = b.reduce("add", codes32)
+    return QuantizedGroup(b.trunci(codes32, b.vector(g, "i8")), code_sum, d)
 
 
-def _row_norm(s: Int8DotShape) -> list[str]:
-    """Lines defining %rr = rsqrt(mean(h^2) + eps) over the K values of %x (the un-normalized row)."""
+@dataclass
+class _Operands:
+    """The decode kernel's memrefs and the values every part of it reads."""
+
+    c0: Value
+    c1: Value
+    x: Value  # the activation row (or the gated row [g, u]), f32
+    w: Value | None  # the norm weight
+    codes: Value
+    scales: Value
+    mins: Value | None
+    res: Value | None  # the residual row
+    y: Value
+    xq: Value | None = None  # int8 activations in k order (stack)
+    dxe: Value | None = None  # dx per lane (stack)
+    cg: Value | None = None  # dx * sum xq per group (stack)
+    zf: Value | None = None  # a zero float accumulator
+    m15: Value | None = None  # the low-nibble mask
+    s4: Value | None = None  # the high nibble's shift
+    offset_bytes: Value | None = None  # -128: q8 codes offset by 128 (`_offset_codes`)
+
+
+def _row_norm(b: Builder, s: Int8DotShape, o: _Operands) -> Value:
+    """rsqrt(mean(h^2) + eps) over the K values of the un-normalized row."""
     assert s.norm is not None
-    return [
-        "%zs = arith.constant dense<0.0> : vector<16xf32>",
-        f"%nK = arith.constant {s.k} : index",
-        "%c16 = arith.constant 16 : index",
-        "%ssq = scf.for %i = %c0 to %nK step %c16 iter_args(%acc = %zs) -> (vector<16xf32>) {",
-        f"  %hv = vector.load %x[%i] : memref<{s.k}xf32>, vector<16xf32>",
-        "  %acc2 = math.fma %hv, %hv, %acc : vector<16xf32>",
-        "  scf.yield %acc2 : vector<16xf32>",
-        "}",
-        "%sumsq = vector.reduction <add>, %ssq : vector<16xf32> into f32",
-        f"%kf = arith.constant {float(s.k)} : f32",
-        "%mean = arith.divf %sumsq, %kf : f32",
-        f"%eps = arith.constant {f32_const(s.norm.eps)}",
-        "%meps = arith.addf %mean, %eps : f32",
-        "%rr = math.rsqrt %meps : f32",
-    ]
+    vf = b.vector(16, "f32")
+    zero = b.const(0.0, vf)
+    n_k = b.index(s.k)
+
+    def square_add(i: Value, acc: Value) -> list[Value]:
+        h = b.load(vf, o.x, [i])
+        return [b.fma(h, h, acc)]
+
+    sum_sq, = b.loop(o.c0, n_k, b.index(16), square_add, [zero])
+    mean = b.divf(b.reduce("add", sum_sq), b.const(float(s.k), "f32"))
+    return b.rsqrt(b.addf(mean, b.const(s.norm.eps, "f32")))
 
 
-def _normed_group(s: Int8DotShape) -> list[str]:
-    """Lines turning group %v of h (at %off) into (h * rr) * (w + offset), the graph's order of operations."""
+def _normed_group(b: Builder, s: Int8DotShape, o: _Operands, rr: Value, off: Value) -> Value:
+    """Group `off` of h turned into (h * rr) * (w + offset), the graph's order of operations."""
     assert s.norm is not None
-    g = s.group
-    vf = f"vector<{g}xf32>"
-    lines = [
-        f"%rrv = vector.broadcast %rr : f32 to {vf}",
-        f"%hr = arith.mulf %v0, %rrv : {vf}",
-        f"%wv0 = vector.load %w[%off] : memref<{s.k}xf32>, {vf}",
-    ]
-    weight = "%wv0"
+    vf = b.vector(s.group, "f32")
+    h = b.load(vf, o.x, [off])
+    scaled = b.mulf(h, b.broadcast(rr, vf))
+    weight = b.load(vf, o.w, [off])
     if s.norm.offset is not None:
-        lines += [f"%wo = arith.constant {f32_const(s.norm.offset)}",
-                  f"%wov = vector.broadcast %wo : f32 to {vf}",
-                  f"%wv = arith.addf %wv0, %wov : {vf}"]
-        weight = "%wv"
-    return lines + [f"%v = arith.mulf %hr, {weight} : {vf}"]
+        weight = b.addf(weight, b.broadcast(b.const(s.norm.offset, "f32"), vf))
+    return b.mulf(scaled, weight)
 
 
-def _gated_group(s: Int8DotShape) -> list[str]:
-    """Lines making group %v (at %off) of act(g) * u from the row [g, u].
+def _gated_group(b: Builder, s: Int8DotShape, o: _Operands, n_k: Value, off: Value) -> Value:
+    """Group `off` of act(g) * u from the row [g, u].
 
     silu: g * (1 / (1 + exp(-g))), the operations IREE lowers torch's sigmoid and
     product to; gelu_tanh: 0.5 g (1 + tanh(beta (g + kappa g^3))), torch's formula.
     """
-    g = s.group
-    vf, mem = f"vector<{g}xf32>", f"memref<{s.x_len}xf32>"
-    lines = [
-        f"%gv = vector.load %x[%off] : {mem}, {vf}",
-        "%uoff = arith.addi %off, %nK : index",
-        f"%uv = vector.load %x[%uoff] : {mem}, {vf}",
-        f"%one = arith.constant dense<1.0> : {vf}",
-    ]
+    vf = b.vector(s.group, "f32")
+    g = b.load(vf, o.x, [off])
+    u = b.load(vf, o.x, [b.addi(off, n_k)])
+    one = b.const(1.0, vf)
     if s.gate == "silu":
-        lines += [
-            f"%gneg = arith.negf %gv : {vf}",
-            f"%gexp = math.exp %gneg : {vf}",
-            f"%gden = arith.addf %gexp, %one : {vf}",
-            f"%gsig = arith.divf %one, %gden : {vf}",
-            f"%gact = arith.mulf %gv, %gsig : {vf}",
-        ]
+        activated = b.mulf(g, b.divf(one, b.addf(b.exp(b.negf(g)), one)))
     else:
-        lines += [
-            f"%half = arith.constant dense<0.5> : {vf}",
-            f"%kappa = arith.constant dense<{GELU_TANH_KAPPA}> : {vf}",
-            f"%beta = arith.constant dense<{GELU_TANH_BETA}> : {vf}",
-            f"%g2 = arith.mulf %gv, %gv : {vf}",
-            f"%g3 = arith.mulf %g2, %gv : {vf}",
-            f"%inner0 = math.fma %kappa, %g3, %gv : {vf}",
-            f"%inner = arith.mulf %beta, %inner0 : {vf}",
-            f"%th = math.tanh %inner : {vf}",
-            f"%th1 = arith.addf %th, %one : {vf}",
-            f"%hg = arith.mulf %half, %gv : {vf}",
-            f"%gact = arith.mulf %hg, %th1 : {vf}",
-        ]
-    return lines + [f"%v = arith.mulf %gact, %uv : {vf}"]
+        half, kappa, beta = b.const(0.5, vf), b.const(GELU_TANH_KAPPA, vf), b.const(GELU_TANH_BETA, vf)
+        cube = b.mulf(b.mulf(g, g), g)
+        inner = b.mulf(beta, b.fma(kappa, cube, g))
+        th1 = b.addf(b.tanh(inner), one)
+        activated = b.mulf(b.mulf(half, g), th1)
+    return b.mulf(activated, u)
 
 
-def _quantize_activation(s: Int8DotShape) -> list[str]:
-    """Lines filling %xq (int8 activations, k order), %dxe (dx per lane) and %cg (dx * sum xq per group).
+def _quantize_activation(b: Builder, s: Int8DotShape, o: _Operands) -> None:
+    """Fill o.xq (int8 activations, k order), o.dxe (dx per lane) and o.cg (dx * sum xq per group).
 
     With a fused norm the row is normalized group by group on its way in; a gated row is
-    turned into silu(g) * u the same way.
+    turned into act(g) * u the same way.
     """
-    g, G, lanes = s.group, s.groups, s.group // 4
-    if s.norm is not None:
-        load = ["%v0 = " + f"vector.load %x[%off] : memref<{s.k}xf32>, vector<{g}xf32>", *_normed_group(s)]
-    elif s.gated:
-        load = _gated_group(s)
-    else:
-        load = [f"%v = vector.load %x[%off] : memref<{s.k}xf32>, vector<{g}xf32>"]
-    lines = [*(_row_norm(s) if s.norm is not None else []),
-        *([f"%nK = arith.constant {s.k} : index"] if s.gated else []),
-        f"%xq = memref.alloca() : memref<{s.k}xi8>",
-        f"%dxe = memref.alloca() : memref<{s.k // 4}xf32>",
-        f"%cg = memref.alloca() : memref<{G}xf32>",
-        f"%nG = arith.constant {G} : index",
-        f"%ng = arith.constant {g} : index",
-        f"%nl = arith.constant {lanes} : index",
-        "%f0 = arith.constant 0.0 : f32",
-        "%f127 = arith.constant 127.0 : f32",
-        "scf.for %gi = %c0 to %nG step %c1 {",
-        "  %off = arith.muli %gi, %ng : index",
-        *[f"  {line}" for line in load],
-        *[f"  {line}" for line in quantize_group_lines(g)],
-        f"  vector.store %i8v, %xq[%off] : memref<{s.k}xi8>, vector<{g}xi8>",
-        "  %fsum = arith.sitofp %isum : i32 to f32",
-        "  %dsum = arith.mulf %fsum, %d : f32",
-        f"  %dv = vector.broadcast %d : f32 to vector<{lanes}xf32>",
-        "  %loff = arith.muli %gi, %nl : index",
-        f"  vector.store %dv, %dxe[%loff] : memref<{s.k // 4}xf32>, vector<{lanes}xf32>",
-        f"  memref.store %dsum, %cg[%gi] : memref<{G}xf32>",
-        "}",
-    ]
-    return lines
+    g, lanes = s.group, s.group // 4
+    rr = _row_norm(b, s, o) if s.norm is not None else None
+    n_k = b.index(s.k) if s.gated else None
+    o.xq = b.alloca(b.memref((s.k,), "i8"))
+    o.dxe = b.alloca(b.memref((s.k // 4,), "f32"))
+    o.cg = b.alloca(b.memref((s.groups,), "f32"))
+    n_groups, n_g, n_lanes = b.index(s.groups), b.index(g), b.index(lanes)
+    f0, f127 = b.const(0.0, "f32"), b.const(127.0, "f32")
+
+    def group(gi: Value) -> None:
+        off = b.muli(gi, n_g)
+        if rr is not None:
+            v = _normed_group(b, s, o, rr, off)
+        elif n_k is not None:
+            v = _gated_group(b, s, o, n_k, off)
+        else:
+            v = b.load(b.vector(g, "f32"), o.x, [off])
+        q = quantize_group(b, v, f0, f127)
+        b.store(q.codes, o.xq, [off])
+        dsum = b.mulf(b.sitofp(q.code_sum, b.element("f32")), q.scale)
+        dv = b.broadcast(q.scale, b.vector(lanes, "f32"))
+        b.store(dv, o.dxe, [b.muli(gi, n_lanes)])
+        b.store_scalar(dsum, o.cg, [gi])
+
+    b.loop(o.c0, n_groups, o.c1, group)
 
 
-def _step(s: Int8DotShape, i: int, acc: str) -> list[str]:
-    """Step i of a row: its 64 codes against activations [64 i, 64 i + 64), added to acc into %acc_{i}."""
+@dataclass
+class _StepOffsets:
+    """Step i's index constants: its activations (k), lanes of dx (l), groups (g), nibble bytes (h),
+    fifth-bit bytes (f)."""
+
+    k: Value
+    l: Value  # noqa: E741
+    g: Value
+    h: Value | None
+    f: Value | None
+
+
+def _step(b: Builder, s: Int8DotShape, o: _Operands, row: Value, at: _StepOffsets, acc: Value) -> Value:
+    """One step of a row: its 64 codes against activations [k, k + 64), added to acc (vector<16xf32>)."""
     per = CODES_PER_STEP // s.group  # groups per step
-    st = s.scale_type
-    lines = [f"%xs{i} = vector.load %xq[%k{i}] : memref<{s.k}xi8>, vector<64xi8>"]
+    v64 = b.vector(64, "i8")
+    xs = b.load(v64, o.xq, [at.k])
     if s.fmt in ("q4", "q5"):
-        nibbles = "%q" if s.fmt == "q4" else "%ql"
-        lines += [
-            f"%b{i} = vector.load %codes[%row, %h{i}] : {_codes_memref(s)}, vector<32xi8>",
-            f"%lo{i} = arith.andi %b{i}, %m15 : vector<32xi8>",
-            f"%hi{i} = arith.shrui %b{i}, %s4 : vector<32xi8>",
-            f"{nibbles}{i} = vector.shuffle %lo{i}, %hi{i} {_nibble_mask(s)} : vector<32xi8>, vector<32xi8>",
-        ]
+        v32 = b.vector(32, "i8")
+        packed = b.load(v32, o.codes, [row, at.h])
+        q = b.shuffle(b.andi(packed, o.m15), b.shrui(packed, o.s4), _nibble_mask(s))
         if s.fmt == "q5":
-            lines += [f"%fb{i} = vector.load %codes[%row, %fi{i}] : {_codes_memref(s)}, vector<8xi8>",
-                      *fifth_bit_lines(f"%fx{i}", f"%fb{i}", CODES_PER_STEP),
-                      f"%q{i} = arith.ori %ql{i}, %fx{i} : vector<64xi8>"]
-        lines += s.isa.dot_unsigned(f"%d{i}", "%isa_zi", f"%q{i}", f"%xs{i}")
+            fifth = fifth_bits(b, b.load(b.vector(8, "i8"), o.codes, [row, at.f]), CODES_PER_STEP)
+            q = b.ori(q, fifth)
+        d = s.isa.dot_unsigned(b, None, q, xs)
     elif _offset_codes(s):
-        lines += [
-            f"%q{i} = vector.load %codes[%row, %k{i}] : {_codes_memref(s)}, vector<64xi8>",
-            f"%qu{i} = arith.xori %q{i}, %q8_x128 : vector<64xi8>",  # q + 128, read unsigned
-            *s.isa.dot_unsigned(f"%d{i}", "%isa_zi", f"%qu{i}", f"%xs{i}"),
-        ]
+        q = b.load(v64, o.codes, [row, at.k])
+        d = s.isa.dot_unsigned(b, None, b.xori(q, o.offset_bytes), xs)  # q + 128, read unsigned
     else:
-        lines += [
-            f"%q{i} = vector.load %codes[%row, %k{i}] : {_codes_memref(s)}, vector<64xi8>",
-            *s.isa.dot_signed(f"%d{i}", "%isa_zi", f"%xs{i}", f"%q{i}"),
-        ]
-    spread = _spread_mask(s)
-    lines += [
-        f"%df{i} = arith.sitofp %d{i} : vector<16xi32> to vector<16xf32>",
-        f"%sg{i} = vector.load %scales[%row, %g{i}] : {_scales_memref(s)}, vector<{per}x{st}>",
-    ]
-    sg = f"%sg{i}"
-    if st == "f16":
-        lines.append(f"%sgf{i} = arith.extf %sg{i} : vector<{per}xf16> to vector<{per}xf32>")
-        sg = f"%sgf{i}"
-    lines += [
-        f"%dxv{i} = vector.load %dxe[%l{i}] : memref<{s.k // 4}xf32>, vector<16xf32>",
-        f"%sl{i} = vector.shuffle {sg}, {sg} {spread} : vector<{per}xf32>, vector<{per}xf32>",
-        f"%sx{i} = arith.mulf %sl{i}, %dxv{i} : vector<16xf32>",
-        f"%acc_{i} = math.fma %df{i}, %sx{i}, {acc} : vector<16xf32>",
-    ]
-    return lines
+        q = b.load(v64, o.codes, [row, at.k])
+        d = s.isa.dot_signed(b, None, xs, q)
+    vf = b.vector(16, "f32")
+    df = b.sitofp(d, vf)
+    sg = b.load(b.vector(per, s.scale_type), o.scales, [row, at.g])
+    if s.scale_type == "f16":
+        sg = b.extf(sg, b.vector(per, "f32"))
+    dxv = b.load(vf, o.dxe, [at.l])
+    sx = b.mulf(b.shuffle(sg, sg, _spread_mask(s)), dxv)
+    return b.fma(df, sx, acc)
 
 
-def _dot_with_group_sums(s: Int8DotShape, per_group: str, tag: str) -> list[str]:
-    """Lines defining {tag}sum = sum_g per_group[%row, g] * %cg[g] (%cg: each group's dx * sum xq)."""
-    G, st = s.groups, s.scale_type
-    lines = [f"{tag}row = vector.load {per_group}[%row, %c0] : {_scales_memref(s)}, vector<{G}x{st}>"]
-    row = f"{tag}row"
-    if st == "f16":
-        lines.append(f"{tag}rowf = arith.extf {row} : vector<{G}xf16> to vector<{G}xf32>")
-        row = f"{tag}rowf"
-    return lines + [f"{tag}cgv = vector.load %cg[%c0] : memref<{G}xf32>, vector<{G}xf32>",
-                    f"{tag}prod = arith.mulf {row}, {tag}cgv : vector<{G}xf32>",
-                    f"{tag}sum = vector.reduction <add>, {tag}prod : vector<{G}xf32> into f32"]
+def _dot_with_group_sums(b: Builder, s: Int8DotShape, o: _Operands, per_group: Value, row: Value) -> Value:
+    """sum_g per_group[row, g] * cg[g] (cg: each group's dx * sum xq)."""
+    groups = b.load(b.vector(s.groups, s.scale_type), per_group, [row, o.c0])
+    if s.scale_type == "f16":
+        groups = b.extf(groups, b.vector(s.groups, "f32"))
+    sums = b.load(b.vector(s.groups, "f32"), o.cg, [o.c0])
+    return b.reduce("add", b.mulf(groups, sums))
 
 
-def _row(s: Int8DotShape) -> list[str]:
-    """The body computing y[%row]: every step of the row unrolled, CHAINS independent accumulators."""
+def _row(b: Builder, s: Int8DotShape, o: _Operands, row: Value) -> None:
+    """y[row]: every step of the row unrolled, CHAINS independent accumulators."""
     steps = s.k // CODES_PER_STEP
     per = CODES_PER_STEP // s.group
-    lines = []
+    offsets = []
     for i in range(steps):
-        lines += [f"%k{i} = arith.constant {i * CODES_PER_STEP} : index",
-                  f"%l{i} = arith.constant {i * CODES_PER_STEP // 4} : index",
-                  f"%g{i} = arith.constant {i * per} : index"]
-        if s.fmt in ("q4", "q5"):
-            lines.append(f"%h{i} = arith.constant {i * CODES_PER_STEP // 2} : index")
-        if s.fmt == "q5":  # the fifth bits follow the K/2 nibble bytes of the row
-            lines.append(f"%fi{i} = arith.constant {s.k // 2 + i * CODES_PER_STEP // 8} : index")
-    last: dict[int, str] = {}  # chain -> its latest accumulator
+        k, lanes, g = b.index(i * CODES_PER_STEP), b.index(i * CODES_PER_STEP // 4), b.index(i * per)
+        h = b.index(i * CODES_PER_STEP // 2) if s.fmt in ("q4", "q5") else None
+        # the fifth bits follow the K/2 nibble bytes of the row
+        f = b.index(s.k // 2 + i * CODES_PER_STEP // 8) if s.fmt == "q5" else None
+        offsets.append(_StepOffsets(k, lanes, g, h, f))
+    last: dict[int, Value] = {}  # chain -> its latest accumulator
     for i in range(steps):
         c = i % CHAINS
-        lines += _step(s, i, last.get(c, "%zf"))
-        last[c] = f"%acc_{i}"
+        last[c] = _step(b, s, o, row, offsets[i], last.get(c, o.zf))
     total = last[0]
     for c in range(1, min(CHAINS, steps)):
-        lines.append(f"%sum_a{c} = arith.addf {total}, {last[c]} : vector<16xf32>")
-        total = f"%sum_a{c}"
-    lines.append(f"%sum = vector.reduction <add>, {total} : vector<16xf32> into f32")
-    out = "%sum"
+        total = b.addf(total, last[c])
+    out = b.reduce("add", total)
     if s.has_min:
         # sum_g m[n, g] * dx[g] * sum_k xq[g, k]: one short dot per row, not a term of every step
         # (docs/quantization.md, "The kernels")
-        lines += [*_dot_with_group_sums(s, "%mins", "%m"), f"%withmin = arith.addf {out}, %msum : f32"]
-        out = "%withmin"
+        out = b.addf(out, _dot_with_group_sums(b, s, o, o.mins, row))
     if _offset_codes(s):
         # - sum_g s[n, g] * 128 * dx[g] * sum_k xq[g, k]: the codes' offset, taken out once per row
-        lines += [*_dot_with_group_sums(s, "%scales", "%o"),
-                  "%o128 = arith.constant 128.0 : f32",
-                  "%ooff = arith.mulf %osum, %o128 : f32",
-                  f"%unoffset = arith.subf {out}, %ooff : f32"]
-        out = "%unoffset"
+        offset = _dot_with_group_sums(b, s, o, o.scales, row)
+        out = b.subf(out, b.mulf(offset, b.const(128.0, "f32")))
     if s.residual:  # r + y, the graph's add (IEEE addition commutes exactly)
-        lines += [f"%rrow = memref.load %res[%row] : memref<{s.n}xf32>", f"%withres = arith.addf %rrow, {out} : f32"]
-        out = "%withres"
-    lines.append(f"memref.store {out}, %y[%row] : memref<{s.n}xf32>")
-    return lines
+        out = b.addf(b.load_scalar(o.res, [row]), out)
+    b.store_scalar(out, o.y, [row])
 
 
 def int8_dot_executable(s: Int8DotShape) -> str:
@@ -469,39 +439,33 @@ def int8_dot_executable(s: Int8DotShape) -> str:
     if not supports(s):
         raise ValueError(f"no int8-dot kernel for {s}")
     rows = s.rows_per_workgroup
-    bindings = ["%xb: !stream.binding"] + (["%wb: !stream.binding"] if s.norm is not None else [])
-    bindings += ["%cb: !stream.binding", "%sb: !stream.binding"] + (["%mb: !stream.binding"] if s.has_min else [])
-    bindings += (["%rb: !stream.binding"] if s.residual else []) + ["%yb: !stream.binding"]
-    body = [
-        "%c0 = arith.constant 0 : index",
-        "%c1 = arith.constant 1 : index",
-        f"%x = stream.binding.subspan %xb[%c0] : !stream.binding -> memref<{s.x_len}xf32>",
-        *([f"%w = stream.binding.subspan %wb[%c0] : !stream.binding -> memref<{s.k}xf32>"]
-          if s.norm is not None else []),
-        f"%codes = stream.binding.subspan %cb[%c0] : !stream.binding -> {_codes_memref(s)}",
-        f"%scales = stream.binding.subspan %sb[%c0] : !stream.binding -> {_scales_memref(s)}",
-        *([f"%mins = stream.binding.subspan %mb[%c0] : !stream.binding -> {_scales_memref(s)}"]
-          if s.has_min else []),
-        *([f"%res = stream.binding.subspan %rb[%c0] : !stream.binding -> memref<{s.n}xf32>"] if s.residual else []),
-        f"%y = stream.binding.subspan %yb[%c0] : !stream.binding -> memref<{s.n}xf32>",
-        "%wg = stream.dispatch.workgroup.id[0] : index",
-        *_quantize_activation(s),
-        *s.isa.constants(),
-        "%zf = arith.constant dense<0.0> : vector<16xf32>",
-        "%m15 = arith.constant dense<15> : vector<32xi8>",
-        "%s4 = arith.constant dense<4> : vector<32xi8>",
-        *(fifth_bit_constants(CODES_PER_STEP) if s.fmt == "q5" else []),
-        *(["%q8_x128 = arith.constant dense<-128> : vector<64xi8>"] if _offset_codes(s) else []),
-        f"%nrows = arith.constant {rows} : index",
-        "%rowbase = arith.muli %wg, %nrows : index",
-        "%rowend = arith.addi %rowbase, %nrows : index",
-        "scf.for %row = %rowbase to %rowend step %c1 {",
-        *[f"  {line}" for line in _row(s)],
-        "}",
-    ]
+    bindings = 4 + (s.norm is not None) + s.has_min + s.residual
+
+    def body(b: Builder, args: list[Value]) -> None:
+        arg = iter(args)
+        c0, c1 = b.index(0), b.index(1)
+        scales_t = b.memref((s.n, s.groups), s.scale_type)
+        x = b.subspan(next(arg), c0, b.memref((s.x_len,), "f32"))
+        w = b.subspan(next(arg), c0, b.memref((s.k,), "f32")) if s.norm is not None else None
+        codes = b.subspan(next(arg), c0, b.memref(codes_dims(s.fmt, s.n, s.k), "i8"))
+        scales = b.subspan(next(arg), c0, scales_t)
+        mins = b.subspan(next(arg), c0, scales_t) if s.has_min else None
+        res = b.subspan(next(arg), c0, b.memref((s.n,), "f32")) if s.residual else None
+        o = _Operands(c0, c1, x, w, codes, scales, mins, res, b.subspan(next(arg), c0, b.memref((s.n,), "f32")))
+        workgroup = b.workgroup_id()
+        _quantize_activation(b, s, o)
+        s.isa.constants(b)
+        o.zf = b.const(0.0, b.vector(16, "f32"))
+        o.m15, o.s4 = b.const(15, b.vector(32, "i8")), b.const(4, b.vector(32, "i8"))
+        if s.fmt == "q5":
+            fifth_bit_constants(b, CODES_PER_STEP)
+        if _offset_codes(s):
+            o.offset_bytes = b.const(-128, b.vector(64, "i8"))
+        n_rows = b.index(rows)
+        first = b.muli(workgroup, n_rows)
+        b.loop(first, b.addi(first, n_rows), c1, lambda row: _row(b, s, o, row))
+
     return stream_executable(s.name, s.n // rows, bindings, body)
-
-
 
 
 def int8_dot_dispatch(s: Int8DotShape, x: str, codes: str, scales: str, mins: str | None, result: str,

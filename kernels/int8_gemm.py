@@ -47,9 +47,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..contract.block_formats import codes_dims
-from .int8_decode import fifth_bit_constants, fifth_bit_lines, quantize_group_lines
+from .builder import Builder, Value, stream_executable
+from .int8_decode import fifth_bit_constants, fifth_bits, quantize_group
 from .isa import Int8Isa
-from .mlir import as_tensor, memref_type, stream_executable
+from .mlir import as_tensor, memref_type
 from .x86 import AVX512_VNNI
 
 ROW_VECTORS = 2  # row vectors of 16 per register block (on 512-bit registers)
@@ -145,6 +146,15 @@ def _per_group_memref(s: Int8GemmShape, element: str) -> str:
     return f"memref<{s.groups}x{s.m}x{element}>"
 
 
+def _xq_type(b: Builder, s: Int8GemmShape):
+    w = _row_bytes(s)
+    return b.memref((s.k // w, w * s.m), "i8")
+
+
+def _per_group_type(b: Builder, s: Int8GemmShape, element: str):
+    return b.memref((s.groups, s.m), element)
+
+
 def _codes_memref(s: Int8GemmShape) -> str:
     return memref_type(codes_dims(s.fmt, s.n, s.k), "i8")
 
@@ -163,184 +173,196 @@ def quantize_executable(s: Int8GemmShape) -> str:
     lines one after the other; row by row, a 2048-wide row touched ~900 lines, more than L1 holds
     (docs/quantization.md, "Prefill chunks").
     """
-    g, G, width = s.group, s.groups, _row_bytes(s)
-    body = [
-        "%c0 = arith.constant 0 : index",
-        "%c1 = arith.constant 1 : index",
-        "%c4 = arith.constant 4 : index",
-        *[f"%cq{q} = arith.constant {q} : index" for q in range(g // 4)],
-        f"%x = stream.binding.subspan %xb[%c0] : !stream.binding -> memref<{s.m}x{s.k}xf32>",
-        f"%xq = stream.binding.subspan %qb[%c0] : !stream.binding -> {_xq_memref(s)}",
-        f"%dx = stream.binding.subspan %db[%c0] : !stream.binding -> {_per_group_memref(s, 'f32')}",
-        f"%cg = stream.binding.subspan %cb[%c0] : !stream.binding -> {_per_group_memref(s, 'f32')}",
-        f"%ofs = stream.binding.subspan %ob[%c0] : !stream.binding -> {_per_group_memref(s, 'i32')}",
-        "%wg = stream.dispatch.workgroup.id[0] : index",
-        f"%nrows = arith.constant {QUANTIZE_ROWS} : index",
-        "%row0 = arith.muli %wg, %nrows : index",
-        "%rowend = arith.addi %row0, %nrows : index",
-        f"%cw = arith.constant {width} : index",
-        f"%nG = arith.constant {G} : index",
-        f"%ng = arith.constant {g} : index",
-        f"%nq = arith.constant {g // width} : index",
-        "%f0 = arith.constant 0.0 : f32",
-        "%f127 = arith.constant 127.0 : f32",
-        "%im128 = arith.constant -128 : i32",
-        "scf.for %gi = %c0 to %nG step %c1 {",
-        "%off = arith.muli %gi, %ng : index",
-        "%q0 = arith.muli %gi, %nq : index",
-        "scf.for %row = %row0 to %rowend step %c1 {",
-        "  %rowcol = arith.muli %row, %cw : index",
-        f"  %v = vector.load %x[%row, %off] : memref<{s.m}x{s.k}xf32>, vector<{g}xf32>",
-        *[f"  {line}" for line in quantize_group_lines(g)],
-    ]
-    for q in range(g // width):
-        body += [
-            f"  %p{q} = vector.shuffle %i8v, %i8v {list(range(width * q, width * q + width))} "
-            f": vector<{g}xi8>, vector<{g}xi8>",
-            f"  %kq{q} = arith.addi %q0, %cq{q} : index",
-            f"  vector.store %p{q}, %xq[%kq{q}, %rowcol] : {_xq_memref(s)}, vector<{width}xi8>",
-        ]
-    body += [
-        f"  memref.store %d, %dx[%gi, %row] : {_per_group_memref(s, 'f32')}",
-        "  %fsum = arith.sitofp %isum : i32 to f32",
-        "  %dsum = arith.mulf %fsum, %d : f32",
-        f"  memref.store %dsum, %cg[%gi, %row] : {_per_group_memref(s, 'f32')}",
-        "  %osum = arith.muli %isum, %im128 : i32",
-        f"  memref.store %osum, %ofs[%gi, %row] : {_per_group_memref(s, 'i32')}",
-        "}",
-        "}",
-    ]
-    bindings = [f"%{b}: !stream.binding" for b in ("xb", "qb", "db", "cb", "ob")]
-    return stream_executable(s.quantize_name, s.m // QUANTIZE_ROWS, bindings, body)
+    g, width = s.group, _row_bytes(s)
+
+    def body(b: Builder, args: list[Value]) -> None:
+        c0, c1 = b.index(0), b.index(1)
+        quads = [b.index(q) for q in range(g // 4)]
+        x = b.subspan(args[0], c0, b.memref((s.m, s.k), "f32"))
+        xq = b.subspan(args[1], c0, _xq_type(b, s))
+        dx, cg, ofs = (b.subspan(a, c0, _per_group_type(b, s, t)) for a, t in zip(args[2:], ("f32", "f32", "i32")))
+        workgroup = b.workgroup_id()
+        n_rows = b.index(QUANTIZE_ROWS)
+        first = b.muli(workgroup, n_rows)
+        end = b.addi(first, n_rows)
+        c_width, n_groups, n_g, n_q = b.index(width), b.index(s.groups), b.index(g), b.index(g // width)
+        f0, f127 = b.const(0.0, "f32"), b.const(127.0, "f32")
+        minus_128 = b.const(-128, "i32")
+
+        def group(gi: Value) -> None:
+            off, q0 = b.muli(gi, n_g), b.muli(gi, n_q)
+
+            def row(r: Value) -> None:
+                column = b.muli(r, c_width)
+                q = quantize_group(b, b.load(b.vector(g, "f32"), x, [r, off]), f0, f127)
+                for i in range(g // width):
+                    piece = b.shuffle(q.codes, q.codes, list(range(width * i, width * i + width)))
+                    b.store(piece, xq, [b.addi(q0, quads[i]), column])
+                b.store_scalar(q.scale, dx, [gi, r])
+                b.store_scalar(b.mulf(b.sitofp(q.code_sum, b.element("f32")), q.scale), cg, [gi, r])
+                b.store_scalar(b.muli(q.code_sum, minus_128), ofs, [gi, r])
+
+            b.loop(first, end, c1, row)
+
+        b.loop(c0, n_groups, c1, group)
+
+    return stream_executable(s.quantize_name, s.m // QUANTIZE_ROWS, 5, body)
 
 
-def _unpack_codes(s: Int8GemmShape) -> list[str]:
-    """Lines filling %w [NT, chunk/4] i32 with the chunk's codes (groups %g0 ...) as unsigned bytes in k order."""
-    g, nt, wq = s.group, s.tile_channels, s.chunk // 4
-    w_t = f"memref<{nt}x{wq}xi32>"
-    lines = [
-        "scf.for %t = %c0 to %ntile step %c1 {",
-        "  %cn = arith.addi %n0, %t : index",
-        "  scf.for %gl = %c0 to %nGc step %c1 {",
-        "    %gi = arith.addi %g0, %gl : index",
-        "    %q0 = arith.muli %gl, %nq : index",
-    ]
-    if s.fmt in ("q4", "q5"):  # a group's g/2 bytes: byte b holds code b (low nibble) and b + g/2 (high)
-        half, words = g // 2, g // 8
-        lines += [
-            f"    %nb = arith.constant {half} : index",
-            "    %boff = arith.muli %gi, %nb : index",
-            f"    %b = vector.load %codes[%cn, %boff] : {_codes_memref(s)}, vector<{half}xi8>",
-            f"    %m15 = arith.constant dense<15> : vector<{half}xi8>",
-            f"    %s4 = arith.constant dense<4> : vector<{half}xi8>",
-            f"    %lo = arith.andi %b, %m15 : vector<{half}xi8>",
-            f"    %hi = arith.shrui %b, %s4 : vector<{half}xi8>",
-        ]
-        if s.fmt == "q5":  # the group's g codes in k order with their fifth bits (g/8 bytes after the nibbles)
-            lines += [
-                f"    %fbase = arith.constant {s.k // 2} : index",
-                f"    %nf = arith.constant {g // 8} : index",
-                "    %fg = arith.muli %gi, %nf : index",
-                "    %foff = arith.addi %fbase, %fg : index",
-                f"    %fb = vector.load %codes[%cn, %foff] : {_codes_memref(s)}, vector<{g // 8}xi8>",
-                *[f"    {line}" for line in fifth_bit_lines("%fx", "%fb", g)],
-                f"    %q4k = vector.shuffle %lo, %hi {list(range(g))} : vector<{half}xi8>, vector<{half}xi8>",
-                f"    %q5k = arith.ori %q4k, %fx : vector<{g}xi8>",
-                f"    %q5w = vector.bitcast %q5k : vector<{g}xi8> to vector<{g // 4}xi32>",
-                f"    vector.store %q5w, %w[%t, %q0] : {w_t}, vector<{g // 4}xi32>",
-            ]
-        else:
-            lines += [
-                f"    %lo32 = vector.bitcast %lo : vector<{half}xi8> to vector<{words}xi32>",
-                f"    %hi32 = vector.bitcast %hi : vector<{half}xi8> to vector<{words}xi32>",
-                f"    %nw = arith.constant {words} : index",
-                "    %q1 = arith.addi %q0, %nw : index",
-                f"    vector.store %lo32, %w[%t, %q0] : {w_t}, vector<{words}xi32>",
-                f"    vector.store %hi32, %w[%t, %q1] : {w_t}, vector<{words}xi32>",
-            ]
-    elif s.signed_codes:  # q8 codes as they are, met by the form's signed product
-        lines += [
-            f"    %ng = arith.constant {g} : index",
-            "    %koff = arith.muli %gi, %ng : index",
-            f"    %b = vector.load %codes[%cn, %koff] : {_codes_memref(s)}, vector<{g}xi8>",
-            f"    %b32 = vector.bitcast %b : vector<{g}xi8> to vector<{g // 4}xi32>",
-            f"    vector.store %b32, %w[%t, %q0] : {w_t}, vector<{g // 4}xi32>",
-        ]
-    else:  # signed codes + 128 as unsigned bytes
-        lines += [
-            f"    %ng = arith.constant {g} : index",
-            "    %koff = arith.muli %gi, %ng : index",
-            f"    %b = vector.load %codes[%cn, %koff] : {_codes_memref(s)}, vector<{g}xi8>",
-            f"    %x128 = arith.constant dense<-128> : vector<{g}xi8>",
-            f"    %u = arith.xori %b, %x128 : vector<{g}xi8>",
-            f"    %u32 = vector.bitcast %u : vector<{g}xi8> to vector<{g // 4}xi32>",
-            f"    vector.store %u32, %w[%t, %q0] : {w_t}, vector<{g // 4}xi32>",
-        ]
-    lines += ["  }", "}"]
-    return lines
+@dataclass
+class GemmOperands:
+    """What every GEMM form opens with (`gemm_prologue`): its bindings' memrefs, the workgroup's first
+    channel n0, the stack tile w [NT, chunk/4] of unpacked codes, the counts `unpack_codes` reads."""
+
+    c0: Value
+    c1: Value
+    xq: Value  # the quantized activations (_xq_memref)
+    dx: Value  # each row's scale per group
+    cg: Value  # dx * sum xq per group and row
+    ofs: Value  # -128 * sum xq per group and row
+    codes: Value
+    scales: Value
+    mins: Value | None
+    y: Value
+    n_tile: Value  # channels per workgroup
+    n0: Value
+    w: Value
+    n_q: Value  # quads (4 codes) per group
+    n_chunk_groups: Value
+    n_groups: Value
 
 
-def _group_step(s: Int8GemmShape) -> list[str]:
-    """The body of the loop over a chunk's groups (%gl): int32 sums of a group for the register block, then
-    scaled into the float accumulators."""
+def gemm_prologue(b: Builder, s: Int8GemmShape, args: list[Value]) -> GemmOperands:
+    """The ops every GEMM form opens with, on its bindings: the quantize dispatch's four results, codes,
+    scales, mins, y."""
+    c0, c1 = b.index(0), b.index(1)
+    per_f32 = _per_group_type(b, s, "f32")
+    arg = iter(args)
+    xq, dx, cg = b.subspan(next(arg), c0, _xq_type(b, s)), b.subspan(next(arg), c0, per_f32), b.subspan(
+        next(arg), c0, per_f32)
+    ofs = b.subspan(next(arg), c0, _per_group_type(b, s, "i32"))
+    codes = b.subspan(next(arg), c0, b.memref(codes_dims(s.fmt, s.n, s.k), "i8"))
+    scales_t = b.memref((s.n, s.groups), s.scale_type)
+    scales = b.subspan(next(arg), c0, scales_t)
+    mins = b.subspan(next(arg), c0, scales_t) if s.has_min else None
+    y = b.subspan(next(arg), c0, b.memref((s.m, s.n), "f32"))
+    workgroup = b.workgroup_id()
+    n_tile = b.index(s.tile_channels)
+    n0 = b.muli(workgroup, n_tile)
+    w = b.alloca(b.memref((s.tile_channels, s.chunk // 4), "i32"))
+    o = GemmOperands(c0, c1, xq, dx, cg, ofs, codes, scales, mins, y, n_tile, n0, w, b.index(s.group // 4),
+                     b.index(s.chunk // s.group), b.index(s.groups))
+    if s.fmt == "q5":
+        fifth_bit_constants(b, s.group)
+    return o
+
+
+def gemm_bindings(s: Int8GemmShape) -> int:
+    """The GEMM executable's bindings: the quantize dispatch's four results, codes, scales, mins, y."""
+    return 7 + s.has_min
+
+
+def unpack_codes(b: Builder, s: Int8GemmShape, o: GemmOperands, g0: Value) -> None:
+    """Fill o.w [NT, chunk/4] i32 with the chunk's codes (groups from g0) as unsigned bytes in k order."""
+    g = s.group
+
+    def channel(t: Value) -> None:
+        cn = b.addi(o.n0, t)
+
+        def group(gl: Value) -> None:
+            gi = b.addi(g0, gl)
+            q0 = b.muli(gl, o.n_q)
+            words = b.vector(g // 4, "i32")
+            if s.fmt in ("q4", "q5"):  # a group's g/2 bytes: byte b holds code b (low nibble) and b + g/2 (high)
+                half = g // 2
+                vh = b.vector(half, "i8")
+                packed = b.load(vh, o.codes, [cn, b.muli(gi, b.index(half))])
+                m15, s4 = b.const(15, vh), b.const(4, vh)
+                lo, hi = b.andi(packed, m15), b.shrui(packed, s4)
+                if s.fmt == "q5":  # the group's g codes in k order with their fifth bits (g/8 bytes after the nibbles)
+                    f_base, n_f = b.index(s.k // 2), b.index(g // 8)
+                    f_off = b.addi(f_base, b.muli(gi, n_f))
+                    fifth = fifth_bits(b, b.load(b.vector(g // 8, "i8"), o.codes, [cn, f_off]), g)
+                    q5 = b.ori(b.shuffle(lo, hi, list(range(g))), fifth)
+                    b.store(b.vbitcast(q5, words), o.w, [t, q0])
+                else:
+                    half_words = b.vector(g // 8, "i32")
+                    lo32, hi32 = b.vbitcast(lo, half_words), b.vbitcast(hi, half_words)
+                    q1 = b.addi(q0, b.index(g // 8))
+                    b.store(lo32, o.w, [t, q0])
+                    b.store(hi32, o.w, [t, q1])
+                return
+            packed = b.load(b.vector(g, "i8"), o.codes, [cn, b.muli(gi, b.index(g))])
+            if not s.signed_codes:  # signed codes + 128 as unsigned bytes (else met by the form's signed product)
+                packed = b.xori(packed, b.const(-128, b.vector(g, "i8")))
+            b.store(b.vbitcast(packed, words), o.w, [t, q0])
+
+        b.loop(o.c0, o.n_chunk_groups, o.c1, group)
+
+    b.loop(o.c0, o.n_tile, o.c1, channel)
+
+
+@dataclass
+class _Block:
+    """One register block's indices: its row vectors' rows (mr) and byte columns (mb4), its channels in the
+    tile (jc) and in y (nc)."""
+
+    mr: list[Value]
+    mb4: list[Value]
+    jc: list[Value]
+    nc: list[Value]
+
+
+def _group_step(b: Builder, s: Int8GemmShape, o: GemmOperands, g0: Value, quads: list[Value], at: _Block,
+                gl: Value, acc_in: list[Value]) -> list[Value]:
+    """One group (gl) of the register block: its int32 sums, then scaled into the float sums `acc_in`."""
     R, J, g = s.row_vectors, CHANNELS, s.group
-    st, w_t = s.scale_type, f"memref<{s.tile_channels}x{s.chunk // 4}xi32>"
-    lines = ["%gi = arith.addi %g0, %gl : index",
-             "%q0 = arith.muli %gi, %nq : index",  # quads: global in the activations, chunk-local in %w
-             "%wq0 = arith.muli %gl, %nq : index"]
+    gi = b.addi(g0, gl)
+    q0 = b.muli(gi, o.n_q)  # quads: global in the activations, chunk-local in w
+    wq0 = b.muli(gl, o.n_q)
     offset = s.fmt == "q8" and not s.signed_codes  # codes + 128: the sum starts at -128 * sum xq
-    for r in range(R):
-        if offset:
-            lines.append(f"%init{r} = vector.load %ofs[%gi, %mr{r}] : {_per_group_memref(s, 'i32')}, vector<16xi32>")
-    acc = {(r, j): (f"%init{r}" if offset else "%isa_zi") for r in range(R) for j in range(J)}
-    quads = g // 4
-    for q in range(quads):
-        lines += [f"%kq{q} = arith.addi %q0, %cq{q} : index", f"%wk{q} = arith.addi %wq0, %cq{q} : index"]
+    v16i, v16f = b.vector(16, "i32"), b.vector(16, "f32")
+    init = [b.load(v16i, o.ofs, [gi, at.mr[r]]) if offset else None for r in range(R)]
+    acc = {(r, j): init[r] for r in range(R) for j in range(J)}
+    a, wb = {}, {}
+    for q in range(g // 4):
+        kq, wk = b.addi(q0, quads[q]), b.addi(wq0, quads[q])
         for r in range(R):
-            lines.append(f"%a{q}_{r} = vector.load %xq[%kq{q}, %mb4_{r}] : {_xq_memref(s)}, vector<64xi8>")
+            a[q, r] = b.load(b.vector(64, "i8"), o.xq, [kq, at.mb4[r]])
         for j in range(J):
-            lines += [
-                f"%wi{q}_{j} = memref.load %w[%jc{j}, %wk{q}] : {w_t}",
-                f"%wv{q}_{j} = vector.broadcast %wi{q}_{j} : i32 to vector<16xi32>",
-                f"%wb{q}_{j} = vector.bitcast %wv{q}_{j} : vector<16xi32> to vector<64xi8>",
-            ]
+            word = b.broadcast(b.load_scalar(o.w, [at.jc[j], wk]), v16i)
+            wb[q, j] = b.vbitcast(word, b.vector(64, "i8"))
     # Products per sum: several where the form adds them narrow before widening (AVX2's int16, q4/q5 codes).
     per = 1 if s.signed_codes else s.isa.unsigned_products_per_sum(MAX_CODE[s.fmt])
     for j in range(J):
         for r in range(R):
-            for first in range(0, quads, per):
-                new = f"%d{first}_{r}_{j}"
+            for first in range(0, g // 4, per):
                 if s.signed_codes:
-                    lines += s.isa.dot_signed(new, acc[r, j], f"%a{first}_{r}", f"%wb{first}_{j}")
+                    acc[r, j] = s.isa.dot_signed(b, acc[r, j], a[first, r], wb[first, j])
                 else:
-                    pairs = [(f"%wb{q}_{j}", f"%a{q}_{r}") for q in range(first, min(first + per, quads))]
-                    lines += s.isa.dot_unsigned_sum(new, acc[r, j], pairs)
-                acc[r, j] = new
+                    pairs = [(wb[q, j], a[q, r]) for q in range(first, min(first + per, g // 4))]
+                    acc[r, j] = s.isa.dot_unsigned_sum(b, acc[r, j], pairs)
+    dxv = {}
+    cgv = {}
     for r in range(R):
-        lines.append(f"%dxv{r} = vector.load %dx[%gi, %mr{r}] : {_per_group_memref(s, 'f32')}, vector<16xf32>")
+        dxv[r] = b.load(v16f, o.dx, [gi, at.mr[r]])
         if s.has_min:
-            lines.append(f"%cgv{r} = vector.load %cg[%gi, %mr{r}] : {_per_group_memref(s, 'f32')}, vector<16xf32>")
-    out: dict[int, str] = {}  # accumulator index (r * J + j) -> its value after this group
+            cgv[r] = b.load(v16f, o.cg, [gi, at.mr[r]])
+    out: dict[int, Value] = {}  # accumulator index (r * J + j) -> its value after this group
     for j in range(J):
-        for what, ref in (("s", "%scales"), ("mn", "%mins")) if s.has_min else (("s", "%scales"),):
-            lines.append(f"%{what}{j} = memref.load {ref}[%nc{j}, %gi] : {_scales_memref(s)}")
-            value = f"%{what}{j}"
-            if st == "f16":
-                lines.append(f"%{what}f{j} = arith.extf %{what}{j} : f16 to f32")
-                value = f"%{what}f{j}"
-            lines.append(f"%{what}b{j} = vector.broadcast {value} : f32 to vector<16xf32>")
+        per_channel = {}
+        for what, ref in (("s", o.scales), ("mn", o.mins)) if s.has_min else (("s", o.scales),):
+            value = b.load_scalar(ref, [at.nc[j], gi])
+            if s.scale_type == "f16":
+                value = b.extf(value, b.element("f32"))
+            per_channel[what] = b.broadcast(value, v16f)
         for r in range(R):
             i = r * J + j
-            lines += [
-                f"%df{r}_{j} = arith.sitofp {acc[r, j]} : vector<16xi32> to vector<16xf32>",
-                f"%sx{r}_{j} = arith.mulf %dxv{r}, %sb{j} : vector<16xf32>",
-                f"%f{r}_{j} = math.fma %df{r}_{j}, %sx{r}_{j}, %acc{i} : vector<16xf32>",
-            ]
+            total = b.fma(b.sitofp(acc[r, j], v16f), b.mulf(dxv[r], per_channel["s"]), acc_in[i])
             if s.has_min:
-                lines.append(f"%fm{r}_{j} = math.fma %cgv{r}, %mnb{j}, %f{r}_{j} : vector<16xf32>")
-            out[i] = f"%fm{r}_{j}" if s.has_min else f"%f{r}_{j}"
-    lines.append(f"scf.yield {', '.join(out[i] for i in range(R * J))} : {', '.join(['vector<16xf32>'] * (R * J))}")
-    return lines
+                total = b.fma(cgv[r], per_channel["mn"], total)
+            out[i] = total
+    return [out[i] for i in range(R * J)]
 
 
 def gemm_executable(s: Int8GemmShape) -> str:
@@ -355,100 +377,68 @@ def gemm_executable(s: Int8GemmShape) -> str:
     if not supports(s):
         raise ValueError(f"no int8 GEMM kernel for {s}")
     R, J, nt, g = s.row_vectors, CHANNELS, s.tile_channels, s.group
-    y_t, yt_t, tb = f"memref<{s.m}x{s.n}xf32>", f"memref<{nt}x{s.m}xf32>", min(nt, 16)
-    n_acc = R * J
-    acc_types = ", ".join(["vector<16xf32>"] * n_acc)
-    body = [
-        *gemm_prologue(s),
-        *s.isa.constants(),
-        "%zf = arith.constant dense<0.0> : vector<16xf32>",
-        f"%cJ = arith.constant {J} : index",
-        f"%cM = arith.constant {s.m} : index",
-        f"%cMR = arith.constant {16 * R} : index",
-        "%c4 = arith.constant 4 : index",
-        "%c16 = arith.constant 16 : index",
-        *[f"%cq{q} = arith.constant {q} : index" for q in range(g // 4)],
-        *[f"%cr{r} = arith.constant {16 * r} : index" for r in range(R)],
-        *[f"%cj{j} = arith.constant {j} : index" for j in range(J)],
+    tb = min(nt, 16)
+
+    def body(b: Builder, args: list[Value]) -> None:
+        o = gemm_prologue(b, s, args)
+        s.isa.constants(b)
+        v16f = b.vector(16, "f32")
+        zf = b.const(0.0, v16f)
+        c_j, c_m, c_mr, c4, c16 = b.index(J), b.index(s.m), b.index(16 * R), b.index(4), b.index(16)
+        quads = [b.index(q) for q in range(g // 4)]
+        row_starts = [b.index(16 * r) for r in range(R)]
+        channels = [b.index(j) for j in range(J)]
         # the tile's float sums, [NT, M], live on the stack between K chunks
-        f"%yt = memref.alloca() : {yt_t}",
-        "scf.for %t = %c0 to %ntile step %c1 {",
-        "  scf.for %mz = %c0 to %cM step %c16 {",
-        f"    vector.store %zf, %yt[%t, %mz] : {yt_t}, vector<16xf32>",
-        "  }",
-        "}",
-        "scf.for %g0 = %c0 to %nG step %nGc {",
-        *[f"  {line}" for line in _unpack_codes(s)],
-        "  scf.for %mb = %c0 to %cM step %cMR {",
-        *[f"    %mr{r} = arith.addi %mb, %cr{r} : index" for r in range(R)],
-        *[f"    %mb4_{r} = arith.muli %mr{r}, %c4 : index" for r in range(R)],
-        "    scf.for %jb = %c0 to %ntile step %cJ {",
-        *[f"      %jc{j} = arith.addi %jb, %cj{j} : index" for j in range(J)],
-        *[f"      %nc{j} = arith.addi %n0, %jc{j} : index" for j in range(J)],
-        *[f"      %y{r * J + j} = vector.load %yt[%jc{j}, %mr{r}] : {yt_t}, vector<16xf32>"
-          for r in range(R) for j in range(J)],
-        f"      %res:{n_acc} = scf.for %gl = %c0 to %nGc step %c1 "
-        f"iter_args({', '.join(f'%acc{i} = %y{i}' for i in range(n_acc))}) -> ({acc_types}) {{",
-        *[f"        {line}" for line in _group_step(s)],
-        "      }",
-        *[f"      vector.store %res#{r * J + j}, %yt[%jc{j}, %mr{r}] : {yt_t}, vector<16xf32>"
-          for r in range(R) for j in range(J)],
-        "    }",
-        "  }",
-        "}",
+        yt = b.alloca(b.memref((nt, s.m), "f32"))
+
+        def zero_channel(t: Value) -> None:
+            b.loop(o.c0, c_m, c16, lambda mz: b.store(zf, yt, [t, mz]))
+
+        b.loop(o.c0, o.n_tile, o.c1, zero_channel)
+
+        def chunk(g0: Value) -> None:
+            unpack_codes(b, s, o, g0)
+
+            def row_block(mb: Value) -> None:
+                mr = [b.addi(mb, row_starts[r]) for r in range(R)]
+                mb4 = [b.muli(mr[r], c4) for r in range(R)]
+
+                def channel_block(jb: Value) -> None:
+                    jc = [b.addi(jb, channels[j]) for j in range(J)]
+                    at = _Block(mr, mb4, jc, [b.addi(o.n0, jc[j]) for j in range(J)])
+                    sums = [b.load(v16f, yt, [jc[j], mr[r]]) for r in range(R) for j in range(J)]
+                    sums = b.loop(o.c0, o.n_chunk_groups, o.c1,
+                                  lambda gl, *acc: _group_step(b, s, o, g0, quads, at, gl, list(acc)), sums)
+                    for r in range(R):
+                        for j in range(J):
+                            b.store(sums[r * J + j], yt, [jc[j], mr[r]])
+
+                b.loop(o.c0, o.n_tile, c_j, channel_block)
+
+            b.loop(o.c0, c_m, c_mr, row_block)
+
+        b.loop(o.c0, o.n_groups, o.n_chunk_groups, chunk)
         # y [M, N]: the tile transposed in blocks of (up to) 16 channels x 16 rows
-        f"%cT = arith.constant {tb} : index",
-        f"%zblk = arith.constant dense<0.0> : vector<{tb}x16xf32>",
-        *[f"%ci{i} = arith.constant {i} : index" for i in range(16)],
-        "scf.for %tb = %c0 to %ntile step %cT {",
-        "  %nb = arith.addi %n0, %tb : index",
-        "  scf.for %mz = %c0 to %cM step %c16 {",
-        *[line for i in range(tb) for line in (
-            f"    %ti{i} = arith.addi %tb, %ci{i} : index",
-            f"    %row{i} = vector.load %yt[%ti{i}, %mz] : {yt_t}, vector<16xf32>",
-            f"    %blk{i + 1} = vector.insert %row{i}, {'%zblk' if i == 0 else f'%blk{i}'} [{i}] "
-            f": vector<16xf32> into vector<{tb}x16xf32>")],
-        f"    %blkt = vector.transpose %blk{tb}, [1, 0] : vector<{tb}x16xf32> to vector<16x{tb}xf32>",
-        *[line for i in range(16) for line in (
-            f"    %out{i} = vector.extract %blkt[{i}] : vector<{tb}xf32> from vector<16x{tb}xf32>",
-            f"    %mi{i} = arith.addi %mz, %ci{i} : index",
-            f"    vector.store %out{i}, %y[%mi{i}, %nb] : {y_t}, vector<{tb}xf32>")],
-        "  }",
-        "}",
-    ]
+        c_t = b.index(tb)
+        zero_block = b.const(0.0, b.vector2d(tb, 16, "f32"))
+        lanes = [b.index(i) for i in range(16)]
+
+        def transpose_block(t0: Value) -> None:
+            nb = b.addi(o.n0, t0)
+
+            def rows(mz: Value) -> None:
+                block = zero_block
+                for i in range(tb):
+                    block = b.insert(b.load(v16f, yt, [b.addi(t0, lanes[i]), mz]), block, i)
+                transposed = b.transpose(block, [1, 0])
+                for i in range(16):
+                    b.store(b.extract(transposed, i), o.y, [b.addi(mz, lanes[i]), nb])
+
+            b.loop(o.c0, c_m, c16, rows)
+
+        b.loop(o.c0, o.n_tile, c_t, transpose_block)
+
     return stream_executable(s.name, s.n // nt, gemm_bindings(s), body)
-
-
-def gemm_bindings(s: Int8GemmShape) -> list[str]:
-    """The GEMM executable's bindings: the quantize dispatch's four results, codes, scales, mins, y."""
-    bindings = [f"%{b}: !stream.binding" for b in ("xqb", "dxb", "cgb", "ob", "codeb", "sb")]
-    return bindings + (["%mnb: !stream.binding"] if s.has_min else []) + ["%yb: !stream.binding"]
-
-
-def gemm_prologue(s: Int8GemmShape) -> list[str]:
-    """The lines every GEMM form opens with: its bindings' memrefs, the workgroup's first channel %n0, the
-    stack tile %w [NT, chunk/4] of unpacked codes, the group counts _unpack_codes reads."""
-    return [
-        "%c0 = arith.constant 0 : index",
-        "%c1 = arith.constant 1 : index",
-        f"%xq = stream.binding.subspan %xqb[%c0] : !stream.binding -> {_xq_memref(s)}",
-        f"%dx = stream.binding.subspan %dxb[%c0] : !stream.binding -> {_per_group_memref(s, 'f32')}",
-        f"%cg = stream.binding.subspan %cgb[%c0] : !stream.binding -> {_per_group_memref(s, 'f32')}",
-        f"%ofs = stream.binding.subspan %ob[%c0] : !stream.binding -> {_per_group_memref(s, 'i32')}",
-        f"%codes = stream.binding.subspan %codeb[%c0] : !stream.binding -> {_codes_memref(s)}",
-        f"%scales = stream.binding.subspan %sb[%c0] : !stream.binding -> {_scales_memref(s)}",
-        *([f"%mins = stream.binding.subspan %mnb[%c0] : !stream.binding -> {_scales_memref(s)}"]
-          if s.has_min else []),
-        f"%y = stream.binding.subspan %yb[%c0] : !stream.binding -> memref<{s.m}x{s.n}xf32>",
-        "%wg = stream.dispatch.workgroup.id[0] : index",
-        f"%ntile = arith.constant {s.tile_channels} : index",
-        "%n0 = arith.muli %wg, %ntile : index",
-        f"%w = memref.alloca() : memref<{s.tile_channels}x{s.chunk // 4}xi32>",
-        f"%nq = arith.constant {s.group // 4} : index",
-        f"%nGc = arith.constant {s.chunk // s.group} : index",
-        f"%nG = arith.constant {s.groups} : index",
-        *(fifth_bit_constants(s.group) if s.fmt == "q5" else []),
-    ]
 
 
 def int8_gemm_dispatches(s: Int8GemmShape, x: str, codes: str, scales: str, mins: str | None,

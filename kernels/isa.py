@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..contract.isa import FLOAT, KernelForm
+from .builder import Builder, Value
 
-VECTOR = "vector<64xi8>"  # the byte operands the kernels hand over: 64 bytes, 16 int32 lanes of four
-LANES = 16
+LANES = 16  # the int32 lanes of one product: its 64 byte operands, four bytes per lane
 
 
 @dataclass(frozen=True)
@@ -70,12 +70,12 @@ class Int8Isa(ABC):
         return self.form.runs_on(cpu_flags, arch)
 
     @abstractmethod
-    def constants(self) -> list[str]:
-        """Lines defining the constants dot_unsigned / dot_signed use (once per function): %isa_zi, ..."""
+    def constants(self, b: Builder) -> None:
+        """Make the constants dot_unsigned / dot_signed share (`b.shared`) here, once per function."""
 
     @abstractmethod
-    def dot_unsigned(self, out: str, acc: str, u: str, s: str) -> list[str]:
-        """Lines making `out` = `acc` + the lane sums of u * s (vector<64xi8> each, u read unsigned).
+    def dot_unsigned(self, b: Builder, acc: Value | None, u: Value, s: Value) -> Value:
+        """`acc` (None: zero) + the lane sums of u * s (vector<64xi8> each, u read unsigned): vector<16xi32>.
 
         Exact while every pair 2 * u * |s| stays below 2^15: q4 codes against activations.
         """
@@ -84,72 +84,55 @@ class Int8Isa(ABC):
         """How many products `dot_unsigned_sum` may add before widening, for codes up to `max_code`."""
         return 1
 
-    def dot_unsigned_sum(self, out: str, acc: str, pairs: list[tuple[str, str]]) -> list[str]:
-        """`out` = `acc` + the lane sums of every u * s of `pairs` (at most unsigned_products_per_sum).
+    def dot_unsigned_sum(self, b: Builder, acc: Value | None, pairs: list[tuple[Value, Value]]) -> Value:
+        """`acc` + the lane sums of every u * s of `pairs` (at most unsigned_products_per_sum).
 
         By default one dot_unsigned after another; a form whose products meet in a narrow sum
         (AVX2's int16 pairs) adds several there and widens once.
         """
-        lines, current = [], acc
-        for i, (u, s) in enumerate(pairs):
-            step = out if i == len(pairs) - 1 else f"{out}_s{i}"
-            lines += self.dot_unsigned(step, current, u, s)
-            current = step
-        return lines
+        for u, s in pairs:
+            acc = self.dot_unsigned(b, acc, u, s)
+        return acc
 
     @abstractmethod
-    def dot_signed(self, out: str, acc: str, x: str, q: str) -> list[str]:
-        """Lines making `out` = `acc` + the lane sums of x * q, both signed (x in [-127, 127], q any int8)."""
+    def dot_signed(self, b: Builder, acc: Value | None, x: Value, q: Value) -> Value:
+        """`acc` + the lane sums of x * q, both signed (x in [-127, 127], q any int8)."""
 
 
+def zero_lanes(b: Builder, lanes: int = LANES) -> Value:
+    """The function's zero accumulator of `lanes` int32 lanes."""
+    return b.shared(0, b.vector(lanes, "i32"))
 
 
-def lane_pieces(out: str, acc: str, a: str, b: str, pieces: int, zero_piece: str,
-                instruction: Callable[[str, str, str, str], list[str]]) -> list[str]:
-    """`out` = `acc` + the lane sums of a * b, as `pieces` narrower products on 64 / pieces bytes each.
+def lane_pieces(b: Builder, acc: Value | None, x: Value, y: Value, pieces: int,
+                instruction: Callable[[Value, Value, Value], Value]) -> Value:
+    """`acc` + the lane sums of x * y, as `pieces` narrower products on 64 / pieces bytes each.
 
     Lane i sums bytes 4i..4i+3 in every form, so piece h takes bytes of its own
     and its own slice of the sixteen lanes; no lane moves between pieces.
-    `instruction(out, acc, a, b)` emits the lines of one piece's `out` = `acc` +
-    product (`zero_piece`: its zero accumulator, used when `acc` is %isa_zi);
-    the pieces are joined pairwise.
+    `instruction(acc, x, y)` makes one piece's `acc` + product (its accumulator a
+    zero of the piece's lanes where `acc` is None); the pieces are joined pairwise.
     """
-    return lane_pieces_of_pairs(out, acc, [(a, b)], pieces, zero_piece,
-                                lambda o, c, pairs: instruction(o, c, *pairs[0]))
+    return lane_pieces_of_pairs(b, acc, [(x, y)], pieces, lambda c, pairs: instruction(c, *pairs[0]))
 
 
-def lane_pieces_of_pairs(out: str, acc: str, pairs: list[tuple[str, str]], pieces: int, zero_piece: str,
-                         instruction: Callable[[str, str, list[tuple[str, str]]], list[str]]) -> list[str]:
-    """`lane_pieces` for the sum of several products: `instruction(out, acc, pairs)` gets each
-    pair's bytes of one piece."""
+def lane_pieces_of_pairs(b: Builder, acc: Value | None, pairs: list[tuple[Value, Value]], pieces: int,
+                         instruction: Callable[[Value, list[tuple[Value, Value]]], Value]) -> Value:
+    """`lane_pieces` for the sum of several products: `instruction(acc, pairs)` gets each pair's bytes
+    of one piece."""
     width, lanes = 64 // pieces, LANES // pieces
-    lines, parts = [], []
+    parts = []
     for h in range(pieces):
-        p = f"{out}_p{h}"
         piece_pairs = []
-        for i, (a, b) in enumerate(pairs):
-            suffix = "" if len(pairs) == 1 else str(i)
-            for name, whole in (("a", a), ("b", b)):
-                lines.append(f"{p}_{name}{suffix} = vector.shuffle {whole}, {whole} "
-                             f"{list(range(h * width, (h + 1) * width))} : {VECTOR}, {VECTOR}")
-            piece_pairs.append((f"{p}_a{suffix}", f"{p}_b{suffix}"))
-        start = zero_piece
-        if acc != "%isa_zi":
-            start = f"{p}_c"
-            lines.append(f"{start} = vector.shuffle {acc}, {acc} {list(range(h * lanes, (h + 1) * lanes))} "
-                         f": vector<{LANES}xi32>, vector<{LANES}xi32>")
-        lines += instruction(f"{p}_d", start, piece_pairs)
-        parts.append(f"{p}_d")
-    level = 0
+        for x, y in pairs:
+            span = list(range(h * width, (h + 1) * width))
+            piece_pairs.append((b.shuffle(x, x, span), b.shuffle(y, y, span)))
+        start = zero_lanes(b, lanes) if acc is None else b.shuffle(acc, acc, list(range(h * lanes, (h + 1) * lanes)))
+        parts.append(instruction(start, piece_pairs))
     while len(parts) > 1:
-        joined = []
-        for i in range(0, len(parts), 2):
-            name = out if len(parts) == 2 else f"{out}_j{level}_{i // 2}"
-            lines.append(f"{name} = vector.shuffle {parts[i]}, {parts[i + 1]} {list(range(2 * lanes))} "
-                         f": vector<{lanes}xi32>, vector<{lanes}xi32>")
-            joined.append(name)
-        parts, lanes, level = joined, 2 * lanes, level + 1
-    return lines
+        parts = [b.shuffle(parts[i], parts[i + 1], list(range(2 * lanes))) for i in range(0, len(parts), 2)]
+        lanes *= 2
+    return parts[0]
 
 
 @dataclass(frozen=True)

@@ -16,21 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...contract.isa import arm as forms
-from ..isa import Int8Isa, lane_pieces
+from ..builder import Builder, Value
+from ..isa import LANES, Int8Isa, lane_pieces, zero_lanes
 
 QUARTERS = 4  # sdot instructions per 64-byte step
-_V = "vector<16xi8>"
-_ACC = "vector<4xi32>"
 
 
-def sdot(out: str, acc: str, a: str, b: str) -> str:
-    """`out` = `acc` + the 4-byte lane sums of a * b (both signed), 16 bytes."""
-    return (f'{out} = llvm.call_intrinsic "llvm.aarch64.neon.sdot.v4i32.v16i8"({acc}, {a}, {b}) '
-            f": ({_ACC}, {_V}, {_V}) -> {_ACC}")
-
-
-def _sdot(out: str, acc: str, a: str, b: str) -> list[str]:
-    return [sdot(out, acc, a, b)]
+def sdot(b: Builder, acc: Value, x: Value, y: Value) -> Value:
+    """`acc` + the 4-byte lane sums of x * y (both signed), 16 bytes."""
+    return b.intrinsic("llvm.aarch64.neon.sdot.v4i32.v16i8", b.vector(4, "i32"), acc, x, y)
 
 
 @dataclass(frozen=True)
@@ -39,15 +33,16 @@ class NeonDotprod(Int8Isa):
     def unsigned_bytes_exact(self) -> bool:
         return False  # sdot reads every byte signed: q8 codes take dot_signed
 
-    def constants(self) -> list[str]:
-        return ["%isa_zi = arith.constant dense<0> : vector<16xi32>",
-                f"%isa_zq = arith.constant dense<0> : {_ACC}"]
+    def constants(self, b: Builder) -> None:
+        zero_lanes(b)
+        zero_lanes(b, LANES // QUARTERS)
 
-    def dot_unsigned(self, out: str, acc: str, u: str, s: str) -> list[str]:
-        return lane_pieces(out, acc, u, s, QUARTERS, "%isa_zq", _sdot)  # q4 codes (0..15): the same bytes signed
+    def dot_unsigned(self, b: Builder, acc: Value | None, u: Value, s: Value) -> Value:
+        # q4 codes (0..15): the same bytes signed
+        return lane_pieces(b, acc, u, s, QUARTERS, lambda c, x, y: sdot(b, c, x, y))
 
-    def dot_signed(self, out: str, acc: str, x: str, q: str) -> list[str]:
-        return lane_pieces(out, acc, x, q, QUARTERS, "%isa_zq", _sdot)
+    def dot_signed(self, b: Builder, acc: Value | None, x: Value, q: Value) -> Value:
+        return lane_pieces(b, acc, x, q, QUARTERS, lambda c, xq, qq: sdot(b, c, xq, qq))
 
 
 NEON_DOTPROD = NeonDotprod(forms.NEON_DOTPROD, 16, "sdot", False)

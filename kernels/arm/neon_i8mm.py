@@ -26,18 +26,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...contract.isa import arm as forms
+from ..builder import Builder, Value
+from ..isa import zero_lanes
 from .neon_dotprod import NeonDotprod
 
 ROW_PAIRS = 4  # row pairs per register block: 8 rows
 CHANNEL_PAIRS = 2  # channel pairs per register block: 4 channels
-_ACC = "vector<4xi32>"
-_V = "vector<16xi8>"
 
 
-def smmla(out: str, acc: str, a: str, b: str) -> str:
-    """`out` = `acc` + a (2x8 signed bytes, row-major) times the transpose of b (2x8): [a0.b0, a0.b1, a1.b0, a1.b1]."""
-    return (f'{out} = llvm.call_intrinsic "llvm.aarch64.neon.smmla.v4i32.v16i8"({acc}, {a}, {b}) '
-            f": ({_ACC}, {_V}, {_V}) -> {_ACC}")
+def smmla(b: Builder, acc: Value, x: Value, y: Value) -> Value:
+    """`acc` + x (2x8 signed bytes, row-major) times the transpose of y (2x8): [x0.y0, x0.y1, x1.y0, x1.y1]."""
+    return b.intrinsic("llvm.aarch64.neon.smmla.v4i32.v16i8", b.vector(4, "i32"), acc, x, y)
 
 
 @dataclass(frozen=True)
@@ -48,134 +47,136 @@ class NeonI8mm(NeonDotprod):
     def row_pairs(self) -> bool:
         return True
 
-    def gemm_executable(self, s) -> str:
-        return gemm_executable(s)
+    def gemm_executable(self, shape) -> str:
+        return gemm_executable(shape)
 
 
 NEON_I8MM = NeonI8mm(forms.NEON_I8MM, 16, "smmla", False)
 
 
-def _group_step(s) -> list[str]:
-    """One group (%gl) of the register block: its 2 x 2 int32 sums, then scaled into the float sums."""
-    from ..int8_gemm import _per_group_memref, _scales_memref, _xq_memref
+@dataclass
+class _Block:
+    """One register block's indices: its row pairs' first rows (mr) and byte columns (rc), its channels in
+    the tile (jc) and in y (nc)."""
 
-    g, P, C = s.group, ROW_PAIRS, CHANNEL_PAIRS
-    w_t = f"memref<{s.tile_channels}x{s.chunk // 4}xi32>"
-    blocks = g // 8
-    lines = ["%gi = arith.addi %g0, %gl : index",
-             "%wq0 = arith.muli %gl, %nq : index",  # the group's first quad in %w
-             f"%kb0 = arith.muli %gi, %c{blocks}b : index"]  # its first k block in %xq
-    acc = {(p, c): "%zq" for p in range(P) for c in range(C)}
-    for b in range(blocks):
-        lines += [f"%kb{b}_ = arith.addi %kb0, %cb{b} : index",
-                  f"%wk{b} = arith.addi %wq0, %c2x{b} : index"]
-        for p in range(P):
-            lines.append(f"%a{b}_{p} = vector.load %xq[%kb{b}_, %rc{p}] : {_xq_memref(s)}, {_V}")
+    mr: list[Value]
+    rc: list[Value]
+    jc: list[Value]
+    nc: list[Value]
+
+
+@dataclass
+class _Constants:
+    blocks: Value  # k blocks of 8 per group
+    block: list[Value]  # 0, 1, ... per k block of a group
+    block_quads: list[Value]  # 0, 2, ...: each k block's first quad in w
+
+
+def _group_step(b: Builder, s, o, g0: Value, k: _Constants, at: _Block, gl: Value,
+                acc_in: list[Value]) -> list[Value]:
+    """One group (gl) of the register block: its 2 x 2 int32 sums, then scaled into the float sums."""
+    P, C = ROW_PAIRS, CHANNEL_PAIRS
+    v4f = b.vector(4, "f32")
+    gi = b.addi(g0, gl)
+    wq0 = b.muli(gl, o.n_q)  # the group's first quad in w
+    kb0 = b.muli(gi, k.blocks)  # its first k block in xq
+    acc = {(p, c): zero_lanes(b, 4) for p in range(P) for c in range(C)}
+    for i in range(s.group // 8):
+        kb, wk = b.addi(kb0, k.block[i]), b.addi(wq0, k.block_quads[i])
+        rows = [b.load(b.vector(16, "i8"), o.xq, [kb, at.rc[p]]) for p in range(P)]
+        columns = []
         for c in range(C):
-            for h in range(2):
-                lines += [f"%w{b}_{c}_{h} = vector.load %w[%jc{2 * c + h}, %wk{b}] : {w_t}, vector<2xi32>",
-                          f"%w8{b}_{c}_{h} = vector.bitcast %w{b}_{c}_{h} : vector<2xi32> to vector<8xi8>"]
-            lines.append(f"%b{b}_{c} = vector.shuffle %w8{b}_{c}_0, %w8{b}_{c}_1 {list(range(16))} "
-                         ": vector<8xi8>, vector<8xi8>")
+            halves = [b.vbitcast(b.load(b.vector(2, "i32"), o.w, [at.jc[2 * c + h], wk]), b.vector(8, "i8"))
+                      for h in range(2)]
+            columns.append(b.shuffle(halves[0], halves[1], list(range(16))))
         for p in range(P):
             for c in range(C):
-                new = f"%i{b}_{p}_{c}"
-                lines.append(smmla(new, acc[p, c], f"%a{b}_{p}", f"%b{b}_{c}"))
-                acc[p, c] = new
+                acc[p, c] = smmla(b, acc[p, c], rows[p], columns[c])
+    per_row: dict[tuple[str, int], Value] = {}
     for p in range(P):
-        for what, ref in (("dx", "%dx"), ("cg", "%cg")) if s.has_min else (("dx", "%dx"),):
-            lines += [f"%{what}2_{p} = vector.load {ref}[%gi, %mr{p}] : {_per_group_memref(s, 'f32')}, vector<2xf32>",
-                      f"%{what}4_{p} = vector.shuffle %{what}2_{p}, %{what}2_{p} [0, 0, 1, 1] "
-                      ": vector<2xf32>, vector<2xf32>"]
+        for what, ref in (("dx", o.dx), ("cg", o.cg)) if s.has_min else (("dx", o.dx),):
+            pair = b.load(b.vector(2, "f32"), ref, [gi, at.mr[p]])
+            per_row[what, p] = b.shuffle(pair, pair, [0, 0, 1, 1])
+    per_channel: dict[tuple[str, int], Value] = {}
     for c in range(C):
-        for what, ref in (("s", "%scales"), ("mn", "%mins")) if s.has_min else (("s", "%scales"),):
+        for what, ref in (("s", o.scales), ("mn", o.mins)) if s.has_min else (("s", o.scales),):
             values = []
             for h in range(2):
-                lines.append(f"%{what}{c}_{h} = memref.load {ref}[%nc{2 * c + h}, %gi] : {_scales_memref(s)}")
-                value = f"%{what}{c}_{h}"
-                if s.scale_type == "f16":
-                    lines.append(f"%{what}f{c}_{h} = arith.extf %{what}{c}_{h} : f16 to f32")
-                    value = f"%{what}f{c}_{h}"
-                values.append(value)
-            lines.append(f"%{what}4_{c} = vector.from_elements {values[0]}, {values[1]}, {values[0]}, {values[1]} "
-                         ": vector<4xf32>")
+                value = b.load_scalar(ref, [at.nc[2 * c + h], gi])
+                values.append(b.extf(value, b.element("f32")) if s.scale_type == "f16" else value)
+            per_channel[what, c] = b.from_elements(v4f, [values[0], values[1], values[0], values[1]])
     out = []
     for p in range(P):
         for c in range(C):
-            i = p * C + c
-            lines += [f"%df{p}_{c} = arith.sitofp {acc[p, c]} : {_ACC} to vector<4xf32>",
-                      f"%sx{p}_{c} = arith.mulf %dx4_{p}, %s4_{c} : vector<4xf32>",
-                      f"%f{p}_{c} = math.fma %df{p}_{c}, %sx{p}_{c}, %acc{i} : vector<4xf32>"]
+            total = b.fma(b.sitofp(acc[p, c], v4f), b.mulf(per_row["dx", p], per_channel["s", c]), acc_in[p * C + c])
             if s.has_min:
-                lines.append(f"%fm{p}_{c} = math.fma %cg4_{p}, %mn4_{c}, %f{p}_{c} : vector<4xf32>")
-            out.append(f"%fm{p}_{c}" if s.has_min else f"%f{p}_{c}")
-    lines.append(f"scf.yield {', '.join(out)} : {', '.join(['vector<4xf32>'] * len(out))}")
-    return lines
+                total = b.fma(per_row["cg", p], per_channel["mn", c], total)
+            out.append(total)
+    return out
 
 
 def gemm_executable(s) -> str:
     """y [M, N] from the row-paired activations and the codes: a workgroup owns NT channels, their float
     sums held in an [M, NT] stack tile between K chunks, written to y row by row at the end."""
-    from ..int8_gemm import _unpack_codes, gemm_bindings, gemm_prologue, supports
-    from ..mlir import stream_executable
+    from ..builder import stream_executable
+    from ..int8_gemm import gemm_bindings, gemm_prologue, supports, unpack_codes
 
     if not supports(s) or s.m % (2 * ROW_PAIRS) or s.tile_channels % (2 * CHANNEL_PAIRS):
         raise ValueError(f"no i8mm GEMM kernel for {s}")
-    P, C, nt, g = ROW_PAIRS, CHANNEL_PAIRS, s.tile_channels, s.group
-    y_t, yt_t = f"memref<{s.m}x{s.n}xf32>", f"memref<{s.m}x{nt}xf32>"
-    n_acc = P * C
-    acc_types = ", ".join(["vector<4xf32>"] * n_acc)
-    blocks = g // 8
-    body = [
-        *gemm_prologue(s),
-        f"%c{blocks}b = arith.constant {blocks} : index",
-        f"%zq = arith.constant dense<0> : {_ACC}",
-        "%zf = arith.constant dense<0.0> : vector<2xf32>",
-        f"%cM = arith.constant {s.m} : index",
-        f"%cMB = arith.constant {2 * P} : index",
-        f"%cCB = arith.constant {2 * C} : index",
-        "%c2 = arith.constant 2 : index",
-        "%c8 = arith.constant 8 : index",
-        *[f"%cb{b} = arith.constant {b} : index" for b in range(blocks)],
-        *[f"%c2x{b} = arith.constant {2 * b} : index" for b in range(blocks)],
-        *[f"%cp{p} = arith.constant {2 * p} : index" for p in range(P)],
-        *[f"%cj{j} = arith.constant {j} : index" for j in range(2 * C)],
-        f"%yt = memref.alloca() : {yt_t}",
-        "scf.for %mz = %c0 to %cM step %c1 {",
-        "  scf.for %tz = %c0 to %ntile step %c2 {",
-        f"    vector.store %zf, %yt[%mz, %tz] : {yt_t}, vector<2xf32>",
-        "  }",
-        "}",
-        "scf.for %g0 = %c0 to %nG step %nGc {",
-        *[f"  {line}" for line in _unpack_codes(s)],
-        "  scf.for %mb = %c0 to %cM step %cMB {",
-        *[f"    %mr{p} = arith.addi %mb, %cp{p} : index" for p in range(P)],
-        *[f"    %mq{p} = arith.addi %mr{p}, %c1 : index" for p in range(P)],
-        *[f"    %rc{p} = arith.muli %mr{p}, %c8 : index" for p in range(P)],
-        "    scf.for %jb = %c0 to %ntile step %cCB {",
-        *[f"      %jc{j} = arith.addi %jb, %cj{j} : index" for j in range(2 * C)],
-        *[f"      %nc{j} = arith.addi %n0, %jc{j} : index" for j in range(2 * C)],
-        *[line for p in range(P) for c in range(C) for line in (
-            f"      %lo{p}_{c} = vector.load %yt[%mr{p}, %jc{2 * c}] : {yt_t}, vector<2xf32>",
-            f"      %hi{p}_{c} = vector.load %yt[%mq{p}, %jc{2 * c}] : {yt_t}, vector<2xf32>",
-            f"      %y{p * C + c} = vector.shuffle %lo{p}_{c}, %hi{p}_{c} [0, 1, 2, 3] : vector<2xf32>, vector<2xf32>")],
-        f"      %res:{n_acc} = scf.for %gl = %c0 to %nGc step %c1 "
-        f"iter_args({', '.join(f'%acc{i} = %y{i}' for i in range(n_acc))}) -> ({acc_types}) {{",
-        *[f"        {line}" for line in _group_step(s)],
-        "      }",
-        *[line for p in range(P) for c in range(C) for line in (
-            f"      %sl{p}_{c} = vector.shuffle %res#{p * C + c}, %res#{p * C + c} [0, 1] "
-            ": vector<4xf32>, vector<4xf32>",
-            f"      %sh{p}_{c} = vector.shuffle %res#{p * C + c}, %res#{p * C + c} [2, 3] "
-            ": vector<4xf32>, vector<4xf32>",
-            f"      vector.store %sl{p}_{c}, %yt[%mr{p}, %jc{2 * c}] : {yt_t}, vector<2xf32>",
-            f"      vector.store %sh{p}_{c}, %yt[%mq{p}, %jc{2 * c}] : {yt_t}, vector<2xf32>")],
-        "    }",
-        "  }",
-        "}",
-        "scf.for %mo = %c0 to %cM step %c1 {",
-        f"  %row = vector.load %yt[%mo, %c0] : {yt_t}, vector<{nt}xf32>",
-        f"  vector.store %row, %y[%mo, %n0] : {y_t}, vector<{nt}xf32>",
-        "}",
-    ]
+    P, C, nt = ROW_PAIRS, CHANNEL_PAIRS, s.tile_channels
+    blocks = s.group // 8
+
+    def body(b: Builder, args: list[Value]) -> None:
+        o = gemm_prologue(b, s, args)
+        n_blocks = b.index(blocks)
+        zero_lanes(b, 4)
+        v2f = b.vector(2, "f32")
+        zf = b.const(0.0, v2f)
+        c_m, c_mb, c_cb, c2, c8 = b.index(s.m), b.index(2 * P), b.index(2 * C), b.index(2), b.index(8)
+        k = _Constants(n_blocks, [b.index(i) for i in range(blocks)], [b.index(2 * i) for i in range(blocks)])
+        pair_rows = [b.index(2 * p) for p in range(P)]
+        channels = [b.index(j) for j in range(2 * C)]
+        yt = b.alloca(b.memref((s.m, nt), "f32"))
+
+        def zero_row(mz: Value) -> None:
+            b.loop(o.c0, o.n_tile, c2, lambda tz: b.store(zf, yt, [mz, tz]))
+
+        b.loop(o.c0, c_m, o.c1, zero_row)
+
+        def chunk(g0: Value) -> None:
+            unpack_codes(b, s, o, g0)
+
+            def row_block(mb: Value) -> None:
+                mr = [b.addi(mb, pair_rows[p]) for p in range(P)]
+                mq = [b.addi(mr[p], o.c1) for p in range(P)]
+                rc = [b.muli(mr[p], c8) for p in range(P)]
+
+                def channel_block(jb: Value) -> None:
+                    jc = [b.addi(jb, channels[j]) for j in range(2 * C)]
+                    at = _Block(mr, rc, jc, [b.addi(o.n0, jc[j]) for j in range(2 * C)])
+                    sums = []
+                    for p in range(P):
+                        for c in range(C):
+                            lo, hi = b.load(v2f, yt, [mr[p], jc[2 * c]]), b.load(v2f, yt, [mq[p], jc[2 * c]])
+                            sums.append(b.shuffle(lo, hi, [0, 1, 2, 3]))
+                    sums = b.loop(o.c0, o.n_chunk_groups, o.c1,
+                                  lambda gl, *acc: _group_step(b, s, o, g0, k, at, gl, list(acc)), sums)
+                    for p in range(P):
+                        for c in range(C):
+                            total = sums[p * C + c]
+                            low, high = b.shuffle(total, total, [0, 1]), b.shuffle(total, total, [2, 3])
+                            b.store(low, yt, [mr[p], jc[2 * c]])
+                            b.store(high, yt, [mq[p], jc[2 * c]])
+
+                b.loop(o.c0, o.n_tile, c_cb, channel_block)
+
+            b.loop(o.c0, c_m, c_mb, row_block)
+
+        b.loop(o.c0, o.n_groups, o.n_chunk_groups, chunk)
+
+        def write_row(mo: Value) -> None:
+            b.store(b.load(b.vector(nt, "f32"), yt, [mo, o.c0]), o.y, [mo, o.n0])
+
+        b.loop(o.c0, c_m, o.c1, write_row)
+
     return stream_executable(s.name, s.n // nt, gemm_bindings(s), body)

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...contract.isa import x86 as forms
-from ..isa import LANES, Int8Isa, lane_pieces, lane_pieces_of_pairs
+from ..builder import Builder, Value
+from ..isa import LANES, Int8Isa, lane_pieces, lane_pieces_of_pairs, zero_lanes
 
 INT16_MAX = 32767
 
@@ -30,56 +31,46 @@ class Avx2(Int8Isa):
     def _pieces(self) -> int:
         return 64 // self.vector_bytes
 
-    def constants(self) -> list[str]:
-        lanes = LANES // self._pieces
-        return ["%isa_zi = arith.constant dense<0> : vector<16xi32>",
-                f"%isa_zh = arith.constant dense<0> : vector<{lanes}xi32>",
-                f"%isa_ones = arith.constant dense<1> : vector<{self.vector_bytes // 2}xi16>"]
+    def constants(self, b: Builder) -> None:
+        zero_lanes(b)
+        zero_lanes(b, LANES // self._pieces)
+        self._ones(b)
 
-    def dot_unsigned(self, out: str, acc: str, u: str, s: str) -> list[str]:
-        return lane_pieces(out, acc, u, s, self._pieces, "%isa_zh", self._madd)
+    def _ones(self, b: Builder) -> Value:
+        """int16 ones, the other operand of `vpmaddwd` (pairs of int16 summed to int32)."""
+        return b.shared(1, b.vector(self.vector_bytes // 2, "i16"))
+
+    def dot_unsigned(self, b: Builder, acc: Value | None, u: Value, s: Value) -> Value:
+        return lane_pieces(b, acc, u, s, self._pieces, lambda c, x, y: self._madd(b, c, [(x, y)]))
 
     def unsigned_products_per_sum(self, max_code: int) -> int:
         """Pair sums of `vpmaddubsw` reach 2 * max_code * 127; that many of them stay within int16."""
         return max(1, INT16_MAX // (2 * max_code * 127))
 
-    def dot_unsigned_sum(self, out: str, acc: str, pairs: list[tuple[str, str]]) -> list[str]:
+    def dot_unsigned_sum(self, b: Builder, acc: Value | None, pairs: list[tuple[Value, Value]]) -> Value:
         """Each product's `vpmaddubsw`, added in int16 (exact: unsigned_products_per_sum bounds the sum),
         then one `vpmaddwd` against ones: two instructions per product fewer than dot_unsigned's."""
         if len(pairs) == 1:
-            return self.dot_unsigned(out, acc, *pairs[0])
-        return lane_pieces_of_pairs(out, acc, pairs, self._pieces, "%isa_zh", self._madd_sum)
+            return self.dot_unsigned(b, acc, *pairs[0])
+        return lane_pieces_of_pairs(b, acc, pairs, self._pieces, lambda c, piece: self._madd(b, c, piece))
 
-    def _madd_sum(self, out: str, acc: str, pairs: list[tuple[str, str]]) -> list[str]:
-        vb = self.vector_bytes
-        v, v16, v32 = f"vector<{vb}xi8>", f"vector<{vb // 2}xi16>", f"vector<{vb // 4}xi32>"
-        lines, total = [], None
-        for i, (u, s) in enumerate(pairs):
-            lines.append(f'{out}_w{i} = llvm.call_intrinsic "llvm.x86.avx2.pmadd.ub.sw"({u}, {s}) : ({v}, {v}) -> {v16}')
-            if total is not None:
-                lines.append(f"{out}_t{i} = arith.addi {total}, {out}_w{i} : {v16}")
-            total = f"{out}_t{i}" if total is not None else f"{out}_w{i}"
-        return lines + [
-            f'{out}_m = llvm.call_intrinsic "llvm.x86.avx2.pmadd.wd"({total}, %isa_ones) : ({v16}, {v16}) -> {v32}',
-            f"{out} = arith.addi {acc}, {out}_m : {v32}"]
+    def dot_signed(self, b: Builder, acc: Value | None, x: Value, q: Value) -> Value:
+        def sign_moved(c: Value, xh: Value, qh: Value) -> Value:  # |q| against x * sign(q)
+            v = b.vector(self.vector_bytes, "i8")
+            magnitude = b.absi(qh)
+            return self._madd(b, c, [(magnitude, b.intrinsic("llvm.x86.avx2.psign.b", v, xh, qh))])
 
-    def dot_signed(self, out: str, acc: str, x: str, q: str) -> list[str]:
-        v = f"vector<{self.vector_bytes}xi8>"
+        return lane_pieces(b, acc, x, q, self._pieces, sign_moved)
 
-        def sign_moved(o: str, c: str, xh: str, qh: str) -> list[str]:  # |q| against x * sign(q)
-            return [f"{o}_a = math.absi {qh} : {v}",
-                    f'{o}_s = llvm.call_intrinsic "llvm.x86.avx2.psign.b"({xh}, {qh}) : ({v}, {v}) -> {v}',
-                    *self._madd(o, c, f"{o}_a", f"{o}_s")]
-
-        return lane_pieces(out, acc, x, q, self._pieces, "%isa_zh", sign_moved)
-
-    def _madd(self, out: str, acc: str, u: str, s: str) -> list[str]:
-        """`out` = `acc` + the lane sums of u * s on one piece: vpmaddubsw, then vpmaddwd against ones."""
-        vb = self.vector_bytes
-        v, v16, v32 = f"vector<{vb}xi8>", f"vector<{vb // 2}xi16>", f"vector<{vb // 4}xi32>"
-        return [f'{out}_w = llvm.call_intrinsic "llvm.x86.avx2.pmadd.ub.sw"({u}, {s}) : ({v}, {v}) -> {v16}',
-                f'{out}_m = llvm.call_intrinsic "llvm.x86.avx2.pmadd.wd"({out}_w, %isa_ones) : ({v16}, {v16}) -> {v32}',
-                f"{out} = arith.addi {acc}, {out}_m : {v32}"]
+    def _madd(self, b: Builder, acc: Value, pairs: list[tuple[Value, Value]]) -> Value:
+        """`acc` + the lane sums of every u * s of `pairs` on one piece: a vpmaddubsw each, added in int16,
+        then vpmaddwd against ones."""
+        v16, v32 = b.vector(self.vector_bytes // 2, "i16"), b.vector(self.vector_bytes // 4, "i32")
+        total = None
+        for u, s in pairs:
+            product = b.intrinsic("llvm.x86.avx2.pmadd.ub.sw", v16, u, s)
+            total = product if total is None else b.addi(total, product)
+        return b.addi(acc, b.intrinsic("llvm.x86.avx2.pmadd.wd", v32, total, self._ones(b)))
 
 
 AVX2 = Avx2(forms.AVX2, 32, "vpmaddubsw", False)

@@ -10,30 +10,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...contract.isa import x86 as forms
-from ..isa import VECTOR, Int8Isa
+from ..builder import Builder, Value
+from ..isa import Int8Isa, zero_lanes
 
 
-def vpdpbusd(out: str, acc: str, u: str, s: str, width: int = 512) -> str:
-    """`out` = `acc` + the 4-byte lane sums of u * s (u unsigned, s signed), `width` bits wide."""
-    lanes, v = width // 32, f"vector<{width // 8}xi8>"
-    return (f'{out} = llvm.call_intrinsic "llvm.x86.avx512.vpdpbusd.{width}"({acc}, {u}, {s}) '
-            f": (vector<{lanes}xi32>, {v}, {v}) -> vector<{lanes}xi32>")
+def vpdpbusd(b: Builder, acc: Value, u: Value, s: Value, width: int = 512) -> Value:
+    """`acc` + the 4-byte lane sums of u * s (u unsigned, s signed), `width` bits wide."""
+    return b.intrinsic(f"llvm.x86.avx512.vpdpbusd.{width}", b.vector(width // 32, "i32"), acc, u, s)
+
+
+def minus_128(b: Builder) -> Value:
+    """Bytes of -128: xor-ed into a signed byte it adds 128 (read unsigned), and 128 as an unsigned operand."""
+    return b.shared(-128, b.vector(64, "i8"))
 
 
 @dataclass(frozen=True)
 class Avx512Vnni(Int8Isa):
-    def constants(self) -> list[str]:
-        return ["%isa_zi = arith.constant dense<0> : vector<16xi32>",
-                "%isa_x128 = arith.constant dense<-128> : vector<64xi8>"]
+    def constants(self, b: Builder) -> None:
+        zero_lanes(b)
+        minus_128(b)
 
-    def dot_unsigned(self, out: str, acc: str, u: str, s: str) -> list[str]:
-        return [vpdpbusd(out, acc, u, s)]
+    def dot_unsigned(self, b: Builder, acc: Value | None, u: Value, s: Value) -> Value:
+        return vpdpbusd(b, zero_lanes(b) if acc is None else acc, u, s)
 
-    def dot_signed(self, out: str, acc: str, x: str, q: str) -> list[str]:
-        return [f"{out}_xu = arith.xori {x}, %isa_x128 : {VECTOR}",  # x + 128, read unsigned
-                vpdpbusd(f"{out}_p", acc, f"{out}_xu", q),
-                vpdpbusd(f"{out}_o", "%isa_zi", "%isa_x128", q),  # 128 * sum q
-                f"{out} = arith.subi {out}_p, {out}_o : vector<16xi32>"]
+    def dot_signed(self, b: Builder, acc: Value | None, x: Value, q: Value) -> Value:
+        shifted = b.xori(x, minus_128(b))  # x + 128, read unsigned
+        product = vpdpbusd(b, zero_lanes(b) if acc is None else acc, shifted, q)
+        offset = vpdpbusd(b, zero_lanes(b), minus_128(b), q)  # 128 * sum q
+        return b.subi(product, offset)
 
 
 AVX512_VNNI = Avx512Vnni(forms.AVX512_VNNI, 64, "vpdpbusd", True)

@@ -14,25 +14,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...contract.isa import x86 as forms
-from ..isa import VECTOR, Int8Isa, lane_pieces
-from .avx512_vnni import vpdpbusd
+from ..builder import Builder, Value
+from ..isa import LANES, Int8Isa, lane_pieces, zero_lanes
+from .avx512_vnni import minus_128, vpdpbusd
 
 
 @dataclass(frozen=True)
 class AvxVnni(Int8Isa):
-    def constants(self) -> list[str]:
-        return ["%isa_zi = arith.constant dense<0> : vector<16xi32>",
-                "%isa_zh = arith.constant dense<0> : vector<8xi32>",
-                "%isa_x128 = arith.constant dense<-128> : vector<64xi8>"]
+    def constants(self, b: Builder) -> None:
+        zero_lanes(b)
+        zero_lanes(b, LANES // 2)
+        minus_128(b)
 
-    def dot_unsigned(self, out: str, acc: str, u: str, s: str) -> list[str]:
-        return lane_pieces(out, acc, u, s, 2, "%isa_zh", lambda o, c, x, y: [vpdpbusd(o, c, x, y, width=256)])
+    def dot_unsigned(self, b: Builder, acc: Value | None, u: Value, s: Value) -> Value:
+        return lane_pieces(b, acc, u, s, 2, lambda c, x, y: vpdpbusd(b, c, x, y, width=256))
 
-    def dot_signed(self, out: str, acc: str, x: str, q: str) -> list[str]:
-        return [f"{out}_xu = arith.xori {x}, %isa_x128 : {VECTOR}",  # x + 128, read unsigned
-                *self.dot_unsigned(f"{out}_p", acc, f"{out}_xu", q),
-                *self.dot_unsigned(f"{out}_o", "%isa_zi", "%isa_x128", q),  # 128 * sum q
-                f"{out} = arith.subi {out}_p, {out}_o : vector<16xi32>"]
+    def dot_signed(self, b: Builder, acc: Value | None, x: Value, q: Value) -> Value:
+        shifted = b.xori(x, minus_128(b))  # x + 128, read unsigned
+        product = self.dot_unsigned(b, acc, shifted, q)
+        offset = self.dot_unsigned(b, None, minus_128(b), q)  # 128 * sum q
+        return b.subi(product, offset)
 
 
 AVX_VNNI = AvxVnni(forms.AVX_VNNI, 32, "vpdpbusd", False)
