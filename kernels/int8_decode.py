@@ -15,7 +15,7 @@ q4 and q5 codes are unsigned (0..15, 0..31) and meet the signed activation
 directly; q8 codes are signed: offset by 128 where the form's unsigned product is exact
 (`_offset_codes`), else met by each ISA's signed form. A q5 step reads
 the 32 nibble bytes of its 64 codes and their 8 bytes of fifth bits
-(`fifth_bit_lines`): 40 bytes where the same codes as q8 take 64. The dot-product lines come
+(`fifth_bits`): 40 bytes where the same codes as q8 take 64. The dot product's ops come
 from kernels/isa.py (the shape's `isa`): on CPUs without VNNI the same
 kernel runs each 64-code step as two 256-bit `vpmaddubsw` + `vpmaddwd`, and
 each form (kernels/x86/) says why it is exact in int32.
@@ -24,7 +24,7 @@ The codes keep the bundle's layout (frontend/quant.py: [N, K/2] q4 bytes in
 ggml's nibble order, [N, K] q8 codes), so the prefill, embedding and GPU paths
 read the same parameters. The kernel is a hand-written dispatch
 (`stream.executable` with vector-dialect code and the ISA's x86 intrinsics,
-called with `flow.dispatch`): linalg offers no way to keep an int32
+called with `flow.dispatch`; its ops made with kernels/builder.py): linalg offers no way to keep an int32
 sum per group and a float sum across groups in one op. Each workgroup
 quantizes the activation row itself (K values, a few percent of its work) and
 computes its rows one at a time, each row's codes read in order (see
@@ -159,7 +159,7 @@ def _offset_codes(s: Int8DotShape) -> bool:
     """q8 codes met as q + 128 (unsigned) where the form's unsigned product is exact for any byte.
 
     sum_k (q + 128) x = sum_k q x + 128 sum_k x, and the second term is the row-independent
-    dx * sum xq of each group (%cg) times 128 and the row's scale: one short dot per row takes it
+    dx * sum xq of each group (cg) times 128 and the row's scale: one short dot per row takes it
     out, as the mins' term does, where the signed form spent a second dot product per step.
     """
     return s.fmt == "q8" and s.isa.unsigned_bytes_exact

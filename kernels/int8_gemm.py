@@ -19,7 +19,7 @@ is scaled once:
 Two dispatches per call:
 
 - `quantize`: each activation row to int8 per weight group (int8_decode's
-  quantize_group_lines, identical to the decode kernel's), written in the
+  quantize_group, identical to the decode kernel's), written in the
   interleaved layout [K/4][M][4] (16 rows' four bytes per 64-byte vector),
   with each group's scale dx, dx * sum xq (for mins) and -128 * sum xq (for
   signed codes);

@@ -11,7 +11,7 @@ not only a dot-product instruction:
   pair's ([K/8][M/2][2][8], which is [K/8][8M] with row r at column 8r: the
   column of row 2p+1 is 16p + 8);
 - the GEMM unpacks each tile channel's codes as the shared kernel does
-  (int8_gemm._unpack_codes: q4 and q5 codes 0..31 are signed bytes as they
+  (int8_gemm.unpack_codes: q4 and q5 codes 0..31 are signed bytes as they
   are, q8 codes taken signed), pairs two channels' 8 bytes per k block, and
   keeps 4 x 2 blocks of 2 x 2 sums (8 rows, 4 channels) over every group,
   scaled per group into float sums: dx per row and scale per channel, laid
