@@ -26,7 +26,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...contract.isa import arm as forms
-from ..builder import Builder, Value
+from ..builder import Builder, Value, stream_executable
+from ..int8_gemm import (
+    GemmOperands,
+    Int8GemmShape,
+    gemm_bindings,
+    gemm_prologue,
+    supports,
+    unpack_codes,
+)
 from ..isa import zero_lanes
 from .neon_dotprod import NeonDotprod
 
@@ -47,7 +55,7 @@ class NeonI8mm(NeonDotprod):
     def row_pairs(self) -> bool:
         return True
 
-    def gemm_executable(self, shape) -> str:
+    def gemm_executable(self, shape: Int8GemmShape) -> str:
         return gemm_executable(shape)
 
 
@@ -72,7 +80,7 @@ class _Constants:
     block_quads: list[Value]  # 0, 2, ...: each k block's first quad in w
 
 
-def _group_step(b: Builder, s, o, g0: Value, k: _Constants, at: _Block, gl: Value,
+def _group_step(b: Builder, s: Int8GemmShape, o: GemmOperands, g0: Value, k: _Constants, at: _Block, gl: Value,
                 acc_in: list[Value]) -> list[Value]:
     """One group (gl) of the register block: its 2 x 2 int32 sums, then scaled into the float sums."""
     P, C = ROW_PAIRS, CHANNEL_PAIRS
@@ -115,12 +123,9 @@ def _group_step(b: Builder, s, o, g0: Value, k: _Constants, at: _Block, gl: Valu
     return out
 
 
-def gemm_executable(s) -> str:
+def gemm_executable(s: Int8GemmShape) -> str:
     """y [M, N] from the row-paired activations and the codes: a workgroup owns NT channels, their float
     sums held in an [M, NT] stack tile between K chunks, written to y row by row at the end."""
-    from ..builder import stream_executable
-    from ..int8_gemm import gemm_bindings, gemm_prologue, supports, unpack_codes
-
     if not supports(s) or s.m % (2 * ROW_PAIRS) or s.tile_channels % (2 * CHANNEL_PAIRS):
         raise ValueError(f"no i8mm GEMM kernel for {s}")
     P, C, nt = ROW_PAIRS, CHANNEL_PAIRS, s.tile_channels
