@@ -71,7 +71,8 @@ class Int8Isa(ABC):
 
     @abstractmethod
     def constants(self, b: Builder) -> None:
-        """Make the constants dot_unsigned / dot_signed share (`b.shared`) here, once per function."""
+        """Make the constants dot_unsigned / dot_signed share (`b.shared`) here, at the function's top
+        level: a kernel calls it before its loops, which place them there anyway on first use."""
 
     @abstractmethod
     def dot_unsigned(self, b: Builder, acc: Value | None, u: Value, s: Value) -> Value:
