@@ -1,8 +1,9 @@
 """Spelling MLIR text for the kernel generators: types, exact float constants, executables.
 
-Every generator in this package writes MLIR as text; the few things they all
-spell live here once, so a type or an executable is written the same way
-everywhere.
+The generators that write MLIR as text (the float kernels, the `flow.dispatch`
+calls of the int8 ones) spell the few things they share here once, so a type or
+an executable is written the same way everywhere. The int8 kernels build their
+ops instead (builder.py).
 """
 
 from __future__ import annotations
