@@ -37,7 +37,6 @@ _OP_TEXT = re.compile(r"(?<![!#])\b(func\.func|util\.func|linalg\.|arith\.|vecto
 NOT_YET_TEMPLATES = {
     "int8_decode.py": {"int8_dot_dispatch"},
     "int8_gemm.py": {"int8_gemm_dispatches"},
-    "mlir.py": {"stream_executable"},
 }
 
 

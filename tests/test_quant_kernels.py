@@ -10,7 +10,8 @@ import pytest
 from foldline.backends.targets import cpu_target
 from foldline.frontend.quant import pack_q5
 from foldline.kernels import qlinear as qk
-from foldline.kernels.mlir import FloatIsa, widen_f16
+from foldline.kernels import template
+from foldline.kernels.mlir import FloatIsa
 
 
 def _module(spec: qk.QLinearSpec, kernel: str) -> str:
@@ -182,7 +183,8 @@ def test_f16_widened_without_f16c_is_exact_for_every_bit_pattern(tmp_path):
     import iree.runtime as rt
 
     t16, t32 = "tensor<65536xf16>", "tensor<65536xf32>"
-    body = "\n".join(f"      {line}" for line in widen_f16("%h", "%f", "f16", SOFT_FLOAT))
+    widen = template.instantiate("widen_f16", src="%h", dst="%f", f16_type="f16", f16=SOFT_FLOAT.f16, pad="")
+    body = "\n".join(f"      {line}" for line in widen.split("\n"))
     module = (f"module {{\nutil.func public @main(%x: {t16}) -> {t32} {{\n"
               f"  %e = tensor.empty() : {t32}\n"
               "  %y = linalg.generic {indexing_maps = [affine_map<(i) -> (i)>, affine_map<(i) -> (i)>], "
