@@ -46,6 +46,7 @@ from ..contract.block_formats import codes_dims
 from .builder import Builder, Value, stream_executable
 from .isa import Int8Isa
 from .mlir import as_tensor, f32_bits, memref_type
+from .template import instantiate
 from .x86 import AVX512_VNNI
 
 # Workgroups per call below LARGE_N rows: every workgroup quantizes (and normalizes) the whole
@@ -487,5 +488,5 @@ def int8_dot_dispatch(s: Int8DotShape, x: str, codes: str, scales: str, mins: st
     if residual:
         operands.append(residual)
         types.append(f"tensor<{s.n}xf32>")
-    return (f"{result} = flow.dispatch @{s.name}_exe::@{s.name}({', '.join(operands)}) "
-            f": ({', '.join(types)}) -> tensor<{s.n}xf32>")
+    return instantiate("flow_dispatch", result=result, name=s.name, operands=operands, types=types,
+                       result_types=[f"tensor<{s.n}xf32>"])

@@ -51,6 +51,7 @@ from .builder import Builder, Value, stream_executable
 from .int8_decode import fifth_bit_constants, fifth_bits, quantize_group
 from .isa import Int8Isa
 from .mlir import as_tensor, memref_type
+from .template import instantiate
 from .x86 import AVX512_VNNI
 
 ROW_VECTORS = 2  # row vectors of 16 per register block (on 512-bit registers)
@@ -450,9 +451,7 @@ def int8_gemm_dispatches(s: Int8GemmShape, x: str, codes: str, scales: str, mins
     operands = [f"{q}#0", f"{q}#1", f"{q}#2", f"{q}#3", codes, scales] + ([mins] if s.has_min else [])
     types = [xq_t, per_f, per_f, per_i, as_tensor(_codes_memref(s)), as_tensor(_scales_memref(s))]
     types += [as_tensor(_scales_memref(s))] if s.has_min else []
-    return [
-        f"{q}:4 = flow.dispatch @{s.quantize_name}_exe::@{s.quantize_name}({x}) : (tensor<{s.m}x{s.k}xf32>) "
-        f"-> ({xq_t}, {per_f}, {per_f}, {per_i})",
-        f"{result} = flow.dispatch @{s.name}_exe::@{s.name}({', '.join(operands)}) "
-        f": ({', '.join(types)}) -> tensor<{s.m}x{s.n}xf32>",
-    ]
+    return [instantiate("flow_dispatch", result=q, name=s.quantize_name, operands=[x], types=[f"tensor<{s.m}x{s.k}xf32>"],
+                        result_types=[xq_t, per_f, per_f, per_i]),
+            instantiate("flow_dispatch", result=result, name=s.name, operands=operands, types=types,
+                        result_types=[f"tensor<{s.m}x{s.n}xf32>"])]

@@ -35,8 +35,6 @@ _OP_TEXT = re.compile(r"(?<![!#])\b(func\.func|util\.func|linalg\.|arith\.|vecto
 
 # The top-level definitions (functions, classes) of kernels/ that still spell MLIR ops in Python strings.
 NOT_YET_TEMPLATES = {
-    "int8_decode.py": {"int8_dot_dispatch"},
-    "int8_gemm.py": {"int8_gemm_dispatches"},
 }
 
 
