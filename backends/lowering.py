@@ -6,7 +6,7 @@ time"). The exported graph is already functional, so decomposing it needs no
 retrace: every node whose op the decomposition table rewrites is expanded in
 place from one trace of that op's decomposition per distinct argument signature (`expand_ops`).
 A model's layers repeat, so a few dozen traces serve thousands of nodes.
-`tests/test_lowering.py` checks the result against `run_decompositions`:
+`tests/backends/test_lowering.py` checks the result against `run_decompositions`:
 the same ops and bit-identical eager logits and state.
 
 Symbolic values (decode's host position, prefill's attention tile count)

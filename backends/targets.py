@@ -36,7 +36,7 @@ func.func @probe(%a: tensor<4xf32>) -> tensor<4xf32> {
 """
 
 # The IREE release foldline is built against: pyproject.toml pins iree-base-compiler and
-# iree-base-runtime to it (tests/test_backends.py checks the pins and the installed packages), and
+# iree-base-runtime to it (tests/backends/test_targets.py checks the pins and the installed packages), and
 # what the code and docs say IREE does or cannot do was found with it.
 IREE_VERSION = "3.13"
 ONNX_DEVICE = "onnxruntime"  # the runtime device that runs an ONNX module (runtime/onnx_device.py)

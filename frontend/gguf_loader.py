@@ -166,7 +166,7 @@ SAMPLED_ROWS = 32
 def _exact_on_sampled_rows(g: GGUFFile, tname: str, rows: int = SAMPLED_ROWS) -> bool:
     """Whether repacking `tname` dequantizes to gguf's own float32 values on `rows` rows spread over it.
 
-    Every row goes through the same repacking code, and tests/test_quant.py checks each block
+    Every row goes through the same repacking code, and tests/frontend/test_quant.py checks each block
     type bit for bit; this guards a file against a block type read the wrong way, cheaply.
     """
     info = g.info(tname)

@@ -24,7 +24,7 @@ Scales and mins are float16 where the GGUF block stores them as float16
 stores a product (K-quants: d * sub-block scale, exact in float32). Every
 product and sum below is exact or rounds exactly as `gguf.quants.dequantize`
 does, so `dequantize(repack(block))` equals gguf's float32 output bit for bit
-(tests/test_quant.py), but for the sign of zero: Q4_0's d * (q - 8) is -0
+(tests/frontend/test_quant.py), but for the sign of zero: Q4_0's d * (q - 8) is -0
 where d < 0 and q = 8, our d * q + (-8 d) is +0.
 
 | GGUF type | format | codes | group | scale / min |

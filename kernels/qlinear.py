@@ -15,7 +15,7 @@ replaces each one with a `util.call` to a generated `util.func`:
 
   There is no separate dequantization op to hoist or materialise: no float
   copy of the weight exists, and each decode step reads only the quantized
-  bytes (tests/test_quant_compile.py checks the dispatches). With several
+  bytes (tests/kernels/test_quant_compile.py checks the dispatches). With several
   rows (decode of a batched bundle) the codes are read once for all of them.
   Why this form, and what IREE does with the alternatives: docs/quantization.md.
   On a CPU without FMA or F16C (`x86-64-v2`) it is spelt with a multiply and

@@ -5,7 +5,7 @@
 is decode(window) minus decode(window without it), held back while it ends in an
 incomplete UTF-8 character. Concatenating everything it yields, flush included,
 gives exactly `tokenizer.decode(all ids)` for the tokenizers foldline ships
-(byte-level BPE and SentencePiece with byte fallback; tests/test_streaming.py).
+(byte-level BPE and SentencePiece with byte fallback; tests/runtime/test_streaming.py).
 
 `StopStringFilter` never emits text that might be the start of a stop string:
 a tail that is a prefix of one is held until the next piece decides it.

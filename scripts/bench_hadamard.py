@@ -4,7 +4,7 @@
     python scripts/bench_hadamard.py --fold-bundle A --online-bundle B
 
 MODEL is anything `foldline compile` accepts, usually a Hadamard-folded GGUF
-(tests/rotated_gguf.py writes one). Both bundles are compiled with the
+(tests/helpers/rotated_gguf.py writes one). Both bundles are compiled with the
 same options except the fuse-hadamard mode, then each decodes the same greedy
 continuation; the difference of the median step times is the online cost.
 """

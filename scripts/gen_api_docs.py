@@ -1,11 +1,11 @@
 """Write docs/api.md, the Python API reference of the embedded runtime, from its docstrings.
 
     .venv/bin/python scripts/gen_api_docs.py           # rewrite docs/api.md
-    .venv/bin/python scripts/gen_api_docs.py --check   # exit 1 if docs/api.md is stale (tests/test_api_docs.py)
+    .venv/bin/python scripts/gen_api_docs.py --check   # exit 1 if docs/api.md is stale (tests/runtime/test_api_docs.py)
 
 The reference is generated so it cannot drift from the code: each documented
 name's signature and docstring come from the installed package, and the
-examples are the files under docs/examples/, which tests/test_api_docs.py runs
+examples are the files under docs/examples/, which tests/runtime/test_api_docs.py runs
 as written. Only `foldline.runtime` is imported: no torch, as in an app.
 """
 

@@ -6,9 +6,9 @@ MODEL is a shipped model (smollm2-135m, gemma3-270m), GENAI_DIR the folder
 scripts/build_ort_genai_peer.py made of it. GenAI's generator is fed the HF
 reference's prompt ids, then its greedy tokens one at a time (teacher forcing),
 and its logits at every step are held to HF eager's float32 logits with the
-measures foldline's golden tests use (tests/test_gguf_models.py): the worst
+measures foldline's golden tests use (tests/e2e/test_gguf_models.py): the worst
 cosine and on how many steps the top-1 agrees. The HF reference is the one the
-tests cache (tests/gguf_reference.py); the bench compares speed, this compares
+tests cache (tests/helpers/gguf_reference.py); the bench compares speed, this compares
 what the speed buys.
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from gguf_reference import cosine, hf_reference, hf_tokenizer  # noqa: E402
+from helpers.gguf_reference import cosine, hf_reference, hf_tokenizer  # noqa: E402
 
 # Runs in the GenAI interpreter: the logits after the prompt, then after each forced token.
 _GENAI = """

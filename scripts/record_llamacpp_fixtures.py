@@ -10,10 +10,10 @@ fixtures are the record):
 Print a shipped model's path with
 `python -c 'from foldline.frontend.shipped import locate_shipped as l; print(l("gemma3-270m"))'`.
 
-For every prompt of tests/gguf_reference.py it stores llama.cpp's prompt
+For every prompt of tests/helpers/gguf_reference.py it stores llama.cpp's prompt
 tokenization (BOS as the file asks), its greedy continuation, and for the last
 prompt position and each continuation step the top-1 id plus the top-5 ids and
-logits. tests/test_gguf_models.py feeds the same tokens to a compiled bundle.
+logits. tests/e2e/test_gguf_models.py feeds the same tokens to a compiled bundle.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ TOP = 5
 
 
 def _reference_module():
-    spec = importlib.util.spec_from_file_location("gguf_reference", REPO / "tests" / "gguf_reference.py")
+    spec = importlib.util.spec_from_file_location("gguf_reference", REPO / "tests" / "helpers" / "gguf_reference.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -68,7 +68,7 @@ def prompts() -> list[list[int]]:
 
 
 def build_hf_model(seed: int = SEED) -> Any:
-    """A seeded Qwen3_5ForCausalLM at sizes where every convention shows (see tests/test_hf_parity.py)."""
+    """A seeded Qwen3_5ForCausalLM at sizes where every convention shows (see tests/e2e/test_hf_parity.py)."""
     import torch
     import transformers
 

@@ -2,7 +2,7 @@
 # An aarch64 userland in .arm64/ that runs foldline's runtime under qemu-user on
 # an x86-64 Debian machine: Debian's arm64 Python (unpacked, not installed), the
 # aarch64 wheels of numpy, ml_dtypes and iree-base-runtime at the versions the
-# venv holds, and qemu-aarch64. tests/test_aarch64.py runs aarch64 bundles with it.
+# venv holds, and qemu-aarch64. tests/kernels/test_aarch64.py runs aarch64 bundles with it.
 # Needs root and apt (Debian); idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."

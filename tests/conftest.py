@@ -1,4 +1,5 @@
-"""Shared fixtures: compiled bundles are expensive, so each is built once per test run."""
+"""Fixtures the test groups share (compiled bundles are expensive, so each is built once per test run);
+a group's own fixtures are in its conftest.py."""
 
 from __future__ import annotations
 
@@ -30,15 +31,24 @@ gc.callbacks.append(_time_gc)
 
 # The files that take longest (each several minutes on 2 cores; pytest's --durations shows them), run
 # first: with the suite on two workers (README), a long file started last would leave one worker alone
-# at the end. The rest keep their order.
-LONGEST_FIRST = ("test_tensor_parallel.py", "test_aarch64.py", "test_multi_device.py", "test_gguf_models.py",
-                 "test_kv_tiles.py", "test_onnx.py", "test_hadamard_compile.py", "test_conversation.py",
-                 "test_serve.py", "test_serve_robust.py", "test_fused_attention.py", "test_backends_vulkan.py")
+# at the end. The rest keep their order. Paths are relative to tests/.
+LONGEST_FIRST = ("backends/test_tensor_parallel.py", "kernels/test_aarch64.py", "backends/test_multi_device.py",
+                 "e2e/test_gguf_models.py", "backends/test_kv_tiles.py", "backends/test_inplace_state.py",
+                 "backends/test_onnx.py", "e2e/test_hadamard_compile.py", "e2e/test_conversation.py",
+                 "serve/test_serve.py", "serve/test_robust.py", "backends/test_fused_attention.py",
+                 "backends/test_vulkan.py")
+TESTS = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+    items.sort(key=lambda item: rank.get(_tests_path(item), len(rank)))  # stable: a file's tests keep their order
+
+
+def _tests_path(item) -> str:
+    """The item's file relative to tests/ ('' for a file outside it)."""
+    path = Path(item.path).resolve()
+    return path.relative_to(TESTS).as_posix() if path.is_relative_to(TESTS) else ""
 
 
 def pytest_runtest_teardown(item, nextitem) -> None:
@@ -137,7 +147,7 @@ def other_weights_bundle(tmp_path_factory) -> Path:
     return out
 
 
-# ---- real GGUF models (tests/gguf_reference.py): each loaded, compiled and referenced once -----
+# ---- real GGUF models (tests/helpers/gguf_reference.py): each loaded and compiled once --------
 
 
 @pytest.fixture(scope="session")
@@ -158,43 +168,13 @@ def gguf_models() -> Callable[[str], object]:
 @pytest.fixture(scope="session")
 def gguf_bundles(gguf_models, tmp_path_factory) -> Callable[[str], Path]:
     """name -> bundle dir (default pipeline, IREE CPU), compiled once per source state (compile cache)."""
-    from gguf_reference import compiled_bundle
+    from helpers.gguf_reference import compiled_bundle
 
     cache: dict[str, Path] = {}
 
     def get(name: str) -> Path:
         if name not in cache:
             cache[name] = compiled_bundle(name, gguf_models(name), tmp_path_factory.mktemp(name) / "bundle")
-        return cache[name]
-
-    return get
-
-
-@pytest.fixture(scope="session")
-def hf_tokenizers() -> Callable[[str], object]:
-    """name -> HF transformers tokenizer built from the same GGUF, once per session."""
-    from gguf_reference import hf_tokenizer
-
-    cache: dict[str, object] = {}
-
-    def get(name: str):
-        if name not in cache:
-            cache[name] = hf_tokenizer(name)
-        return cache[name]
-
-    return get
-
-
-@pytest.fixture(scope="session")
-def hf_references(hf_tokenizers) -> Callable[[str], dict]:
-    """name -> HF transformers eager ids and logits on the fixed prompts (disk cache)."""
-    from gguf_reference import hf_reference
-
-    cache: dict[str, dict] = {}
-
-    def get(name: str) -> dict:
-        if name not in cache:
-            cache[name] = hf_reference(name, hf_tokenizers)
         return cache[name]
 
     return get

@@ -322,7 +322,7 @@ def local_window(window: int) -> int:
     """GroupQueryAttention's `local_window_size` for foldline's window (-1: none).
 
     Both count the keys a query sees, its own position included: position p attends to
-    p - W + 1 .. p (HF's sliding_window). W - 1 fails the golden test (tests/test_onnx.py).
+    p - W + 1 .. p (HF's sliding_window). W - 1 fails the golden test (tests/backends/test_onnx.py).
     """
     return window if window > 0 else -1
 

@@ -2,9 +2,9 @@
 """CUDA checks for a machine with an NVIDIA GPU: bundles compiled elsewhere, run on the GPU, held to eager.
 
     # here, with the compiler (no GPU needed): compile the bundles and record eager references
-    .venv/bin/python tests/device/run_cuda_checks.py prepare DIR [--cuda-arch sm_80] [--presets llama-tiny,...]
+    .venv/bin/python tests/backends/run_cuda_checks.py prepare DIR [--cuda-arch sm_80] [--presets llama-tiny,...]
     # on the GPU machine, with the runtime alone (numpy, iree-base-runtime; no torch, no compiler)
-    python3 tests/device/run_cuda_checks.py run DIR
+    python3 tests/backends/run_cuda_checks.py run DIR
 
 `prepare` compiles each tiny preset for CUDA in its default form (prefill
 attention fused into one flash-style op per layer, backends/iree/fused_attention.py)

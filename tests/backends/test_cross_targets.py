@@ -76,7 +76,7 @@ def test_cuda_bundle_compiles_without_a_gpu(other_weights_bundle):
 
 def test_cuda_bundle_without_a_gpu_is_a_clear_error(other_weights_bundle):
     if available_devices("cuda"):
-        pytest.skip("this machine has a CUDA device; tests/device/run_cuda_checks.py runs the bundle")
+        pytest.skip("this machine has a CUDA device; tests/backends/run_cuda_checks.py runs the bundle")
     with pytest.raises(BundleError, match="device 'cuda' is not available here"):
         Model.load(other_weights_bundle, device="cuda")
 

@@ -5,7 +5,7 @@ Against the eager reference, every tiny preset: rings wrapped several times
 its linear and embedding weights exactly their blocks' dequantization, its
 products MatMulNBits with float activations), GQA over full caches
 (llama-tiny) and Ripple's value residual beside its windows (ripple-tiny),
-each over a prompt of three chunks and 60 decode steps. tests/test_onnx_nbits.py checks MatMulNBits per block type, with
+each over a prompt of three chunks and 60 decode steps. tests/backends/test_onnx_nbits.py checks MatMulNBits per block type, with
 int8 activations too.
 """
 
@@ -31,13 +31,13 @@ STEPS = 60  # past the 128-slot context's middle: gemma3-tiny's 16-slot rings wr
 @pytest.fixture(scope="module")
 def onnx_bundles(tmp_path_factory):
     """preset -> (eager reference module, ONNX bundle), compiled once."""
-    from test_quant_compile import _blocked
-
     from foldline.backends.build import BuildOptions, compile_model
     from foldline.backends.compile_cache import CompileCache
     from foldline.backends.targets import make_target
     from foldline.frontend.sources import load_model
     from foldline.passes.manager import default_pipeline
+
+    from kernels.test_quant_compile import _blocked
 
     cache = {}
 
@@ -287,7 +287,7 @@ def test_windowed_layers_holding_full_caches_run_as_group_query_attention(onnx_b
 def test_a_saved_session_holding_its_windows_in_order_resumes_to_the_bit(onnx_bundles, tmp_path):
     """gemma3-tiny's windowed caches in window order (the module's window_order): a session file stores
     their filled rows, before the window fills and after, and a session resumed from it, fresh or over a
-    longer conversation, gives the uninterrupted logits to the bit (tests/test_session_file.py: rings)."""
+    longer conversation, gives the uninterrupted logits to the bit (tests/runtime/test_session_file.py: rings)."""
     from foldline.runtime.session_file import held_nbytes
 
     _module, bundle = onnx_bundles("gemma3-tiny")

@@ -14,7 +14,6 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from onnx import TensorProto, helper, numpy_helper
-from test_quant import random_blocks
 
 from foldline.backends.onnx.nbits import (
     ACCURACY_LEVEL,
@@ -24,6 +23,8 @@ from foldline.backends.onnx.nbits import (
     to_matmul_nbits,
 )
 from foldline.frontend.quant import REPACKABLE, QuantizedTensor, repack_gguf
+
+from frontend.test_quant import random_blocks
 
 ort = pytest.importorskip("onnxruntime")
 

@@ -199,7 +199,7 @@ def test_iree_version_names_the_installed_and_pinned_release():
     release, and pyproject.toml pins both packages to it."""
     for package in ("iree-base-compiler", "iree-base-runtime"):
         assert metadata.version(package).startswith(IREE_VERSION + "."), package
-    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     pins = dict(re.findall(r'"(iree-base-(?:compiler|runtime))==([^"]+)"', pyproject))
     assert set(pins) == {"iree-base-compiler", "iree-base-runtime"}
     assert all(v.startswith(IREE_VERSION + ".") for v in pins.values()), pins

@@ -11,8 +11,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_avx2_kernels import SCALED_TOL_INT8
-from test_multi_device import BATCH_FEEDS
 from torch import nn
 
 from foldline.contract.tensor_split import head_parts, shared_head, tensor_state
@@ -28,6 +26,9 @@ from foldline.passes.shard_plan import deal, read_by, shard_plan
 from foldline.runtime import Model
 from foldline.testing.golden import compare_units, copy_unit, make_steps
 from foldline.testing.parity import SCALED_TOL_FP32, batches_differ, run_parity
+
+from backends.test_multi_device import BATCH_FEEDS
+from kernels.test_avx2_kernels import SCALED_TOL_INT8
 
 PRESETS = ["llama-tiny", "gemma3-tiny", "qwen35-tiny", "ripple-tiny"]
 PROMPT = list(range(3, 43))  # 40 tokens: several prefill chunks, windows of 16 wrapped twice

@@ -7,7 +7,6 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from test_manifest_schema import CASCADELAKE, X86_V3, multi_isa_manifest
 
 from foldline.contract.isa import FAMILIES, KernelForm, kernel_form, kernel_forms, register_form
 from foldline.kernels.isa import Int8Kernels
@@ -21,6 +20,8 @@ from foldline.kernels.select import (
 from foldline.kernels.x86 import AVX2, AVX512_VNNI
 from foldline.runtime import Manifest
 from foldline.runtime.cpu_select import kernel_rank, select_cpu_module
+
+from contract.test_manifest import CASCADELAKE, X86_V3, multi_isa_manifest
 
 TOY_FLAG = "toy_dot"
 TOY = KernelForm("int8-toy", "x86_64", frozenset({"avx2", "fma", "f16c", TOY_FLAG}), rank=4)

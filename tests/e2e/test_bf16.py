@@ -22,7 +22,7 @@ from foldline.testing.parity import SCALED_TOL_FP32, EagerRunner
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_parity import CHUNK, DECODE_STEPS, _prompt, _scaled, hf_reference, make_hf_dir  # noqa: E402
+from e2e.test_hf_parity import CHUNK, DECODE_STEPS, _prompt, _scaled, hf_reference, make_hf_dir  # noqa: E402
 
 MAX_CONTEXT = 64
 

@@ -13,11 +13,12 @@ import time
 
 import numpy as np
 import pytest
-from test_gguf_models import _skip_unless_installed
 
 from foldline.runtime import BundleError, Conversation, Model, Sampler, encode_messages
 from foldline.runtime.conversation import messages_path
 from foldline.tools.cli import main
+
+from e2e.test_gguf_models import _skip_unless_installed
 
 pytestmark = [pytest.mark.slow, pytest.mark.realmodel]
 

@@ -16,14 +16,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf_reference import N_NEW, PROMPTS, TOKENIZER_TEXTS, cosine
 
 from foldline.runtime import Model
+
+from helpers.gguf_reference import N_NEW, PROMPTS, TOKENIZER_TEXTS, cosine
 
 pytestmark = [pytest.mark.slow, pytest.mark.realmodel]
 
 COSINE_MIN = 0.999
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 
 
 def _has(dist: str) -> bool:

@@ -40,7 +40,7 @@ def hadamard_bundle(tmp_path_factory) -> Callable[..., Path]:
 
 @pytest.fixture(scope="session")
 def rotated_llama_gguf(tmp_path_factory) -> Path:
-    from rotated_gguf import rotate_gguf, write_llama_gguf
+    from helpers.rotated_gguf import rotate_gguf, write_llama_gguf
 
     d = tmp_path_factory.mktemp("rotated-llama")
     plain = write_llama_gguf(build_model(get_preset("llama-tiny"), seed=0), d / "llama-tiny.gguf")
@@ -78,7 +78,7 @@ def test_rotated_llama_tiny_gguf_matches_unrotated(hadamard_bundle, rotated_llam
 
 
 def _qwen_pair():
-    from rotated_gguf import rotated_model
+    from helpers.rotated_gguf import rotated_model
 
     cfg = get_preset("qwen35-tiny").replace(gdn_num_v_heads=6, gdn_kv_mapping="interleaved")
     reference = build_model(cfg, seed=3)
@@ -100,9 +100,9 @@ def test_rotated_qwen35_tiny_matches_unrotated(hadamard_bundle, mode):
 @pytest.fixture(scope="session")
 def smollm2_pair(tmp_path_factory):
     """(unrotated SmolLM2-135M path, rotated copy path): rotated once per session (it takes minutes)."""
-    from rotated_gguf import rotate_gguf
-
     from foldline.frontend.shipped import ShippedModelError, locate_shipped
+
+    from helpers.rotated_gguf import rotate_gguf
 
     try:
         plain = locate_shipped("smollm2-135m")

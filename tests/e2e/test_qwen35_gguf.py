@@ -24,8 +24,8 @@ from foldline.frontend.gguf_file import GGUFError, GGUFFile, MissingTensorError
 from foldline.frontend.gguf_loader import load_gguf, read_gguf_config
 from foldline.testing.parity import SCALED_TOL_FP32, EagerRunner
 
-REPO = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 GGUF = FIXTURES / "qwen35-tiny.gguf"
 RECORD = json.loads((FIXTURES / "qwen35_llamacpp.json").read_text())
 CHUNK = 16

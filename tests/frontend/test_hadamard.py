@@ -9,13 +9,14 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from rotated_gguf import rotate_gguf, rotated_model, write_llama_gguf
 from torch import Tensor, nn
 
 from foldline.frontend import hadamard as H
 from foldline.frontend.arch import get_preset
 from foldline.frontend.layers import RMSNorm
 from foldline.frontend.model import build_model, new_state
+
+from helpers.rotated_gguf import rotate_gguf, rotated_model, write_llama_gguf
 
 CHUNK = 16
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 N_NEW = 16
 
 LONG_TEXT = (

@@ -7,8 +7,8 @@ inverse-listed table stores rows z = H D e, undone at lookup by e = signs * WHT(
 Rotated tensors are written as F32 (or F16); everything else is copied
 byte for byte, quantization included.
 
-    python tests/rotated_gguf.py smollm2-135m /tmp/smollm2-rotated.gguf
-    python tests/rotated_gguf.py llama-tiny /tmp/llama-tiny-rotated.gguf --block-size 32
+    python tests/helpers/rotated_gguf.py smollm2-135m /tmp/smollm2-rotated.gguf
+    python tests/helpers/rotated_gguf.py llama-tiny /tmp/llama-tiny-rotated.gguf --block-size 32
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 ARM64_ROOT_ENV = "FOLDLINE_ARM64_ROOT"
-PACKAGE_DIR = Path(__file__).resolve().parents[1]  # this checkout: the foldline package root
+PACKAGE_DIR = Path(__file__).resolve().parents[2]  # this checkout: the foldline package root
 DEFAULT_ROOT = PACKAGE_DIR / ".arm64"
 
 
@@ -56,7 +56,7 @@ class Arm64Python:
 
 
 def main() -> int:
-    """`python tests/qemu_arm64.py SCRIPT ARGS...`: run a script on aarch64 (for a person trying it)."""
+    """`python tests/kernels/qemu_arm64.py SCRIPT ARGS...`: run a script on aarch64 (for a person trying it)."""
     found = Arm64Python.find()
     if isinstance(found, str):
         print(found, file=sys.stderr)

@@ -1,14 +1,14 @@
 """aarch64 executed, not only compiled: bundles and kernels for Arm CPUs run under qemu-user.
 
 The aarch64 side is this checkout's runtime on Debian's arm64 Python with the
-aarch64 iree-base-runtime wheel (tests/qemu_arm64.py; scripts/setup_arm64.sh
+aarch64 iree-base-runtime wheel (tests/kernels/qemu_arm64.py; scripts/setup_arm64.sh
 installs it, and CI runs setup). Bundles for a dotprod CPU (cortex-a76: the
 int8-activation kernels in their NEON `sdot` form, kernels/arm/) and for
 `--cpu generic` (the float kernels any Armv8-A runs), and for an i8mm CPU
 (neoverse-v1: the prefill GEMM on `smmla`), are compared with the same
 weights' x86 bundle and with torch eager; each int8 kernel shape is compared
 with its int8 emulation in every Arm form, as the x86 forms are
-(test_vnni_kernels.py, test_vnni_gemm.py). qemu emulates the CPU (its `max`
+(test_int8_decode.py, test_int8_gemm.py). qemu emulates the CPU (its `max`
 model has dotprod and i8mm): this checks what an Arm machine computes, not
 how fast.
 """
@@ -21,13 +21,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import test_quant_compile
-import test_vnni_gemm
-import test_vnni_kernels
-from int8_reference import check_form_code
-from qemu_arm64 import Arm64Python
 
 from foldline.kernels.arm import NEON_DOTPROD, NEON_I8MM
+
+from kernels import test_int8_decode, test_int8_gemm, test_quant_compile
+from kernels.int8_reference import check_form_code
+from kernels.qemu_arm64 import Arm64Python
 
 pytestmark = pytest.mark.slow
 
@@ -184,8 +183,8 @@ def _compile_for_arm(text: str, dump: Path, cpu: str) -> tuple[bytes, str]:
 # (family, Arm form, the CPU compiled for, shape): every decode shape in the sdot form, every prefill
 # shape in the sdot and smmla forms
 FORM_CPU = {NEON_DOTPROD.name: "cortex-a76", NEON_I8MM.name: "neoverse-v1"}
-KERNELS = ([("decode", NEON_DOTPROD, s) for s in test_vnni_kernels.SHAPES]
-           + [("prefill", form, s) for form in (NEON_DOTPROD, NEON_I8MM) for s in test_vnni_gemm.SHAPES])
+KERNELS = ([("decode", NEON_DOTPROD, s) for s in test_int8_decode.SHAPES]
+           + [("prefill", form, s) for form in (NEON_DOTPROD, NEON_I8MM) for s in test_int8_gemm.SHAPES])
 
 
 def _kernel_id(family: str, form, shape) -> str:
@@ -199,7 +198,7 @@ def arm_kernels(arm64, tmp_path_factory):
     cases, jobs = {}, []
     for i, (family, form, shape) in enumerate(KERNELS):
         shape = dataclasses.replace(shape, isa=form)
-        tests = test_vnni_kernels if family == "decode" else test_vnni_gemm
+        tests = test_int8_decode if family == "decode" else test_int8_gemm
         vmfb, assembly = _compile_for_arm(tests._module(shape), root / f"dump{i}", FORM_CPU[form.name])
         args, emulated, exact = tests._case(shape, np.random.default_rng(0))
         (root / f"k{i}.vmfb").write_bytes(vmfb)

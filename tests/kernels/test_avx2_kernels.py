@@ -1,7 +1,7 @@
 """Quantized tiny models compiled for x86-64-v3 (AVX2, no AVX-512): int8-activation decode with its fusions.
 
 The kernels themselves are checked one by one against the int8 emulation in
-tests/test_vnni_kernels.py (parametrized by ISA). Here a whole bundle is built
+tests/kernels/test_int8_decode.py (parametrized by ISA). Here a whole bundle is built
 for `--cpu x86-64-v3` with the default activations, as for an AVX2-only CPU
 (Zen 3, Haswell and later): it must pick the AVX2 int8-dot kernels, fuse the
 norms and gated activations into them, hold no AVX-512 code, and give the
@@ -16,22 +16,23 @@ import re
 
 import numpy as np
 import pytest
-from test_decode_fusion import _blocked, _eager_logits, _int8_dot_kernels, _logits
 
 from foldline.contract.vmfb import vmfb_info
 from foldline.kernels.x86 import AVX2
 from foldline.runtime.device import host_cpu_features
 
+from kernels.test_fusion import _blocked, _eager_logits, _int8_dot_kernels, _logits
+
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not AVX2.available(host_cpu_features() or set()), reason="this CPU has no AVX2")]
 
 # llama-tiny with an MLP width of 128 (its 160 is no multiple of 64) takes the norm, SwiGLU and residual
-# fusions; gemma3-tiny (q8 codes, and 5-bit ones) the norm and GELU(tanh) ones (test_decode_fusion.py).
+# fusions; gemma3-tiny (q8 codes, and 5-bit ones) the norm and GELU(tanh) ones (test_fusion.py).
 MODELS = {"llama-tiny": ("llama-tiny", "q4", 128, {"_rms", "_swiglu", "_res"}),
           "gemma3-tiny": ("gemma3-tiny", "q8", None, {"_rms", "_geglu"}),
           "gemma3-tiny-q5": ("gemma3-tiny", "q5", None, {"_rms", "_geglu"})}
 # Largest |bundle - eager| per step over the step's largest |eager| logit: 8-bit activations per group
-# against float32 ones (test_decode_fusion.py's bound for the same models on AVX-512 VNNI).
+# against float32 ones (test_fusion.py's bound for the same models on AVX-512 VNNI).
 SCALED_TOL_INT8 = 3e-2
 
 

@@ -134,9 +134,9 @@ def _blocked(preset: str, fmt: str, intermediate: int | None):
     llama-tiny's 160 is no multiple of 64, so its down projection takes no int8-dot kernel."""
     import dataclasses
 
-    import test_quant_compile
-
     from foldline.frontend import arch
+
+    from kernels import test_quant_compile
 
     if intermediate is None:
         return test_quant_compile._blocked(preset, fmt)

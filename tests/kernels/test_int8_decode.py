@@ -14,16 +14,17 @@ import dataclasses
 
 import numpy as np
 import pytest
-from int8_reference import (
+
+from foldline.kernels import int8_decode as vk
+from foldline.kernels.x86 import AVX2, AVX512_VNNI, AVX_VNNI
+from foldline.runtime.device import host_cpu_features
+
+from kernels.int8_reference import (
     check_form_code,
     compile_on_host,
     int8_product,
     random_blocks,
 )
-
-from foldline.kernels import int8_decode as vk
-from foldline.kernels.x86 import AVX2, AVX512_VNNI, AVX_VNNI
-from foldline.runtime.device import host_cpu_features
 
 # (ISA, the --cpu its kernels are compiled for here)
 # each form compiled for a CPU that has it and nothing better: alderlake has AVX-VNNI and no AVX-512

@@ -106,15 +106,16 @@ def test_decode_reads_only_codes_and_no_float_weight_outlives_a_prefill_call(blo
     prefill: each weight is dequantized into a float tile inside the call (the faster form for
     chunks); no initializer keeps a float copy of any weight."""
     import iree.compiler as ireec
-    from dispatches import (
-        contractions_reading_codes,
-        float_copies_of,
-        read_dispatches,
-    )
 
     from foldline.backends.targets import make_target
     from foldline.kernels.attention import expand_decode_attention_ops
     from foldline.kernels.qlinear import expand_qlinear_ops
+
+    from kernels.dispatches import (
+        contractions_reading_codes,
+        float_copies_of,
+        read_dispatches,
+    )
 
     loaded, bundle = blocked_bundles("llama-tiny", "q4")
     mlir, sites = expand_qlinear_ops((bundle / "model.mlir").read_text(), cpu_tiles=True)
@@ -188,16 +189,17 @@ class _OneQLinear(torch.nn.Module):
 def test_the_dispatch_check_tells_a_fused_kernel_from_a_materialised_weight(kept, tmp_path, monkeypatch):
     """The same qlinear, lowered by the kernel generator or decomposed to aten (nibble shifts in the graph)."""
     import iree.compiler as ireec
-    from dispatches import (
-        contractions_reading_codes,
-        float_copies_of,
-        read_dispatches,
-    )
 
     from foldline.backends import lowering
     from foldline.backends.iree import importer
     from foldline.backends.targets import make_target
     from foldline.kernels.qlinear import expand_qlinear_ops
+
+    from kernels.dispatches import (
+        contractions_reading_codes,
+        float_copies_of,
+        read_dispatches,
+    )
 
     n, k = 256, 128
     module = _OneQLinear(n, k).eval()

@@ -6,7 +6,6 @@ from collections import Counter
 
 import pytest
 import torch
-from rotated_gguf import rotated_model
 from torch.export import ExportedProgram
 
 from foldline.frontend import hadamard as H
@@ -15,6 +14,8 @@ from foldline.frontend.export import example_inputs, export_model, position_shap
 from foldline.frontend.model import build_model
 from foldline.passes.fuse_hadamard import ENV_MODE, HadamardModeError, fuse_hadamard, hadamard_mode
 from foldline.passes.manager import CompileUnit
+
+from helpers.rotated_gguf import rotated_model
 
 MATMULS = {"aten.mm.default", "aten.bmm.default", "aten.addmm.default", "aten.matmul.default",
            "aten.linear.default", "aten.baddbmm.default"}

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from test_pass_quantize_weights import PRESETS, _blocked_unit, _lifted, _steps
 
 from foldline.passes.manager import run_pipeline
 from foldline.passes.quantize_weights import QLINEAR
 from foldline.testing.golden import GOLDEN_TOL, golden_check
+
+from passes.test_quantize_weights import PRESETS, _blocked_unit, _lifted, _steps
 
 PASSES = ["quantize-weights", "fuse-sibling-qlinears"]
 

@@ -30,7 +30,7 @@ from foldline.tools.cli import main
 GIB = 1024**3
 MI = 1048576
 TINY = [name for name, factory in PRESETS.items() if not factory().planning_only]
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def module_parameters(model) -> dict[str, int]:

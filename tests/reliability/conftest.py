@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
-from reliability_common import COUNTS, FULL
+
+from reliability.reliability_common import COUNTS, FULL
 
 _COMMON = dict(deadline=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

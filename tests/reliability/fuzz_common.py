@@ -12,9 +12,9 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from reliability_common import address_space_headroom, record
-
 from foldline.errors import FoldlineError
+
+from reliability.reliability_common import address_space_headroom, record
 
 
 class CaseTimeout(BaseException):

@@ -20,17 +20,18 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from fuzz_common import FuzzLog
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize as gguf_quantize
-from reliability_common import scaled
-from rotated_gguf import llama_gguf_tensors
 
 from foldline.frontend.arch import get_preset
 from foldline.frontend.gguf_file import GGUFError, GGUFFile
 from foldline.frontend.gguf_loader import load_gguf, read_gguf_config
 from foldline.frontend.model import build_model
 from foldline.frontend.sources import holds_block_quantized_weights
+
+from helpers.rotated_gguf import llama_gguf_tensors
+from reliability.fuzz_common import FuzzLog
+from reliability.reliability_common import scaled
 
 # ---- a small valid file -------------------------------------------------------------------------
 

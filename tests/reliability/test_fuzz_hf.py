@@ -19,8 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from fuzz_common import FuzzLog
-from reliability_common import scaled
 from safetensors.torch import save_file
 
 from foldline.frontend.arch import get_preset
@@ -28,6 +26,9 @@ from foldline.frontend.hf_config import HFLoadError
 from foldline.frontend.hf_loader import load_hf_dir, read_hf_config
 from foldline.frontend.model import build_model
 from foldline.frontend.sources import load_model
+
+from reliability.fuzz_common import FuzzLog
+from reliability.reliability_common import scaled
 
 CONFIG = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64,

@@ -23,11 +23,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fuzz_common import FuzzLog
-from reliability_common import record, scaled
 
 from foldline.contract import manifest as manifest_module
 from foldline.runtime import BundleError, ContextFullError, Manifest, Model, TokenIdError
+
+from reliability.fuzz_common import FuzzLog
+from reliability.reliability_common import record, scaled
 
 pytestmark = pytest.mark.slow  # compiles a tiny preset with IREE (shared with the pipeline tests)
 

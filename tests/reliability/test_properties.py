@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from reliability_common import FULL, record, scaled
 from torch import nn
 
 from foldline.frontend import attention_ops, gdn_ops
@@ -31,6 +30,8 @@ from foldline.testing.golden import (
     make_steps,
     ring_from_full,
 )
+
+from reliability.reliability_common import FULL, record, scaled
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -351,9 +352,9 @@ def hadamard_cases(draw):
 @given(case=hadamard_cases())
 def test_fuse_hadamard_random_widths(case):
     """fuse-hadamard (fold or online) == the rotated model it rewrites, for widths tiled by any block."""
-    from rotated_gguf import rotated_model
-
     from foldline.frontend.export import export_entry_point
+
+    from helpers.rotated_gguf import rotated_model
 
     heads, head_dim, kv_heads, hidden, inter, block, mode, seed = case
     record("property fuse-hadamard: cases")

@@ -18,13 +18,14 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from reliability_common import record, rss_bytes, scaled
 
-pytestmark = pytest.mark.slow  # compiles a tiny preset with IREE (shared with test_batch.py)
+from reliability.reliability_common import record, rss_bytes, scaled
+
+pytestmark = pytest.mark.slow  # compiles a tiny preset with IREE (shared with runtime/test_batch.py)
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
-from serve_common import RunningServer, wait_for  # noqa: E402
+from helpers.serve_common import RunningServer, wait_for  # noqa: E402
 
 MODEL = "tiny"
 CLIENTS = 6

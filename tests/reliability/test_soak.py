@@ -15,9 +15,10 @@ import random
 
 import numpy as np
 import pytest
-from reliability_common import record, rss_bytes, scaled
 
 from foldline.runtime import ContextFullError, Model
+
+from reliability.reliability_common import record, rss_bytes, scaled
 
 pytestmark = pytest.mark.slow  # compiles a tiny preset with IREE (shared with the pipeline tests)
 

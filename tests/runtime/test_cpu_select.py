@@ -5,7 +5,7 @@ llama-tiny (q4 codes, MLP width 128 so every product takes an int8 kernel) is
 compiled once with `--cpu x86-64-v2,x86-64-v3,cascadelake`; the runtime, with its CPU
 features forced, must load the float module, the AVX2 one, the AVX-512 VNNI one, or refuse
 with the missing features named; the two int8 modules must give the float32 eager
-model's logits within the int8 bound (tests/test_avx2_kernels.py) and each
+model's logits within the int8 bound (tests/kernels/test_avx2_kernels.py) and each
 other's, the float one (no FMA, no F16C) within float32 rounding, and a host that
 loads it is told once, in one line, which CPU flags it lacks.
 """
@@ -21,9 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_avx2_kernels import SCALED_TOL_INT8
-from test_decode_fusion import _blocked, _eager_logits
-from test_manifest_schema import CASCADELAKE, X86_V2, X86_V3, multi_isa_manifest
 
 from foldline.backends.iree.compile_pool import PEAK_BYTES, pool_size
 from foldline.backends.targets import CPU_SETS, TargetError, cpu_names
@@ -35,6 +32,10 @@ from foldline.runtime import BundleError, Manifest, Model
 from foldline.runtime import device as runtime_device
 from foldline.runtime.cpu_select import KERNEL_RANK, fallback_notice, select_cpu_module
 from foldline.runtime.device import CPU_FEATURES_ENV, cpu_features, host_cpu_features
+
+from contract.test_manifest import CASCADELAKE, X86_V2, X86_V3, multi_isa_manifest
+from kernels.test_avx2_kernels import SCALED_TOL_INT8
+from kernels.test_fusion import _blocked, _eager_logits
 
 HOST = host_cpu_features() or set()
 

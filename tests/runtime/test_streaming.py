@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from gguf_reference import TOKENIZER_TEXTS
-from test_gguf_models import MODELS, _skip_unless_installed
 
 from foldline.runtime.streaming import IncrementalDetokenizer, StopStringFilter, stream_pieces
+
+from e2e.test_gguf_models import MODELS, _skip_unless_installed
+from helpers.gguf_reference import TOKENIZER_TEXTS
 
 MULTIBYTE = [
     "emoji 🎉🎉 and a family 👩‍👩‍👧 then 🙂🙃 done",

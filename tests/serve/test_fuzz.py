@@ -13,13 +13,14 @@ from collections.abc import Iterator
 
 import pytest
 
-pytestmark = pytest.mark.slow  # compiles a tiny preset with IREE (the same bundle as test_batch.py)
+pytestmark = pytest.mark.slow  # compiles a tiny preset with IREE (the same bundle as runtime/test_batch.py)
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from serve_common import RunningServer  # noqa: E402
+
+from helpers.serve_common import RunningServer  # noqa: E402
 
 MODEL = "tiny"
 EXAMPLES = 120  # per endpoint and strategy kind

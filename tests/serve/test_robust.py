@@ -22,11 +22,11 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # compiles a tiny preset with IREE (the same bundle as test_batch.py)
+pytestmark = pytest.mark.slow  # compiles a tiny preset with IREE (the same bundle as runtime/test_batch.py)
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
-from serve_common import RunningServer, slowed_calls, wait_for  # noqa: E402
+from helpers.serve_common import RunningServer, slowed_calls, wait_for  # noqa: E402
 
 PRESET, ROWS, MODEL = "gemma3-tiny", 2, "tiny"
 PROMPT = [5, 17, 99, 3, 250]

@@ -1,6 +1,6 @@
 """`foldline serve` held to its own /openapi.json by schemathesis: no 5xx, nothing the schema does not declare.
 
-A live `foldline serve` process (gemma3-tiny, 2 rows, the bundle of test_serve_robust.py)
+A live `foldline serve` process (gemma3-tiny, 2 rows, the bundle of test_robust.py)
 gets bodies generated from the published schema, valid and invalid. Each answer
 must not be a server error, its status code and content type must be ones the
 schema declares for that route, its JSON body must match the declared schema,
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # compiles a tiny preset with IREE (the same bundle as test_serve_robust.py)
+pytestmark = pytest.mark.slow  # compiles a tiny preset with IREE (the same bundle as test_robust.py)
 
 schemathesis = pytest.importorskip("schemathesis")
 httpx = pytest.importorskip("httpx")

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.realmodel]
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
-from serve_common import RunningServer  # noqa: E402
+from helpers.serve_common import RunningServer  # noqa: E402
 
 MODEL = "smollm2-135m"
 ROWS = 4

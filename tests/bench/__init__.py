@@ -1,0 +1,1 @@
+"""Tests of bench/: `foldline bench` and its peers."""

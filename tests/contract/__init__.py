@@ -1,0 +1,1 @@
+"""Tests of contract/: the manifest, its schema and seal, the ISA registry."""

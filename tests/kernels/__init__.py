@@ -1,0 +1,1 @@
+"""Tests of kernels/: each hand-written kernel against numpy or eager, in every ISA form the host runs."""

@@ -1,0 +1,1 @@
+"""Property tests, fuzzed inputs and soaks (docs/reliability.md)."""

@@ -1,0 +1,1 @@
+"""Tests of runtime/: sessions, batches, the prompt cache, saved sessions, CPU module choice, threads."""
