@@ -65,7 +65,7 @@ def compile_torch_module(mlir: str, flags: list[str], stop_at: str | None = None
     """torch-dialect MLIR -> vmfb, in two steps so in-place cache updates stay in place (inplace_state).
 
     stop_at: an iree-compile phase (`stream`, ...) whose IR is returned instead of the vmfb, to read
-    what the module allocates (tests/test_fused_attention_memory.py)."""
+    what the module allocates (tests/backends/test_fused_attention_memory.py)."""
     converted = ireec.compile_str(mlir, input_type="torch", extra_args=[*flags, "--compile-to=input"])
     text = converted.decode() if isinstance(converted, bytes) else converted
     inputs_of = torch_inputs(mlir)

@@ -59,7 +59,7 @@ SCHEMES = ("tensor", "pipeline")
 # The prefill chunk `foldline plan` sizes scratch for.
 CHUNK = 64
 # The tiles the fused form attends with the causal mask (backends/iree/fused_attention.TAIL_TILES;
-# tests/test_fused_attention_memory.py checks they agree).
+# tests/backends/test_fused_attention_memory.py checks they agree).
 FUSED_TAIL_TILES = 2
 # The device counts the smallest-fit search tries: the usual tensor-parallel group sizes.
 SEARCH_DEVICES = (1, 2, 4, 8, 16, 32, 64)

@@ -18,7 +18,7 @@ from foldline.bench.peers import bench_llama_cpp, bench_ort_genai
 from foldline.bench.timer import WARMUP_DECODE_STEPS
 from foldline.tools.cli import main
 
-STUBS = Path(__file__).parent / "fixtures" / "bench_stubs"
+STUBS = Path(__file__).parent.parent / "fixtures" / "bench_stubs"
 
 
 class StubLog:

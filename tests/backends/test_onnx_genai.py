@@ -3,7 +3,7 @@
 Against the eager reference over a three-chunk prompt and 60 decode steps
 (gemma3-tiny's 16-position windows passed six times over; llama-tiny's full
 caches; llama-tiny with q8 blocks kept as MatMulNBits), with the bounds of
-tests/test_onnx.py; GenAI's greedy tokens against foldline's own ONNX Runtime
+tests/backends/test_onnx.py; GenAI's greedy tokens against foldline's own ONNX Runtime
 device and IREE CPU bundle; the directory's layout; the refusal of a model
 GenAI's graph cannot hold.
 """
@@ -21,7 +21,7 @@ from foldline.testing.parity import SCALED_TOL_FP32, EagerRunner, ParityReport, 
 
 og = pytest.importorskip("onnxruntime_genai")
 pytestmark = pytest.mark.slow
-PROMPT = list(range(3, 43))  # what tests/test_onnx.py feeds: three chunks of foldline's prefill
+PROMPT = list(range(3, 43))  # what tests/backends/test_onnx.py feeds: three chunks of foldline's prefill
 STEPS = 60  # gemma3-tiny's 16-position windows wrap six times
 
 
