@@ -239,7 +239,7 @@ def test_bench_times_the_onnx_bundle_beside_the_cpu_bundle_in_one_run(onnx_bundl
     cpu_bundle = bundle_factory("llama-tiny")
     out = tmp_path / "bench.json"
     rc = main(["bench", str(onnx_bundle), "--device", "onnxruntime", "--also", str(cpu_bundle), "--prompt-len", "20",
-               "--new-tokens", "8", "--rounds", "1", "--json", str(out)])
+               "--new-tokens", "8", "--rounds", "1", "--busy-ok", "--json", str(out)])
     assert rc == 0
     also = f"foldline (cpu) {cpu_bundle.name}"
     assert f"foldline (onnxruntime) / {also}" in capsys.readouterr().out

@@ -74,7 +74,7 @@ def test_lossless_blocks_compile_and_match_eager(preset, fmt, blocked_bundles):
 
 def test_a_float_module_beside_an_int8_one_reads_5_bit_codes_widened(tmp_path):
     """A bundle with an int8 CPU module keeps 5-bit codes; its baseline module (x86-64-v2: float kernels)
-    reads them through the widening copy (kernels/qlinear._widen_q5) and matches eager in fp32."""
+    reads them through the widening copy (kernels/templates/qlinear_widen_q5.mlir) and matches eager in fp32."""
     from foldline.backends.build import BuildOptions, compile_model
     from foldline.backends.targets import cpu_target, make_target
     from foldline.kernels.select import cpu_has_int8_dot
