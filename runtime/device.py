@@ -475,12 +475,17 @@ def physical_cores() -> int:
 
 
 def workers_per_device(threads: int | None, count: int) -> list[int]:
-    """Each device's worker count when a bundle runs on `count` CPU devices: `threads` in all (None: one
-    per physical core) shared out evenly, at least one each."""
+    """Each device's worker count when a bundle runs on `count` CPU devices: `threads` each (None: one per
+    physical core).
+
+    The devices of one host share its cores, and a device waits on another at every hand-over. Measured on
+    a 2-core host (SmolLM2, 2 devices, tensor split; docs/scaling.md), each device with workers for every
+    core decoded faster than one shared pool, and one shared pool faster than the cores divided between
+    the devices, whose workers idle while their device waits.
+    """
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise InputError(f"threads must be a positive integer, got {threads!r}")
-    total = max(threads or physical_cores(), count)
-    return [total // count + (1 if i < total % count else 0) for i in range(count)]
+    return [threads or physical_cores()] * count
 
 
 def _own_cpu_devices(threads: int | None, count: int) -> list[rt.HalDevice]:
