@@ -170,18 +170,25 @@ def _check_lengths(lengths: list[int], new_tokens: int, max_context: int) -> Non
                              f"max_context {max_context}")
 
 
+def _timed_rounds(args: Namespace, manifest: Manifest, lengths: list[int],
+                  new_tokens: int) -> tuple[HostLoad, list[int], RoundResults, dict]:
+    """The host's load (a busy host refused unless --busy-ok), the thread counts, every engine's rounds at
+    every length and thread count, and each engine's best per length."""
+    host = check_host(args.busy_ok)
+    threads = _thread_counts(args)
+    runners = engine_runners(args, manifest, new_tokens)
+    with BenchProgress() as progress:
+        results = run_rounds(runners, lengths, threads, args.rounds, args.seed, progress)
+    return host, threads, results, best_by_length(results, lengths)
+
+
 def run_throughput(args: Namespace, manifest: Manifest) -> int:
     """Prefill and decode of each prompt length: every engine at every thread count, `--rounds` shuffled
     rounds; medians, and each ratio's spread over the rounds."""
     lengths = list(dict.fromkeys(args.prompt_len or [DEFAULT_PROMPT_LEN]))
     new_tokens = args.new_tokens or DEFAULT_NEW_TOKENS
     _check_lengths(lengths, new_tokens, manifest.max_context)
-    host = check_host(args.busy_ok)
-    threads = _thread_counts(args)
-    runners = engine_runners(args, manifest, new_tokens)
-    with BenchProgress() as progress:
-        results = run_rounds(runners, lengths, threads, args.rounds, args.seed, progress)
-    by_length = best_by_length(results, lengths)
+    host, threads, results, by_length = _timed_rounds(args, manifest, lengths, new_tokens)
     name = _model_name(manifest, args)
     for length, engines in by_length.items():
         _header(host, f"bench {name}: prompt {length} tokens (foldline in chunks of {manifest.prefill_chunk}), "
@@ -228,12 +235,7 @@ def run_held(args: Namespace, manifest: Manifest) -> int:
     new_tokens = args.new_tokens or 32
     held_list = parse_held(args.held, manifest.max_context, new_tokens)
     lengths = list(dict.fromkeys(min(h, manifest.max_context - new_tokens) for h in held_list))  # last decode fits
-    host = check_host(args.busy_ok)
-    threads = _thread_counts(args)
-    runners = engine_runners(args, manifest, new_tokens)
-    with BenchProgress() as progress:
-        results = run_rounds(runners, lengths, threads, args.rounds, args.seed, progress)
-    by_length = best_by_length(results, lengths)
+    host, threads, results, by_length = _timed_rounds(args, manifest, lengths, new_tokens)
     name = _model_name(manifest, args)
     _header(host, f"bench {name}: decode {new_tokens} greedy tokens after N tokens held (max_context "
                   f"{manifest.max_context}), threads {','.join(map(str, threads))} (each engine's best), "

@@ -35,8 +35,9 @@ gc.callbacks.append(_time_gc)
 LONGEST_FIRST = ("backends/test_tensor_parallel.py", "kernels/test_aarch64.py", "backends/test_multi_device.py",
                  "e2e/test_gguf_models.py", "backends/test_kv_tiles.py", "backends/test_inplace_state.py",
                  "backends/test_onnx.py", "e2e/test_hadamard_compile.py", "e2e/test_conversation.py",
-                 "serve/test_serve.py", "serve/test_robust.py", "backends/test_fused_attention.py",
-                 "backends/test_vulkan.py")
+                 "serve/test_serve.py", "serve/test_robust.py", "kernels/test_fusion.py",
+                 "backends/test_onnx_genai.py", "backends/test_fused_attention.py",
+                 "backends/test_fused_attention_memory.py", "backends/test_vulkan.py")
 TESTS = Path(__file__).resolve().parent
 
 

@@ -28,11 +28,11 @@ STEPS = 60  # gemma3-tiny's 16-position windows wrap six times
 @pytest.fixture(scope="module")
 def genai_models(tmp_path_factory):
     """name -> (eager reference module, GenAI model directory), compiled once."""
-    from test_quant_compile import _blocked
-
     from foldline.backends.build import BuildOptions, compile_model
     from foldline.backends.targets import make_target
     from foldline.frontend.sources import load_model
+
+    from kernels.test_quant_compile import _blocked
 
     cache = {}
 

@@ -59,15 +59,22 @@ def test_each_engine_is_reported_at_its_fastest_thread_count():
     assert prefill_only["threads"] == 2, "nothing decoded: the fastest prefill"
 
 
-def test_ort_genai_needs_its_builders_folder_and_is_reported_when_not_installed(tmp_path):
+def test_ort_genai_needs_its_builders_folder_and_is_reported_when_not_installed(tmp_path, monkeypatch):
     from foldline.bench.child import PeerUnavailable
     from foldline.bench.peers import bench_ort_genai
 
+    model = tmp_path / "model"
+    model.mkdir()
     with pytest.raises(FileNotFoundError, match="build_ort_genai_peer.py"):
-        bench_ort_genai(tmp_path, [1, 2, 3], 2, 1)  # no genai_config.json: not a GenAI model folder
-    (tmp_path / "genai_config.json").write_text("{}")
+        bench_ort_genai(model, [1, 2, 3], 2, 1)  # no genai_config.json: not a GenAI model folder
+    (model / "genai_config.json").write_text("{}")
+    # The child interpreter without onnxruntime-genai: a module of that name first on its path that is not there.
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "onnxruntime_genai.py").write_text("raise ModuleNotFoundError(\"No module named 'onnxruntime_genai'\")\n")
+    monkeypatch.setenv("PYTHONPATH", str(shadow))
     with pytest.raises(PeerUnavailable, match="onnxruntime_genai"):
-        bench_ort_genai(tmp_path, [1, 2, 3], 2, 1)  # this interpreter has no onnxruntime-genai
+        bench_ort_genai(model, [1, 2, 3], 2, 1)
 
 
 @pytest.mark.slow
