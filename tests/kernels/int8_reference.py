@@ -13,9 +13,17 @@ import re
 from typing import TYPE_CHECKING
 
 import numpy as np
+import pytest
+
+from foldline.kernels.x86 import AVX2, AVX512_VNNI, AVX_VNNI
 
 if TYPE_CHECKING:
     from foldline.kernels.isa import Int8Isa
+
+# The x86 int8 forms, each compiled for a CPU that has it and nothing better (alderlake: AVX-VNNI, no
+# AVX-512), with the --cpu its kernels are compiled for here.
+X86_FORMS = [pytest.param(AVX512_VNNI, "host", id="avx512vnni"), pytest.param(AVX_VNNI, "alderlake", id="avxvnni"),
+             pytest.param(AVX2, "x86-64-v3", id="avx2")]
 
 
 def quantize_activation(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:

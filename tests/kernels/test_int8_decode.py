@@ -20,16 +20,14 @@ from foldline.kernels.x86 import AVX2, AVX512_VNNI, AVX_VNNI
 from foldline.runtime.device import host_cpu_features
 
 from kernels.int8_reference import (
+    X86_FORMS,
     check_form_code,
     compile_on_host,
     int8_product,
     random_blocks,
 )
 
-# (ISA, the --cpu its kernels are compiled for here)
-# each form compiled for a CPU that has it and nothing better: alderlake has AVX-VNNI and no AVX-512
-ISAS = [pytest.param(AVX512_VNNI, "host", id="avx512vnni"), pytest.param(AVX_VNNI, "alderlake", id="avxvnni"),
-        pytest.param(AVX2, "x86-64-v3", id="avx2")]
+ISAS = X86_FORMS
 
 
 def rms_normed(h: np.ndarray, weight: np.ndarray, norm: vk.RowNorm) -> np.ndarray:

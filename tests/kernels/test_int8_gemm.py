@@ -16,19 +16,17 @@ import pytest
 from foldline.frontend.quant import pack_q5
 from foldline.kernels import int8_gemm as vg
 from foldline.kernels import qlinear as qk
-from foldline.kernels.x86 import AVX2, AVX512_VNNI, AVX_VNNI
 from foldline.runtime.device import host_cpu_features
 
 from kernels.int8_reference import (
+    X86_FORMS,
     check_form_code,
     compile_on_host,
     int8_product,
     random_blocks,
 )
 
-# each form compiled for a CPU that has it and nothing better, with the instruction its code must hold
-ISAS = [pytest.param(AVX512_VNNI, "host", id="avx512vnni"), pytest.param(AVX_VNNI, "alderlake", id="avxvnni"),
-        pytest.param(AVX2, "x86-64-v3", id="avx2")]
+ISAS = X86_FORMS
 
 
 def _case(s: vg.Int8GemmShape, rng: np.random.Generator):
