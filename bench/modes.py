@@ -198,6 +198,7 @@ def run_throughput(args: Namespace, manifest: Manifest) -> int:
         print(format_table(engines, length, new_tokens))
     first = by_length[lengths[0]]
     _print_run_notes(results, by_length, "prompt")
+    wall = _print_memory_wall(args, manifest, next(iter(first.values())), lengths[0] + new_tokens // 2)
     if args.hadamard_online:
         compiled = next(iter(first.values()))
         online = run_foldline("engines", "bench_compiled", {
@@ -213,8 +214,22 @@ def run_throughput(args: Namespace, manifest: Manifest) -> int:
     _write_json(args, {"bundle": str(args.bundle), "model": name, "new_tokens": new_tokens, "seed": args.seed,
                        "threads": threads, "rounds": args.rounds, "orders": results.orders, "host_load": host.load,
                        "host_busy": host.busy, "prompt_len": lengths[0], "engines": first,
-                       "prompt_lengths": [{"prompt_len": n, "engines": e} for n, e in by_length.items()]})
+                       "prompt_lengths": [{"prompt_len": n, "engines": e} for n, e in by_length.items()],
+                       "memory_wall": wall})
     return 0
+
+
+def _print_memory_wall(args: Namespace, manifest: Manifest, compiled: dict[str, Any], held: int) -> dict | None:
+    """foldline's decode against the host's read bandwidth, measured now at its best thread count
+    (bench/memory_wall.py); CPU bundles only."""
+    if args.device != "cpu" or not compiled.get("module"):
+        return None
+    from .memory_wall import measure_wall
+
+    wall = measure_wall(manifest, compiled["module"], compiled["decode_tok_s"], held, int(compiled["threads"]))
+    for line in wall.lines():
+        print(line)
+    return wall.as_json()
 
 
 def parse_held(text: str, max_context: int, new_tokens: int) -> list[int]:

@@ -1,0 +1,195 @@
+"""How close a decode step comes to the host's memory wall: bytes read per token, the host's read
+bandwidth measured in the same run, and the dispatches a step records.
+
+A decode step of a small model is bound by what it reads (every weight the
+step multiplies by, the cache entries attention reads) and by how many
+dispatches it issues, each paying the task system's cost. `foldline bench`
+prints, under its throughput table:
+
+- dispatches per step: `hal.command_buffer.dispatch` calls in the module's
+  one-row decode function, read from `iree-dump-module`'s disassembly (the
+  step is straight-line VM code; a branch makes the count an upper bound);
+- bytes read per token: the parameters the step reads (an untied embedding
+  table is looked up one row at a time, so it does not count) plus one row's
+  state held at the decode's middle position;
+- the host's read bandwidth: glibc's `memchr` over a buffer larger than the
+  caches, split over the same number of threads as the engine's best run
+  (ctypes drops the GIL, so the threads read in parallel); numpy's `max`
+  where there is no glibc. It is a floor on what the host reads, not a
+  peak: the fraction printed can only be generous to the host.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..contract.entry_points import row_entry_name
+from ..contract.manifest import Manifest
+from ..runtime.session_file import held_nbytes
+
+PROBE_BYTES = 1 << 30  # larger than any host's last-level cache
+PROBE_REPEATS = 5
+
+
+@dataclass(frozen=True)
+class StepReads:
+    """What one row's decode step reads, in bytes."""
+
+    weights: int
+    state: int
+    held: int  # the position the state was sized at
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.state
+
+
+def step_reads(manifest: Manifest, held: int) -> StepReads:
+    """Bytes a one-row decode step reads with `held` tokens in the caches."""
+    import iree.runtime as rt
+
+    untied = not manifest.config.get("tie_word_embeddings", True)
+    weights = 0
+    for archive in manifest.params_files:
+        index = rt.ParameterIndex()
+        index.load(str(manifest.root / archive.file))
+        for name, entry in index.items():
+            if untied and name.startswith("embed_tokens."):
+                continue  # looked up one row per token; the head has its own table
+            weights += entry.length
+    rows = manifest.batch
+    state = held_nbytes(manifest.state, held) // rows
+    return StepReads(weights, state, held)
+
+
+def dispatches_per_step(vmfb: Path, batch: int = 1) -> tuple[int, bool] | None:
+    """(dispatches the one-row decode function records, whether it branches); None without iree-dump-module."""
+    tool = shutil.which("iree-dump-module") or _beside_python("iree-dump-module")
+    if tool is None:
+        return None
+    text = subprocess.run([tool, "--output=disassembly", str(vmfb)], capture_output=True, text=True,
+                          check=True).stdout
+    return count_dispatches(text, row_entry_name("decode", 1, batch) + "$async")
+
+
+def count_dispatches(disassembly: str, function: str) -> tuple[int, bool]:
+    """Dispatch calls in `function`'s body of an `iree-dump-module --output=disassembly` text, and whether
+    the body branches (then the count is an upper bound)."""
+    body, inside = [], False
+    for line in disassembly.splitlines():
+        if line.startswith("vm.func @"):
+            inside = line.startswith(f"vm.func @{function}(")
+        elif line.startswith("}"):
+            inside = False
+        elif inside:
+            body.append(line.strip())
+    if not body:
+        raise ValueError(f"no function {function!r} in the module's disassembly")
+    calls = sum(" @hal.command_buffer.dispatch" in line for line in body)
+    branches = any(line.startswith(("vm.br ", "vm.cond_br ")) for line in body)
+    return calls, branches
+
+
+def _beside_python(name: str) -> str | None:
+    import sys
+
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.is_file() else None
+
+
+def _memchr_reader() -> Callable[[int, int], None] | None:
+    """A read of `size` bytes at address `base` that releases the GIL (glibc memchr), or None."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    libc = ctypes.CDLL(name)
+    memchr = libc.memchr
+    memchr.restype = ctypes.c_void_p
+    memchr.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    return lambda base, size: memchr(base, 1, size)  # the buffer is zeros: memchr reads every byte
+
+
+def host_read_gb_s(threads: int, nbytes: int = PROBE_BYTES, repeats: int = PROBE_REPEATS) -> list[float]:
+    """GB/s read by `threads` threads over `nbytes` of memory, one figure per repeat."""
+    buffer = np.zeros(nbytes, dtype=np.uint8)
+    buffer[::4096] = 0  # touch every page before timing
+    reader = _memchr_reader()
+    size = nbytes // threads
+    base = buffer.ctypes.data
+
+    def read(i: int) -> None:
+        if reader is not None:
+            reader(base + i * size, size)
+        else:
+            buffer[i * size:(i + 1) * size].max()
+
+    out = []
+    for _ in range(repeats):
+        workers = [threading.Thread(target=read, args=(i,)) for i in range(threads)]
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        out.append(size * threads / (time.perf_counter() - t0) / 1e9)
+    return out
+
+
+@dataclass(frozen=True)
+class MemoryWall:
+    """foldline's decode against the host's read bandwidth, as printed and written to --json."""
+
+    module: str
+    dispatches: int | None
+    branches: bool
+    reads: StepReads
+    decode_tok_s: float
+    host_read_gb_s: list[float]
+    threads: int
+
+    @property
+    def decode_gb_s(self) -> float:
+        return self.reads.total * self.decode_tok_s / 1e9
+
+    @property
+    def fraction(self) -> float:
+        """The decode's read rate over the best bandwidth the probe measured."""
+        return self.decode_gb_s / max(self.host_read_gb_s)
+
+    def lines(self) -> list[str]:
+        if self.dispatches is None:
+            steps = "dispatches per step: iree-dump-module not found"
+        else:
+            steps = f"{'at most ' if self.branches else ''}{self.dispatches} dispatches per decode step"
+        r, bw = self.reads, self.host_read_gb_s
+        return [
+            f"foldline decode ({self.module}): {steps}; reads {r.total / 1e6:.1f} MB per token "
+            f"(weights {r.weights / 1e6:.1f} MB, state {r.state / 1e6:.2f} MB at {r.held} held), "
+            f"{self.decode_gb_s:.1f} GB/s at the median decode",
+            f"host read bandwidth, {self.threads} thread(s): {max(bw):.1f} GB/s (best of {len(bw)}, "
+            f"{min(bw):.1f}-{max(bw):.1f}); foldline's decode reads at {100 * self.fraction:.0f}% of it",
+        ]
+
+    def as_json(self) -> dict:
+        return {"module": self.module, "dispatches_per_step": self.dispatches, "dispatches_upper_bound": self.branches,
+                "weights_bytes": self.reads.weights, "state_bytes": self.reads.state, "held": self.reads.held,
+                "decode_gb_s": self.decode_gb_s, "host_read_gb_s": self.host_read_gb_s, "threads": self.threads,
+                "fraction": self.fraction}
+
+
+def measure_wall(manifest: Manifest, module_key: str, decode_tok_s: float, held: int, threads: int) -> MemoryWall:
+    """The host's bandwidth measured now with `threads` threads, beside what the module's step reads."""
+    counted = dispatches_per_step(manifest.root / manifest.modules[module_key].file, manifest.batch)
+    calls, branches = counted if counted is not None else (None, False)
+    return MemoryWall(module_key, calls, branches, step_reads(manifest, held), decode_tok_s,
+                      host_read_gb_s(threads), threads)
