@@ -5,8 +5,9 @@ aarch64 iree-base-runtime wheel (tests/kernels/qemu_arm64.py; scripts/setup_arm6
 installs it, and CI runs setup). Bundles for a dotprod CPU (cortex-a76: the
 int8-activation kernels in their NEON `sdot` form, kernels/arm/) and for
 `--cpu generic` (the float kernels any Armv8-A runs), and for an i8mm CPU
-(neoverse-v1: the prefill GEMM on `smmla`), are compared with the same
-weights' x86 bundle and with torch eager; each int8 kernel shape is compared
+(neoverse-v1: the prefill GEMM on `smmla`), are compared with torch eager
+and with the x86 module of the same bundle (one bundle holds both arches'
+modules, each side's runtime taking its own); each int8 kernel shape is compared
 with its int8 emulation in every Arm form, as the x86 forms are
 (test_int8_decode.py, test_int8_gemm.py). qemu emulates the CPU (its `max`
 model has dotprod and i8mm): this checks what an Arm machine computes, not
@@ -70,13 +71,23 @@ def arm64() -> Arm64Python:
     return found
 
 
-def _compile(loaded, out: Path, cpu: str, triple: str | None, **options) -> Path:
+def _compile(loaded, out: Path, cpu: str, with_host: bool, **options) -> Path:
+    """One bundle with a module for `cpu` on aarch64 and, with_host, one for this x86 CPU: one export,
+    the runtime on each side taking its own arch's module."""
     from foldline.backends.build import BuildOptions, compile_model
     from foldline.backends.targets import cpu_target
 
-    compile_model(loaded, out, BuildOptions(targets=[cpu_target(cpu, triple)], weights="auto", **options),
-                  progress=lambda _m: None)
+    targets = [cpu_target(cpu, TRIPLE), *([cpu_target("host")] if with_host else [])]
+    compile_model(loaded, out, BuildOptions(targets=targets, weights="auto", **options), progress=lambda _m: None)
     return out
+
+
+def _module(bundle: Path, arch: str) -> dict:
+    """The bundle's manifest entry of its one module for `arch`."""
+    modules = json.loads((bundle / "manifest.json").read_text())["modules"]
+    found = [m for m in modules.values() if m["arch"] == arch]
+    assert len(found) == 1, f"{bundle}: {len(found)} modules for {arch}"
+    return found[0]
 
 
 def _eager(loaded) -> tuple[np.ndarray, np.ndarray]:
@@ -114,14 +125,15 @@ PREFILL_FORM = {"llama-q4-dotprod": NEON_DOTPROD, "gemma3-q8-dotprod": NEON_DOTP
 
 @pytest.fixture(scope="module")
 def arm_runs(arm64, tmp_path_factory):
-    """Every case compiled for aarch64 (and the dotprod ones for this x86 CPU too), run in one qemu process."""
+    """Every case compiled for aarch64 (the int8 ones in one bundle with this x86 CPU's module), run in one
+    qemu process."""
     root = tmp_path_factory.mktemp("aarch64")
     runs, jobs = {}, []
     for name, (preset, fmt, cpu, options) in CASES.items():
         loaded = test_quant_compile._blocked(preset, fmt)
-        arm = _compile(loaded, root / name / "arm", cpu, TRIPLE, **options)
-        x86 = _compile(loaded, root / name / "x86", "host", None, **options) if cpu != "generic" else None
-        runs[name] = {"loaded": loaded, "arm": arm, "x86": x86, "out": root / name / "logits.npy"}
+        arm = _compile(loaded, root / name / "bundle", cpu, with_host=cpu != "generic", **options)
+        runs[name] = {"loaded": loaded, "arm": arm, "x86": arm if cpu != "generic" else None,
+                      "out": root / name / "logits.npy"}
         jobs.append({"bundle": str(arm), "prompt": PROMPT, "forced": FORCED, "out": str(runs[name]["out"])})
     (root / "jobs.json").write_text(json.dumps(jobs))
     arm64.run(RUN_BUNDLES, str(root / "jobs.json"))
@@ -135,8 +147,9 @@ def test_int8_bundle_on_arm_matches_x86_and_eager(case, arm_runs):
     """The sdot and smmla kernels compute what the x86 int8 kernels compute, and stay within int8 bounds
     of eager."""
     run = arm_runs[case]
-    manifest = json.loads((run["arm"] / "manifest.json").read_text())["modules"]["cpu"]
-    assert manifest["arch"] == "aarch64" and "asimddp" in manifest["cpu_flags"]
+    manifest = _module(run["arm"], "aarch64")
+    assert "asimddp" in manifest["cpu_flags"]
+    _module(run["x86"], "x86_64")  # the x86 side runs the same bundle's module for this CPU
     prefill = PREFILL_FORM[case]
     assert manifest["kernel_isa"] == {"decode": NEON_DOTPROD.name, "prefill": prefill.name}
     assert manifest["kernels"][f"qlinear decode {NEON_DOTPROD.name}"] > 0
@@ -161,8 +174,8 @@ def test_generic_armv8_bundle_takes_the_float_kernels_and_matches_eager(arm_runs
     from foldline.testing.parity import SCALED_TOL_FP32
 
     run = arm_runs["llama-q4-generic"]
-    manifest = json.loads((run["arm"] / "manifest.json").read_text())["modules"]["cpu"]
-    assert manifest["arch"] == "aarch64" and manifest["cpu_flags"] == []
+    manifest = _module(run["arm"], "aarch64")
+    assert manifest["cpu_flags"] == []
     assert manifest["kernel_isa"] == {"decode": "f32", "prefill": "f32"}
     eager, scale = _eager(run["loaded"])
     worst = (np.abs(run["logits"].astype(np.float64) - eager) / np.maximum(scale, 1e-30)).max()
