@@ -5,6 +5,9 @@ The streams go through the same scheduler `foldline serve` uses
 has its own random prompt and generates exactly `new_tokens` greedy tokens (no
 stop ids), all submitted at once. The aggregate counts the tokens the streams'
 callbacks received; each stream's rate runs from submission to its own end.
+On a bundle compiled for several CPU devices, each device's busy share is its
+own workers' CPU seconds over the wall time (runtime/worker_time.py): 1.0 is a
+core kept busy all along, more than 1 is more than one core.
 """
 
 from __future__ import annotations
@@ -64,11 +67,13 @@ def bench_streams(bundle: str, device: str, streams: list[int], prompt_len: int,
             requests = [Request(random_ids(rng, model.vocab_size, prompt_len), new_tokens,
                                 lambda t, lp, i=i: on_token(t, lp, i), lambda r, e, i=i: on_finish(r, e, i))
                         for i in range(n)]
+            busy0 = model.worker_seconds()
             steps0, t0 = scheduler.steps, time.perf_counter()
             for request in requests:
                 scheduler.submit(request)
             done.wait()
             wall = time.perf_counter() - t0
+            busy1 = model.worker_seconds()
             if any(f != "length" for f in finished):
                 raise RuntimeError(f"a stream ended early: {finished}")
             # aggregate: every token the streams received over the whole wall time; per stream: the median
@@ -76,7 +81,10 @@ def bench_streams(bundle: str, device: str, streams: list[int], prompt_len: int,
             per_stream = float(np.median([k / (end - t0) for k, end in zip(tokens, ends)]))
             results.append({"streams": n, "rows": model.batch_size, "wall_s": wall, "tokens": sum(tokens),
                             "aggregate_tok_s": sum(tokens) / wall, "per_stream_tok_s": per_stream,
-                            "module_calls": scheduler.steps - steps0})
+                            "module_calls": scheduler.steps - steps0,
+                            # per device of a multi-device CPU bundle: its workers' CPU seconds over the wall
+                            "device_busy": None if busy0 is None or busy1 is None
+                            else [(b - a) / wall for a, b in zip(busy0, busy1)]})
     finally:
         scheduler.stop()
     return results

@@ -98,12 +98,18 @@ def print_streams(name: str, results: list[dict[str, Any]], prompt_len: int, new
     print(f"bench {name}: {new_tokens} greedy tokens per stream after a {prompt_len}-token prompt, "
           f"all streams submitted at once, {results[0]['rows']} rows")
     header = ["streams", "wall s", "aggregate tok/s", "per stream tok/s", "vs 1 stream", "module calls"]
+    devices = results[0].get("device_busy") is not None
+    if devices:
+        header.append("busy cores per device")
     print(" | ".join(header))
     base = next((r["aggregate_tok_s"] for r in results if r["streams"] == 1), None)
     for r in results:
         ratio = f"{r['aggregate_tok_s'] / base:.2f}x" if base else "-"
-        print(" | ".join([str(r["streams"]), f"{r['wall_s']:.2f}", f"{r['aggregate_tok_s']:.1f}",
-                          f"{r['per_stream_tok_s']:.1f}", ratio, str(r["module_calls"])]))
+        line = [str(r["streams"]), f"{r['wall_s']:.2f}", f"{r['aggregate_tok_s']:.1f}",
+                f"{r['per_stream_tok_s']:.1f}", ratio, str(r["module_calls"])]
+        if devices:
+            line.append(", ".join(f"{b:.2f}" for b in r["device_busy"]))
+        print(" | ".join(line))
 
 
 def print_chat(name: str, engines: dict[str, dict[str, Any]], user_tokens: int, reply_tokens: int) -> None:

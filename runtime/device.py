@@ -32,6 +32,7 @@ from .cpu_select import fallback_notice, missing_flags, select_cpu_module
 from .onnx_device import DEFAULT_PROVIDERS, OnnxContext, open_onnx
 from .onnx_device import DEVICE as ONNX_DEVICE
 from .waiter import Waiter, inline, wait_nice
+from .worker_time import cpu_seconds, task_ids
 
 # foldline device name -> IREE HAL driver
 DRIVERS = {"cpu": "local-task", "vulkan": "vulkan", "cuda": "cuda"}
@@ -220,10 +221,19 @@ class DeviceContext:
     waiter: Waiter = field(default_factory=inline)
     # Why this CPU runs a float module where the bundle has faster ones (cpu_select.fallback_notice).
     cpu_fallback: str | None = None
+    # A bundle for several CPU devices: the thread ids of each device's own executor (runtime/worker_time.py).
+    device_threads: list[frozenset[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.devices:
             self.devices = [self.device]
+
+    def worker_seconds(self) -> list[float] | None:
+        """CPU seconds each device's workers have computed so far; None where the devices' workers are not
+        told apart (one device, GPU devices, no /proc)."""
+        if not self.device_threads or not any(self.device_threads):
+            return None
+        return [cpu_seconds(tids) for tids in self.device_threads]
 
     def upload(self, array: np.ndarray) -> rt.DeviceArray:
         """A device-local copy of `array` (never an import of the host pointer)."""
@@ -488,25 +498,28 @@ def workers_per_device(threads: int | None, count: int) -> list[int]:
     return [threads or physical_cores()] * count
 
 
-def _own_cpu_devices(threads: int | None, count: int) -> list[rt.HalDevice]:
+def _own_cpu_devices(threads: int | None, count: int) -> tuple[list[rt.HalDevice], list[frozenset[int]]]:
     """`count` CPU devices, each with a task executor and worker threads of its own, so that what the
-    module runs on one device never waits for a worker busy with another's.
+    module runs on one device never waits for a worker busy with another's; and each one's thread ids.
 
     IREE reads the worker count from its flags when a driver is created; each device gets a driver of
-    its own, and the flag is put back to what the process-wide CPU driver reads (`_cpu_driver`).
+    its own, and the flag is put back to what the process-wide CPU driver reads (`_cpu_driver`). The
+    executor starts its threads as the device is created: the ids that appear then are the device's.
     """
     workers = workers_per_device(threads, count)
-    devices = []
+    devices, threads_of = [], []
     with _cpu_task_lock:
         try:
             for n in workers:
                 rt.flags.parse_flags(f"--task_topology_max_group_count={n}")
+                before = task_ids()
                 devices.append(create_hal_driver("local-task").create_default_device())
+                threads_of.append(frozenset(task_ids() - before))
         except Exception as e:
             raise BundleError(f"could not open {count} cpu devices: {e}") from e
         finally:
             rt.flags.parse_flags(f"--task_topology_max_group_count={_cpu_task_threads or _IREE_DEFAULT_MAX_WORKERS}")
-    return devices
+    return devices, threads_of
 
 
 def _reflection(module: rt.VmModule, name: str) -> dict[str, str] | None:
@@ -557,11 +570,11 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
         raise InputError(f"threads applies to the cpu device, not {device!r}")
     own_cpu_devices = device == "cpu" and manifest.device_count > 1
     if own_cpu_devices:  # a bundle compiled with --devices N for the CPU: N devices, each with its own workers
-        devices = _own_cpu_devices(threads, manifest.device_count)
+        devices, device_threads = _own_cpu_devices(threads, manifest.device_count)
         config = rt.Config(device=devices[0])
     else:
         config = _create_config(device, threads)
-        devices = [config.device]
+        devices, device_threads = [config.device], []
     instance = config.vm_instance
     modules = []
     providers = []
@@ -598,4 +611,4 @@ def open_device(manifest: Manifest, device: str, verify: bool = True, threads: i
     if notice is not None and notice not in _notices_given:
         _notices_given.add(notice)
         log.warning(notice)
-    return DeviceContext(device, config, config.device, loaded[-1], key, devices, waiter, notice)
+    return DeviceContext(device, config, config.device, loaded[-1], key, devices, waiter, notice, device_threads)

@@ -75,6 +75,12 @@ class Model(ClosedOnExit):
         logs on load (the CPU flags it lacks), or None."""
         return self.ctx.cpu_fallback
 
+    def worker_seconds(self) -> list[float] | None:
+        """CPU seconds each device's own workers have computed since load, for a bundle compiled for
+        several CPU devices (None otherwise, or without /proc): how busy each device kept its cores."""
+        worker_seconds = getattr(self.ctx, "worker_seconds", None)  # the onnxruntime device has none
+        return worker_seconds() if worker_seconds is not None else None
+
     @property
     def ctx(self) -> DeviceContext:
         """The loaded module and its device; SessionStateError once the model is closed."""

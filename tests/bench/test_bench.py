@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -154,6 +155,20 @@ def test_streams_bench_shares_module_calls_between_streams(bundle_factory, tmp_p
     assert [r["streams"] for r in results] == [1, 2] and all(r["rows"] == 2 for r in results)
     assert [r["module_calls"] for r in results] == [6, 6], "one call per token, for one stream or two"
     assert [r["tokens"] for r in results] == [6, 12], "every stream's callbacks received all its tokens"
+    assert all(r["device_busy"] is None for r in results), "one device: no per-device figures"
+
+
+@pytest.mark.slow
+def test_streams_bench_reports_how_busy_each_device_kept_its_cores(bundle_factory, tmp_path, capsys):
+    """A batched pipeline bundle over 2 CPU devices: each device's workers' CPU time over the wall time."""
+    bundle = bundle_factory("qwen35-tiny", batch=2, devices=2)  # the one tests/backends/test_multi_device.py runs
+    out = tmp_path / "streams.json"
+    assert main(["bench", str(bundle), "--streams", "1,2", "--prompt-len", "8", "--new-tokens", "16", "--busy-ok",
+                 "--json", str(out)]) == 0
+    assert "busy cores per device" in capsys.readouterr().out
+    for r in json.loads(out.read_text())["streams"]:
+        busy = r["device_busy"]
+        assert len(busy) == 2 and all(0 < b <= os.cpu_count() for b in busy), busy
 
 
 def test_a_failing_child_names_the_engine():
