@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from ..contract.manifest import Manifest
+from . import accuracy
 from .chat import bench_chat_llama_cpp, chat_script, chat_warmup, check_fits
 from .child import BenchError, run_foldline
 from .engines import prompt_ids
 from .host import HostLoad, check_host
-from .peers import bench_hf_eager, bench_llama_cpp, bench_ort_genai
+from .peers import GENAI_PREFIX, PEER_BUILD_RECORD, bench_hf_eager, bench_llama_cpp, bench_ort_genai
 from .progress import BenchProgress
 from .rounds import RoundResults, Runner, run_rounds
 from .streams import bench_streams, parse_streams
@@ -38,6 +39,7 @@ from .tables import (
     print_chat,
     print_held,
     print_streams,
+    ratio_cell,
 )
 
 # Each mode's defaults when --prompt-len / --new-tokens are not given. 100 is no multiple of a prefill chunk,
@@ -92,26 +94,44 @@ def _compiled_runner(bundle: str, device: str, cpu: str | None, new_tokens: int,
     return run
 
 
+def genai_labels(folders: list[str] | None) -> dict[str, str]:
+    """Each --ort-genai folder's engine name, `ORT GenAI <folder name>`, in the order given."""
+    labels: dict[str, str] = {}
+    for folder in folders or []:
+        label = f"{GENAI_PREFIX}{Path(folder).resolve().name}"
+        if label in labels:
+            raise BenchError(f"--ort-genai {labels[label]} and {folder} share the folder name "
+                             f"{Path(folder).name!r}, which names them in the tables: give them distinct names")
+        labels[label] = folder
+    return labels
+
+
+def foldline_label(args: Namespace) -> str:
+    return f"foldline ({args.device}{', ' + args.cpu if args.cpu else ''})"
+
+
+def also_label(bundle: str, device: str) -> str:
+    return f"foldline ({device}) {Path(bundle).name}"
+
+
 def engine_runners(args: Namespace, manifest: Manifest, new_tokens: int) -> dict[str, Runner]:
     """Every engine the command line asks for, foldline first: (prompt length, threads) -> figures."""
     vocab, seed = manifest.vocab_size, args.seed
     n_ctx = args.peer_context or manifest.max_context
-    label = f"foldline ({args.device}{', ' + args.cpu if args.cpu else ''})"
-    runners = {label: _compiled_runner(str(args.bundle), args.device, args.cpu, new_tokens, seed)}
+    runners = {foldline_label(args): _compiled_runner(str(args.bundle), args.device, args.cpu, new_tokens, seed)}
     for bundle in args.also or []:
         other = Manifest.load(bundle)
         if other.vocab_size != vocab:
             raise BenchError(f"--also {bundle}: its vocabulary ({other.vocab_size}) is not the benched bundle's")
         device = also_device(other)
-        runners[f"foldline ({device}) {Path(bundle).name}"] = _compiled_runner(str(bundle), device, None,
-                                                                               new_tokens, seed)
+        runners[also_label(bundle, device)] = _compiled_runner(str(bundle), device, None, new_tokens, seed)
     if args.llama_cpp:
         gguf = source_model(manifest, args.llama_cpp)
         runners["llama.cpp"] = lambda n, t: bench_llama_cpp(gguf, prompt_ids(vocab, n, seed), new_tokens, t,
                                                             python=args.llama_python, n_ctx=n_ctx)
-    if args.ort_genai:
-        runners["ORT GenAI"] = lambda n, t: bench_ort_genai(args.ort_genai, prompt_ids(vocab, n, seed), new_tokens,
-                                                            t, python=args.genai_python, n_ctx=n_ctx)
+    for label, folder in genai_labels(args.ort_genai).items():
+        runners[label] = lambda n, t, d=folder: bench_ort_genai(d, prompt_ids(vocab, n, seed), new_tokens, t,
+                                                                python=args.genai_python, n_ctx=n_ctx)
     if args.hf:
         hf_model = source_model(manifest, args.hf)
         runners["HF eager"] = lambda n, t: bench_hf_eager(hf_model, prompt_ids(vocab, n, seed), new_tokens, t)
@@ -156,11 +176,64 @@ def _print_run_notes(results: RoundResults, by_length: dict[int, dict[str, dict[
         if len(tried) > 1:
             best = ", ".join(f"{by_length[n][name]['threads']} at {what} {n}" for n in by_length if name in by_length[n])
             print(f"{name}: best of {tried} threads: {best}")
-    for peer in ("llama.cpp", "ORT GenAI"):
-        if peer in engines:
+    for peer in engines:
+        if peer == "llama.cpp" or peer.startswith(GENAI_PREFIX):
             settings = engines[peer].get("settings") or {}
             print(f"{peer} " + engines[peer].get("version", "") + ": "
                   + ", ".join(f"{k}={v}" for k, v in settings.items()))
+            if peer.startswith(GENAI_PREFIX):
+                print(f"  {genai_provenance(settings.get('model', ''))}")
+
+
+def genai_provenance(folder: str) -> str:
+    """How a GenAI folder was made, from the record scripts/build_ort_genai_peer.py writes beside it."""
+    record = Path(folder) / PEER_BUILD_RECORD
+    if not record.is_file():
+        return f"made by: not recorded (no {PEER_BUILD_RECORD}: not built by scripts/build_ort_genai_peer.py; " \
+               "foldline compile --target onnx-genai writes none)"
+    try:
+        built = json.loads(record.read_text())
+        return (f"made by: {built['built_by']}, variant {built['variant']}: -p {built['precision']} "
+                + " ".join(built.get("extra_options", [])))
+    except (ValueError, KeyError) as e:
+        return f"made by: unreadable {record} ({e})"
+
+
+def _print_genai_ratios(engines: dict[str, dict[str, Any]]) -> None:
+    """With several GenAI folders: the first one given against each other, decode and prefill, each ratio's
+    median and spread over the rounds (the table's ratios are to foldline's bundle)."""
+    genai = [n for n in engines if n.startswith(GENAI_PREFIX)]
+    for other in genai[1:]:
+        cells = [f"{what} {ratio_cell(engines[genai[0]], engines[other], key)}"
+                 for what, key in (("decode", "decode_tok_s"), ("prefill", "prefill_tok_s"))]
+        print(f"{genai[0]} / {other}: " + ", ".join(cells))
+
+
+def _add_accuracy(args: Namespace, manifest: Manifest, by_length: dict[int, dict[str, dict[str, Any]]]) -> None:
+    """Each engine's logits against HF eager's on the shipped prompts (bench/accuracy.py), once per engine after
+    the timed rounds, merged into its figures at every length. Engines it does not score (llama.cpp) get none."""
+    if args.accuracy == "auto":
+        reference = accuracy.hf_reference(source_model(manifest, "auto"))
+    else:
+        reference = accuracy.load_reference(args.accuracy)
+    engines = next(iter(by_length.values()))
+    runners: dict[str, accuracy.LogitsRunner] = {}
+    for name in engines:
+        if name == foldline_label(args):
+            runners[name] = accuracy.bundle_logits(str(args.bundle), args.device, args.cpu)
+        elif name.startswith("foldline ("):
+            bundle = next(b for b in args.also or [] if also_label(b, also_device(Manifest.load(b))) == name)
+            runners[name] = accuracy.bundle_logits(str(bundle), also_device(Manifest.load(bundle)), None)
+        elif name.startswith(GENAI_PREFIX):
+            runners[name] = accuracy.genai_logits(genai_labels(args.ort_genai)[name], args.genai_python,
+                                                  args.peer_context or manifest.max_context)
+    scores = accuracy.measure(runners, reference)
+    for figures in by_length.values():
+        for name, found in scores.items():
+            if name in figures:
+                figures[name].update(found)
+        if "HF eager" in figures:
+            figures["HF eager"]["accuracy_reference"] = True
 
 
 def _check_lengths(lengths: list[int], new_tokens: int, max_context: int) -> None:
@@ -189,6 +262,8 @@ def run_throughput(args: Namespace, manifest: Manifest) -> int:
     new_tokens = args.new_tokens or DEFAULT_NEW_TOKENS
     _check_lengths(lengths, new_tokens, manifest.max_context)
     host, threads, results, by_length = _timed_rounds(args, manifest, lengths, new_tokens)
+    if args.accuracy:
+        _add_accuracy(args, manifest, by_length)
     name = _model_name(manifest, args)
     for length, engines in by_length.items():
         _header(host, f"bench {name}: prompt {length} tokens (foldline in chunks of {manifest.prefill_chunk}), "
@@ -197,6 +272,7 @@ def run_throughput(args: Namespace, manifest: Manifest) -> int:
                       f"(min-max) over rounds")
         print(format_table(engines, length, new_tokens))
     first = by_length[lengths[0]]
+    _print_genai_ratios(first)
     _print_run_notes(results, by_length, "prompt")
     wall = _print_memory_wall(args, manifest, next(iter(first.values())), lengths[0] + new_tokens // 2)
     if args.hadamard_online:

@@ -153,6 +153,12 @@ print("BENCH " + json.dumps(out))
 '''
 
 
+# Every ONNX Runtime GenAI folder's engine name starts with this (`ORT GenAI int8`), and the record
+# scripts/build_ort_genai_peer.py writes beside a folder it built says how.
+GENAI_PREFIX = "ORT GenAI "
+PEER_BUILD_RECORD = "peer_build.json"
+
+
 def bench_llama_cpp(gguf: str | Path, ids: list[int], new_tokens: int, threads: int,
                     python: str | None = None, n_ctx: int | None = None) -> dict[str, Any]:
     """llama.cpp on `gguf`; n_ctx: its context (KV capacity), by default just what the run needs."""

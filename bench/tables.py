@@ -40,7 +40,25 @@ def format_table(engines: dict[str, dict[str, Any]], prompt_len: int, new_tokens
         line += [ratio_cell(engines[first], engines[o], key) for o in others]
         table.append(line)
     table.append(["threads", *(str(engines[n].get("threads", "?")) for n in names), *([""] * len(others))])
+    if any("cosine_worst" in engines[n] for n in names):
+        table += accuracy_rows(engines, len(others))
     return _aligned(table)
+
+
+def accuracy_rows(engines: dict[str, dict[str, Any]], ratio_columns: int) -> list[list[str]]:
+    """The rows of `--accuracy`: each engine's worst and mean cosine to HF eager and its top-1 agreement; `ref`
+    for the reference itself, `-` for an engine it does not score."""
+    steps = next(f["steps"] for f in engines.values() if "steps" in f)
+
+    def cell(figures: dict[str, Any], text: str) -> str:
+        if figures.get("accuracy_reference"):
+            return "ref"
+        return text if "cosine_worst" in figures else "-"
+
+    rows = [(f"cosine to HF eager, worst of {steps} steps", lambda f: f"{f.get('cosine_worst', 0):.4f}"),
+            ("cosine to HF eager, mean", lambda f: f"{f.get('cosine_mean', 0):.4f}"),
+            ("top-1 = HF eager", lambda f: f"{f.get('top1_agree')}/{f.get('steps')}")]
+    return [[label, *(cell(f, text(f)) for f in engines.values()), *([""] * ratio_columns)] for label, text in rows]
 
 
 def _aligned(table: list[list[str]]) -> str:

@@ -1,7 +1,8 @@
 """foldline bench BUNDLE: the CLI of the bench package (bench/), which holds the engines, modes and tables.
 
     foldline bench BUNDLE [--prompt-len 16,100,1000] [--new-tokens 128] [--threads 1,2] [--rounds 3]
-                          [--llama-cpp [GGUF]] [--hf [MODEL]] [--ort-genai DIR] [--also BUNDLE] [--plot FILE.png]
+                          [--llama-cpp [GGUF]] [--hf [MODEL]] [--ort-genai DIR ...] [--accuracy] [--also BUNDLE]
+                          [--plot FILE.png]
     foldline bench BUNDLE --held 128,1024,4096 | --streams 1,4,8 | --chat 5
 """
 
@@ -34,11 +35,18 @@ def add_parser(sub) -> None:
                         "the GGUF the bundle came from)")
     p.add_argument("--llama-python", default=None, metavar="PYTHON",
                    help="interpreter that has llama-cpp-python (default: this one)")
-    p.add_argument("--ort-genai", default=None, metavar="DIR",
-                   help="also time ONNX Runtime GenAI on DIR, the model its builder made of the same checkpoint "
-                        "(scripts/build_ort_genai_peer.py; default: not timed)")
+    p.add_argument("--ort-genai", action="append", default=None, metavar="DIR",
+                   help="also time ONNX Runtime GenAI on DIR, a model folder of the same checkpoint: one its "
+                        "builder made (scripts/build_ort_genai_peer.py) or foldline compile --target onnx-genai; "
+                        "repeatable, each named by its folder; the first given is compared with the others "
+                        "(default: not timed)")
     p.add_argument("--genai-python", default=None, metavar="PYTHON",
                    help="interpreter that has onnxruntime-genai (default: this one)")
+    p.add_argument("--accuracy", nargs="?", const="auto", default=None, metavar="REF.npz",
+                   help="also score every foldline bundle and GenAI folder against HF transformers eager (float32) "
+                        "on the shipped model's fixed prompts, teacher-forced: worst and mean cosine, top-1 "
+                        "agreement, once per engine after the timed rounds (REF.npz: a saved reference; default: "
+                        "computed with transformers and cached; default: not scored)")
     p.add_argument("--also", action="append", default=None, metavar="BUNDLE",
                    help="also time another bundle of the same model in the same run (e.g. its --target onnx "
                         "bundle beside the CPU one); repeatable (default: none)")
@@ -97,9 +105,12 @@ def run(args) -> int:
     if args.plot is not None:
         require_extra("plot", ("matplotlib",), what="--plot")
     from ..bench import modes
+    from ..bench.child import BenchError
     from ..contract.manifest import Manifest
 
     manifest = Manifest.load(args.bundle)
+    if args.accuracy is not None and (args.held is not None or args.streams is not None or args.chat is not None):
+        raise BenchError("--accuracy goes with the prompt bench (--prompt-len), not --held, --streams or --chat")
     if args.held is not None:
         return modes.run_held(args, manifest)
     if args.streams is not None:

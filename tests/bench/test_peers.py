@@ -115,7 +115,7 @@ def test_peak_rss_is_the_childs_own_high_water_mark_not_its_parents(stubs, tmp_p
 def test_rounds_shuffle_the_engines_seeded_and_never_repeat_the_previous_order():
     from foldline.bench.rounds import round_orders
 
-    names = ["foldline (cpu)", "llama.cpp", "ORT GenAI"]
+    names = ["foldline (cpu)", "llama.cpp", "ORT GenAI int8"]
     orders = round_orders(names, 8, seed=0)
     assert orders == round_orders(names, 8, seed=0)
     assert all(sorted(o) == sorted(names) for o in orders)
@@ -169,7 +169,7 @@ def test_bench_runs_every_engine_alike_in_shuffled_rounds(bundle_factory, stubs,
     captured = capsys.readouterr()
     printed = captured.out
     assert "round 2/2, prompt 20, 2 threads: " in captured.err and "round 1/" not in printed  # progress: stderr
-    names = ["foldline (cpu)", "llama.cpp", "ORT GenAI"]
+    names = ["foldline (cpu)", "llama.cpp", "ORT GenAI genai"]
     assert len(data["orders"]) == 2 and data["orders"][0] != data["orders"][1]
     assert all(sorted(o) == sorted(names) for o in data["orders"])
     assert "order by round: 1: " + " -> ".join(data["orders"][0]) + "; 2: " in printed
@@ -202,9 +202,9 @@ def test_held_bench_runs_in_rounds_with_every_engine(bundle_factory, stubs, tmp_
     printed = capsys.readouterr().out
     assert [h["held"] for h in data["held"]] == [16, 100]
     for row in data["held"]:
-        assert set(row["engines"]) == {"foldline (cpu)", "llama.cpp", "ORT GenAI"}
+        assert set(row["engines"]) == {"foldline (cpu)", "llama.cpp", "ORT GenAI genai"}
         assert all(len(f["rounds"]) == 2 for f in row["engines"].values())
-    assert "decode foldline (cpu) / ORT GenAI" in printed
+    assert "decode foldline (cpu) / ORT GenAI genai" in printed
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -223,3 +223,140 @@ def test_llama_cpp_chat_gets_the_chat_warmup_then_reuses_its_prefix(stubs, tmp_p
     assert len(evals) == len(before) + sum(1 + len(t["reply"]) - 1 for t in script)
     [init] = stubs.events("init")
     assert init["flash_attn"] is True and init["n_ctx"] == 256
+
+
+def _one_hot(vocab: int, hot: list[int]) -> np.ndarray:
+    return np.eye(vocab, dtype=np.float32)[hot]
+
+
+def test_accuracy_scores_known_logits_and_refuses_other_steps():
+    from foldline.bench.accuracy import score
+    from foldline.bench.child import BenchError
+
+    reference = [_one_hot(4, [1, 2, 3])]
+    assert score(reference, [reference[0].copy()]) == {"cosine_worst": 1.0, "cosine_mean": 1.0, "top1_agree": 3,
+                                                       "steps": 3}
+    ours = reference[0].copy()
+    ours[1] = [0.0, 0.0, 0.6, 0.8]  # cosine 0.6 to the reference's step, and its top-1 is another token
+    scored = score(reference, [ours])
+    assert scored["cosine_worst"] == pytest.approx(0.6) and scored["top1_agree"] == 2
+    assert scored["cosine_mean"] == pytest.approx((1 + 0.6 + 1) / 3)
+    with pytest.raises(BenchError, match="shape"):
+        score(reference, [ours[:2]])
+
+
+def test_genai_accuracy_reads_every_steps_logits_teacher_forced(stubs, genai_dir):
+    """GenAI is fed each prompt, then the reference's greedy tokens but the last, one at a time, in a generator per
+    prompt; get_output('logits') of each call scored at its last token against the reference."""
+    from foldline.bench.accuracy import genai_logits, measure
+
+    (genai_dir / "genai_config.json").write_text(json.dumps({"model": {"vocab_size": 32}}))
+    # The stand-in answers token t with one-hot logits at t + 1: after the prompt 6, then 10, 11; and 8.
+    reference = {"prompts": [{"ids": [3, 4, 5], "greedy": [9, 10, 31]}, {"ids": [7], "greedy": [8]}],
+                 "logits": [_one_hot(32, [6, 10, 12]), _one_hot(32, [8])]}
+    scores = measure({"ORT GenAI genai": genai_logits(str(genai_dir), sys.executable, 64)}, reference)
+    assert scores == {"ORT GenAI genai": {"cosine_worst": 0.0, "cosine_mean": 0.75, "top1_agree": 3, "steps": 4}}
+    assert [e["tokens"] for e in stubs.events("append")] == [[3, 4, 5], [9], [10], [7]]
+    assert len(stubs.events("generator")) == 2, "one fresh generator per prompt"
+
+
+def test_a_reference_file_round_trips_and_a_bad_one_is_refused(tmp_path):
+    from foldline.bench.accuracy import load_reference, save_reference
+    from foldline.bench.child import BenchError
+
+    reference = {"prompts": [{"ids": [1, 2], "greedy": [3, 4]}], "logits": [_one_hot(8, [3, 4])]}
+    save_reference(tmp_path / "ref.npz", reference)
+    loaded = load_reference(tmp_path / "ref.npz")
+    assert loaded["prompts"] == reference["prompts"] and np.array_equal(loaded["logits"][0], reference["logits"][0])
+    save_reference(tmp_path / "short.npz", {"prompts": reference["prompts"], "logits": [_one_hot(8, [3])]})
+    with pytest.raises(BenchError, match="one logits row per greedy token"):
+        load_reference(tmp_path / "short.npz")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(BenchError, match="not a reference file"):
+        load_reference(tmp_path / "junk.npz")
+
+
+def test_genai_folders_are_named_by_their_folder_and_a_clash_is_refused(tmp_path):
+    from foldline.bench.child import BenchError
+    from foldline.bench.modes import genai_labels
+
+    labels = genai_labels([str(tmp_path / "foldline"), str(tmp_path / "int8"), str(tmp_path / "int4-kquant")])
+    assert list(labels) == ["ORT GenAI foldline", "ORT GenAI int8", "ORT GenAI int4-kquant"]
+    with pytest.raises(BenchError, match="distinct names"):
+        genai_labels([str(tmp_path / "a" / "int8"), str(tmp_path / "b" / "int8")])
+
+
+def test_the_table_holds_each_engines_accuracy_in_its_column():
+    from foldline.bench.tables import format_table
+
+    def figures(**extra):
+        base = {"prefill_tok_s": 100.0, "decode_tok_s": 50.0, "prefill_cpu_ms_tok": 1.0, "decode_cpu_ms_tok": 2.0,
+                "peak_rss_mib": 300.0, "load_s": 0.5, "threads": 2, "rounds": [{"decode_tok_s": 50.0}]}
+        return {**base, **extra}
+
+    engines = {"foldline (cpu)": figures(cosine_worst=0.9923, cosine_mean=0.998, top1_agree=47, steps=48),
+               "llama.cpp": figures(),
+               "HF eager": figures(accuracy_reference=True),
+               "ORT GenAI int8": figures(cosine_worst=0.9846, cosine_mean=0.995, top1_agree=46, steps=48)}
+    rows = {line.split("  ")[0]: line.split() for line in format_table(engines, 100, 128).splitlines()}
+    worst = rows["cosine to HF eager, worst of 48 steps"]
+    assert worst[-4:] == ["0.9923", "-", "ref", "0.9846"]
+    assert rows["top-1 = HF eager"][-4:] == ["47/48", "-", "ref", "46/48"]
+    assert "cosine to HF eager, mean" in rows
+    assert not any(k.startswith("cosine") for k in
+                   (line.split("  ")[0] for line in format_table({"foldline (cpu)": figures()}, 100, 128).splitlines()))
+
+
+@pytest.mark.slow
+def test_bench_times_and_scores_several_genai_folders_side_by_side(bundle_factory, stubs, tmp_path, capsys):
+    """foldline's bundle and two GenAI folders in one run, with --accuracy: each folder its own column in the order
+    given, every engine scored against the reference (here the bundle's own logits: it scores 1.0), the first folder
+    compared with the other, and how each folder was made printed under the table."""
+    from foldline.bench.accuracy import bundle_logits, save_reference
+    from foldline.contract.manifest import Manifest
+
+    bundle = bundle_factory("llama-tiny")
+    vocab = Manifest.load(bundle).vocab_size
+    folders = []
+    for name in ("foldline-export", "builder-int8"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "genai_config.json").write_text(json.dumps({"model": {"vocab_size": vocab}}))
+        folders.append(folder)
+    (folders[1] / "peer_build.json").write_text(json.dumps(
+        {"built_by": "onnxruntime_genai.models.builder 0.18.0", "variant": "int8", "precision": "int8",
+         "extra_options": ["accuracy_level=4"]}))
+    prompts = [([5, 6, 7, 8], [9, 10]), ([11], [12])]
+    bundle_logits(str(bundle), "cpu", None)(prompts, str(tmp_path / "own.npz"))
+    with np.load(tmp_path / "own.npz") as z:
+        own = [z["logits0"], z["logits1"]]
+    reference = {"prompts": [{"ids": [5, 6, 7, 8], "greedy": [9, 10, 3]}, {"ids": [11], "greedy": [12, 3]}],
+                 "logits": own}
+    save_reference(tmp_path / "ref.npz", reference)
+    out = tmp_path / "bench.json"
+    rc = main(["bench", str(bundle), "--ort-genai", str(folders[0]), "--ort-genai", str(folders[1]),
+               "--genai-python", sys.executable, "--accuracy", str(tmp_path / "ref.npz"), "--new-tokens", "4",
+               "--prompt-len", "8", "--rounds", "2", "--threads", "1", "--busy-ok", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    engines = json.loads(out.read_text())["engines"]
+    assert list(engines) == ["foldline (cpu)", "ORT GenAI foldline-export", "ORT GenAI builder-int8"]
+    assert engines["foldline (cpu)"]["cosine_worst"] == pytest.approx(1.0, abs=1e-6)
+    assert engines["foldline (cpu)"]["top1_agree"] == engines["foldline (cpu)"]["steps"] == 5
+    # the stand-in's one-hot logits at token + 1, scored against the bundle's own
+    stand_in = [_one_hot(vocab, [8 + 1, 9 + 1, 10 + 1]), _one_hot(vocab, [11 + 1, 12 + 1])]
+    expected = score_of(own, stand_in)
+    for name in ("ORT GenAI foldline-export", "ORT GenAI builder-int8"):
+        assert engines[name]["cosine_worst"] == pytest.approx(expected["cosine_worst"], abs=1e-6)
+        assert engines[name]["top1_agree"] == expected["top1_agree"]
+        assert len(engines[name]["rounds"]) == 2
+    assert "cosine to HF eager, worst of 5 steps" in printed and "top-1 = HF eager" in printed
+    assert "ORT GenAI foldline-export / ORT GenAI builder-int8: decode " in printed
+    assert "made by: onnxruntime_genai.models.builder 0.18.0, variant int8: -p int8 accuracy_level=4" in printed
+    assert "made by: not recorded" in printed
+
+
+def score_of(reference: list[np.ndarray], logits: list[np.ndarray]) -> dict:
+    from foldline.bench.accuracy import score
+
+    return score(reference, logits)
