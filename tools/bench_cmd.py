@@ -108,9 +108,9 @@ def run(args) -> int:
     from ..bench.child import BenchError
     from ..contract.manifest import Manifest
 
-    manifest = Manifest.load(args.bundle)
     if args.accuracy is not None and (args.held is not None or args.streams is not None or args.chat is not None):
         raise BenchError("--accuracy goes with the prompt bench (--prompt-len), not --held, --streams or --chat")
+    manifest = Manifest.load(args.bundle)
     if args.held is not None:
         return modes.run_held(args, manifest)
     if args.streams is not None:

@@ -286,6 +286,11 @@ def test_genai_folders_are_named_by_their_folder_and_a_clash_is_refused(tmp_path
         genai_labels([str(tmp_path / "a" / "int8"), str(tmp_path / "b" / "int8")])
 
 
+def test_accuracy_outside_the_prompt_bench_is_refused_in_one_line(capsys):
+    assert main(["bench", "no-bundle", "--accuracy", "--held", "128"]) == 2
+    assert "--accuracy goes with the prompt bench" in capsys.readouterr().err
+
+
 def test_the_table_holds_each_engines_accuracy_in_its_column():
     from foldline.bench.tables import format_table
 
