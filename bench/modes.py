@@ -216,18 +216,15 @@ def _add_accuracy(args: Namespace, manifest: Manifest, by_length: dict[int, dict
         reference = accuracy.hf_reference(source_model(manifest, "auto"))
     else:
         reference = accuracy.load_reference(args.accuracy)
-    engines = next(iter(by_length.values()))
-    runners: dict[str, accuracy.LogitsRunner] = {}
-    for name in engines:
-        if name == foldline_label(args):
-            runners[name] = accuracy.bundle_logits(str(args.bundle), args.device, args.cpu)
-        elif name.startswith("foldline ("):
-            bundle = next(b for b in args.also or [] if also_label(b, also_device(Manifest.load(b))) == name)
-            runners[name] = accuracy.bundle_logits(str(bundle), also_device(Manifest.load(bundle)), None)
-        elif name.startswith(GENAI_PREFIX):
-            runners[name] = accuracy.genai_logits(genai_labels(args.ort_genai)[name], args.genai_python,
-                                                  args.peer_context or manifest.max_context)
-    scores = accuracy.measure(runners, reference)
+    scored: dict[str, accuracy.LogitsRunner] = {
+        foldline_label(args): accuracy.bundle_logits(str(args.bundle), args.device, args.cpu)}
+    for bundle in args.also or []:
+        device = also_device(Manifest.load(bundle))
+        scored[also_label(bundle, device)] = accuracy.bundle_logits(str(bundle), device, None)
+    for label, folder in genai_labels(args.ort_genai).items():
+        scored[label] = accuracy.genai_logits(folder, args.genai_python, args.peer_context or manifest.max_context)
+    ran = next(iter(by_length.values()))  # an engine that was not installed is not scored either
+    scores = accuracy.measure({n: run for n, run in scored.items() if n in ran}, reference)
     for figures in by_length.values():
         for name, found in scores.items():
             if name in figures:
