@@ -5,6 +5,7 @@
 - engines: foldline's own engines, the compiled runtime and the torch reference;
 - peers: llama.cpp, ONNX Runtime GenAI and HF transformers on the same checkpoint;
 - streams, chat: concurrent streams, and a multi-turn chat with the prompt cache;
+- accuracy, prompts: each engine's logits against HF eager's on the shipped models' fixed prompts (`--accuracy`);
 - rounds: every engine at every prompt length and thread count, in shuffled rounds;
 - host: the host's load, and the refusal of a busy host;
 - tables, plot, progress: what is printed, plotted (`--plot`) and shown while it works;

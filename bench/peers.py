@@ -6,10 +6,12 @@
   docs/benchmarks.md). The child script imports nothing from foldline.
 - HF transformers eager on the same GGUF (`from_pretrained(..., gguf_file=...)`,
   dequantized to float32) or HF directory.
-- ONNX Runtime GenAI on the model its own builder made of the same checkpoint
-  (scripts/build_ort_genai_peer.py): its graphs, its fused ops and its KV
-  buffer shared between past and present. Like llama-cpp-python it is not a
-  foldline dependency: `--genai-python` names an interpreter that has it.
+- ONNX Runtime GenAI on model folders of the same checkpoint: those its own
+  builder made (scripts/build_ort_genai_peer.py: its graphs, its fused ops and
+  its KV buffer shared between past and present) and foldline's
+  `--target onnx-genai` export, one engine per folder. Like llama-cpp-python
+  it is not a foldline dependency: `--genai-python` names an interpreter that
+  has it.
 
 Every engine gets the same prompt ids and the same warm-up, prefills them at
 once, then decodes greedily one token at a time (bench/timer.run_engine);

@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
     p.add_argument("--accuracy", nargs="?", const="auto", default=None, metavar="REF.npz",
                    help="also score every foldline bundle and GenAI folder against HF transformers eager (float32) "
                         "on the shipped model's fixed prompts, teacher-forced: worst and mean cosine, top-1 "
-                        "agreement, once per engine after the timed rounds (REF.npz: a saved reference; default: "
+                        "agreement, once per engine after the timed rounds (REF.npz: a saved reference, else one "
                         "computed with transformers and cached; default: not scored)")
     p.add_argument("--also", action="append", default=None, metavar="BUNDLE",
                    help="also time another bundle of the same model in the same run (e.g. its --target onnx "
