@@ -209,13 +209,17 @@ def _print_genai_ratios(engines: dict[str, dict[str, Any]]) -> None:
         print(f"{genai[0]} / {other}: " + ", ".join(cells))
 
 
-def _add_accuracy(args: Namespace, manifest: Manifest, by_length: dict[int, dict[str, dict[str, Any]]]) -> None:
-    """Each engine's logits against HF eager's on the shipped prompts (bench/accuracy.py), once per engine after
-    the timed rounds, merged into its figures at every length. Engines it does not score (llama.cpp) get none."""
+def accuracy_reference(args: Namespace, manifest: Manifest) -> accuracy.Reference:
+    """What --accuracy scores against: the file given, else HF eager on the bundle's source GGUF (cached)."""
     if args.accuracy == "auto":
-        reference = accuracy.hf_reference(source_model(manifest, "auto"))
-    else:
-        reference = accuracy.load_reference(args.accuracy)
+        return accuracy.hf_reference(source_model(manifest, "auto"))
+    return accuracy.load_reference(args.accuracy)
+
+
+def _add_accuracy(args: Namespace, manifest: Manifest, reference: accuracy.Reference,
+                  by_length: dict[int, dict[str, dict[str, Any]]]) -> None:
+    """Each engine's logits against the reference (bench/accuracy.py), once per engine after the timed rounds,
+    merged into its figures at every length. Engines it does not score (llama.cpp) get none."""
     scored: dict[str, accuracy.LogitsRunner] = {
         foldline_label(args): accuracy.bundle_logits(str(args.bundle), args.device, args.cpu)}
     for bundle in args.also or []:
@@ -258,9 +262,11 @@ def run_throughput(args: Namespace, manifest: Manifest) -> int:
     lengths = list(dict.fromkeys(args.prompt_len or [DEFAULT_PROMPT_LEN]))
     new_tokens = args.new_tokens or DEFAULT_NEW_TOKENS
     _check_lengths(lengths, new_tokens, manifest.max_context)
+    # The reference first (computed once, cached): a model it cannot score is refused before the rounds run.
+    reference = accuracy_reference(args, manifest) if args.accuracy else None
     host, threads, results, by_length = _timed_rounds(args, manifest, lengths, new_tokens)
-    if args.accuracy:
-        _add_accuracy(args, manifest, by_length)
+    if reference is not None:
+        _add_accuracy(args, manifest, reference, by_length)
     name = _model_name(manifest, args)
     for length, engines in by_length.items():
         _header(host, f"bench {name}: prompt {length} tokens (foldline in chunks of {manifest.prefill_chunk}), "

@@ -104,6 +104,8 @@ def run(args) -> int:
         require_extra("compiler", ("torch", "gguf"), what="--hf")
     if args.plot is not None:
         require_extra("plot", ("matplotlib",), what="--plot")
+    if args.accuracy == "auto":
+        require_extra("compiler", ("torch", "gguf"), what="--accuracy (its HF reference)")
     from ..bench import modes
     from ..bench.child import BenchError
     from ..contract.manifest import Manifest

@@ -286,6 +286,15 @@ def test_genai_folders_are_named_by_their_folder_and_a_clash_is_refused(tmp_path
         genai_labels([str(tmp_path / "a" / "int8"), str(tmp_path / "b" / "int8")])
 
 
+def test_accuracy_of_a_model_without_shipped_prompts_needs_a_reference_file(tmp_path):
+    from foldline.bench.accuracy import hf_reference, shipped_name
+    from foldline.bench.child import BenchError
+
+    assert shipped_name("/somewhere/SmolLM2-135M-Instruct.Q4_1.gguf") == "smollm2-135m"
+    with pytest.raises(BenchError, match="not a shipped model .* give a reference file: --accuracy REF.npz"):
+        hf_reference(str(_gguf(tmp_path)))
+
+
 def test_accuracy_outside_the_prompt_bench_is_refused_in_one_line(capsys):
     assert main(["bench", "no-bundle", "--accuracy", "--held", "128"]) == 2
     assert "--accuracy goes with the prompt bench" in capsys.readouterr().err
