@@ -104,7 +104,7 @@ def keeps_five_bit_codes(targets: list[Target], activations: list[str]) -> bool:
     """Whether 5-bit checkpoint blocks stay 5-bit (q5) or are widened to bytes (q8) at compile time.
 
     The int8 kernels of an IREE CPU module read q5's planes as they lie; the float kernels
-    (GPU targets, --activations f32, batched bundles) read them through a widening copy each
+    (GPU targets, --activations f32) read them through a widening copy each
     call (kernels/templates/qlinear_widen_q5.mlir), slower than reading bytes. The codes stay 5-bit where
     some IREE CPU module decodes with int8 activations: a multi-ISA bundle's baseline module
     then takes the slower read, as its fallback. The ONNX export widens its own copy.
@@ -118,17 +118,18 @@ def target_activations(target: Target, activations: str, batch: int = 1) -> str:
     int8 (kernels/int8_decode.py) needs a CPU one of the int8 dot-product forms runs
     on (kernels/select.py: x86 AVX2 or VNNI, aarch64 dotprod); auto takes it there
     and on the ONNX target (MatMulNBits' int8 kernels), f32 everywhere else (GPU
-    targets, other CPUs, `--cpu generic`). A batched
-    bundle takes f32: its rows decode with the float multi-row kernel, and the entry
-    points over fewer rows must compute each row as it does, or a stream's text would
-    depend on how many other streams run (kernels/qlinear.uses_int8_gemm).
+    targets, other CPUs, `--cpu generic`). A batched CPU bundle takes it as a batch-1
+    bundle does: every entry point over k rows computes each row with the int8 kernel
+    its 1-row entry point runs (the few-row form reads each weight block once for all
+    k rows), so a stream's text does not depend on how many other streams run. A
+    batched ONNX export keeps f32: this rule is only proven for foldline's own kernels.
     """
     if activations not in ACTIVATIONS:
         raise TargetError(f"unknown activations {activations!r}; expected one of {', '.join(ACTIVATIONS)}")
-    if batch > 1:
+    if batch > 1 and target.device == ONNX_DEVICE:
         if activations == "int8":
-            raise TargetError(f"--activations int8 is for --batch 1: a batched bundle's rows decode with float "
-                              f"activations, whatever rows a call computes (--batch {batch} asked for)")
+            raise TargetError(f"--activations int8 on the ONNX target is for --batch 1 (--batch {batch} asked for): "
+                              "its rows decode with float activations")
         return "f32"
     # ONNX Runtime picks MatMulNBits' int8 kernel by the CPU it runs on, and multiplies in float where it has none
     capable = target.device == ONNX_DEVICE or (target.device == "cpu" and cpu_has_int8_dot(target.cpu_flags, target.arch))

@@ -59,6 +59,10 @@ LARGE_N = 8192
 MIN_ROWS_PER_WORKGROUP = 16
 CODES_PER_STEP = 64  # codes per row step: one 512-bit vector, two 256-bit ones
 CHAINS = 2  # independent accumulators per row
+# Activation rows one dispatch takes (decode of a bundle compiled with --batch up to this), and the
+# stack their quantized activations may fill (IREE's limit is 32 KiB): beyond it a call is split.
+MAX_ROWS = 8
+ROWS_STACK_BYTES = 24576
 
 
 # The gated MLP activations a kernel can take in, and their name suffixes.
@@ -103,6 +107,8 @@ class Int8DotShape:
     gate: str | None = None  # a key of GATES: the gated activation taken in, if any
     # The dot-product form (kernels/isa.py, kernels/x86/). Not in the name: a module holds one ISA's kernels.
     isa: Int8Isa = AVX512_VNNI
+    # Activation rows per dispatch (decode of a batched bundle): each weight block is read once for all.
+    rows: int = 1
 
     @property
     def gated(self) -> bool:
@@ -139,8 +145,9 @@ class Int8DotShape:
             fused += GATES[self.gate]
         if self.residual:
             fused += "_res"
+        rows = f"_r{self.rows}" if self.rows > 1 else ""
         return (f"foldline_i8dot_{self.fmt}g{self.group}{self.scale_type}{'m' if self.has_min else ''}"
-                f"_k{self.k}_n{self.n}{fused}")
+                f"_k{self.k}_n{self.n}{rows}{fused}")
 
 
 
@@ -148,10 +155,27 @@ class Int8DotShape:
 
 
 def supports(shape: Int8DotShape) -> bool:
-    """Whether these kernels take this shape: groups of 16, 32 or 64, whole vectors of codes, whole row steps."""
+    """Whether these kernels take this shape: groups of 16, 32 or 64, whole vectors of codes, whole row steps,
+    and (several rows) their quantized activations within ROWS_STACK_BYTES."""
     return (shape.fmt in ("q4", "q5", "q8") and shape.group in (16, 32, 64) and shape.k % CODES_PER_STEP == 0
             and shape.n % 16 == 0 and shape.scale_type in ("f16", "f32")
-            and (shape.fmt == "q8" or shape.has_min) and (shape.gate is None or shape.gate in GATES))
+            and (shape.fmt == "q8" or shape.has_min) and (shape.gate is None or shape.gate in GATES)
+            and (shape.rows == 1 or (2 <= shape.rows <= MAX_ROWS
+                                     and shape.rows * _row_stack_bytes(shape) <= ROWS_STACK_BYTES)))
+
+
+def _row_stack_bytes(shape: Int8DotShape) -> int:
+    """Stack bytes of one activation row in the few-row kernel: K int8 codes, dx and dx * sum xq per group."""
+    return shape.k + 8 * shape.groups
+
+
+def dispatch_rows(shape: Int8DotShape, m: int) -> int:
+    """Activation rows per dispatch for a call of `m` rows: the most dividing m whose stack fits (1: the
+    one-row kernel, one dispatch per row)."""
+    for rows in range(min(m, MAX_ROWS), 1, -1):
+        if m % rows == 0 and rows * _row_stack_bytes(shape) <= ROWS_STACK_BYTES:
+            return rows
+    return 1
 
 
 
@@ -313,8 +337,9 @@ def _gated_group(b: Builder, s: Int8DotShape, o: _Operands, n_k: Value, off: Val
     return b.mulf(activated, u)
 
 
-def _quantize_activation(b: Builder, s: Int8DotShape, o: _Operands) -> None:
-    """Fill o.xq (int8 activations, k order), o.dxe (dx per lane) and o.cg (dx * sum xq per group).
+def _quantize_activation(b: Builder, s: Int8DotShape, o: _Operands, per_lane: bool = True) -> None:
+    """Fill o.xq (int8 activations, k order), o.dxe (dx per lane; per group where not per_lane, the
+    few-row kernel's smaller stack) and o.cg (dx * sum xq per group).
 
     With a fused norm the row is normalized group by group on its way in; a gated row is
     turned into act(g) * u the same way.
@@ -323,7 +348,7 @@ def _quantize_activation(b: Builder, s: Int8DotShape, o: _Operands) -> None:
     rr = _row_norm(b, s, o) if s.norm is not None else None
     n_k = b.index(s.k) if s.gated else None
     o.xq = b.alloca(b.memref((s.k,), "i8"))
-    o.dxe = b.alloca(b.memref((s.k // 4,), "f32"))
+    o.dxe = b.alloca(b.memref((s.k // 4 if per_lane else s.groups,), "f32"))
     o.cg = b.alloca(b.memref((s.groups,), "f32"))
     n_groups, n_g, n_lanes = b.index(s.groups), b.index(g), b.index(lanes)
     f0, f127 = b.const(0.0, "f32"), b.const(127.0, "f32")
@@ -339,8 +364,11 @@ def _quantize_activation(b: Builder, s: Int8DotShape, o: _Operands) -> None:
         q = quantize_group(b, v, f0, f127)
         b.store(q.codes, o.xq, [off])
         dsum = b.mulf(b.sitofp(q.code_sum, b.element("f32")), q.scale)
-        dv = b.broadcast(q.scale, b.vector(lanes, "f32"))
-        b.store(dv, o.dxe, [b.muli(gi, n_lanes)])
+        if per_lane:
+            dv = b.broadcast(q.scale, b.vector(lanes, "f32"))
+            b.store(dv, o.dxe, [b.muli(gi, n_lanes)])
+        else:
+            b.store_scalar(q.scale, o.dxe, [gi])
         b.store_scalar(dsum, o.cg, [gi])
 
     b.loop(o.c0, n_groups, o.c1, group)
@@ -398,21 +426,69 @@ def _dot_with_group_sums(b: Builder, s: Int8DotShape, o: _Operands, per_group: V
 
 def _row(b: Builder, s: Int8DotShape, o: _Operands, row: Value) -> None:
     """y[row]: every step of the row unrolled, CHAINS independent accumulators."""
-    steps = s.k // CODES_PER_STEP
+    offsets = _step_offsets(b, s)
+    last: dict[int, Value] = {}  # chain -> its latest accumulator
+    for i in range(len(offsets)):
+        c = i % CHAINS
+        last[c] = _step(b, s, o, row, offsets[i], last.get(c, o.zf))
+    _finish_row(b, s, o, row, last)
+
+
+def _step_offsets(b: Builder, s: Int8DotShape) -> list[_StepOffsets]:
+    """The index constants of every step of a row."""
     per = CODES_PER_STEP // s.group
     offsets = []
-    for i in range(steps):
+    for i in range(s.k // CODES_PER_STEP):
         k, lanes, g = b.index(i * CODES_PER_STEP), b.index(i * CODES_PER_STEP // 4), b.index(i * per)
         h = b.index(i * CODES_PER_STEP // 2) if s.fmt in ("q4", "q5") else None
         # the fifth bits follow the K/2 nibble bytes of the row
         f = b.index(s.k // 2 + i * CODES_PER_STEP // 8) if s.fmt == "q5" else None
         offsets.append(_StepOffsets(k, lanes, g, h, f))
-    last: dict[int, Value] = {}  # chain -> its latest accumulator
-    for i in range(steps):
+    return offsets
+
+
+def _rows(b: Builder, s: Int8DotShape, rows: list[_Operands], row: Value, offsets: list[_StepOffsets]) -> None:
+    """y[r, row] for every activation row r, the codes and scales of each step read once for all of them.
+
+    Each activation row meets exactly the operations `_row` applies to one (the same products, scaled
+    and summed in the same order, the same chains), so it gets the one-row kernel's result to the bit.
+    """
+    o = rows[0]
+    per = CODES_PER_STEP // s.group
+    v64, vf = b.vector(64, "i8"), b.vector(16, "f32")
+    last: list[dict[int, Value]] = [{} for _ in rows]
+    for i, at in enumerate(offsets):
         c = i % CHAINS
-        last[c] = _step(b, s, o, row, offsets[i], last.get(c, o.zf))
+        if s.fmt in ("q4", "q5"):
+            packed = b.load(b.vector(32, "i8"), o.codes, [row, at.h])
+            q = b.shuffle(b.andi(packed, o.m15), b.shrui(packed, o.s4), _nibble_mask(s))
+            if s.fmt == "q5":
+                q = b.ori(q, fifth_bits(b, b.load(b.vector(8, "i8"), o.codes, [row, at.f]), CODES_PER_STEP))
+        else:
+            q = b.load(v64, o.codes, [row, at.k])
+            if _offset_codes(s):
+                q = b.xori(q, o.offset_bytes)
+        sg = b.load(b.vector(per, s.scale_type), o.scales, [row, at.g])
+        if s.scale_type == "f16":
+            sg = b.extf(sg, b.vector(per, "f32"))
+        spread = b.shuffle(sg, sg, _spread_mask(s))
+        for r, orow in enumerate(rows):
+            xs = b.load(v64, orow.xq, [at.k])
+            if s.fmt in ("q4", "q5") or _offset_codes(s):
+                d = s.isa.dot_unsigned(b, None, q, xs)
+            else:
+                d = s.isa.dot_signed(b, None, xs, q)
+            dx = b.load(b.vector(per, "f32"), orow.dxe, [at.g])
+            sx = b.mulf(spread, b.shuffle(dx, dx, _spread_mask(s)))
+            last[r][c] = b.fma(b.sitofp(d, vf), sx, last[r].get(c, o.zf))
+    for orow, chains in zip(rows, last):
+        _finish_row(b, s, orow, row, chains)
+
+
+def _finish_row(b: Builder, s: Int8DotShape, o: _Operands, row: Value, last: dict[int, Value]) -> None:
+    """y[row] from the chains' accumulators: their sum, the mins' and offset's terms, the residual."""
     total = last[0]
-    for c in range(1, min(CHAINS, steps)):
+    for c in range(1, min(CHAINS, len(last))):
         total = b.addf(total, last[c])
     out = b.reduce("add", total)
     if s.has_min:
@@ -446,34 +522,48 @@ def int8_dot_executable(s: Int8DotShape) -> str:
         arg = iter(args)
         c0, c1 = b.index(0), b.index(1)
         scales_t = b.memref((s.n, s.groups), s.scale_type)
-        x = b.subspan(next(arg), c0, b.memref((s.x_len,), "f32"))
+
+        def per_row(binding: Value, size: int) -> list[Value]:
+            """The f32 memref of each activation row (one: the binding's whole [size])."""
+            if s.rows == 1:
+                return [b.subspan(binding, c0, b.memref((size,), "f32"))]
+            return [b.subspan(binding, b.index(r * size * 4), b.memref((size,), "f32")) for r in range(s.rows)]
+
+        xs = per_row(next(arg), s.x_len)
         w = b.subspan(next(arg), c0, b.memref((s.k,), "f32")) if s.norm is not None else None
         codes = b.subspan(next(arg), c0, b.memref(codes_dims(s.fmt, s.n, s.k), "i8"))
         scales = b.subspan(next(arg), c0, scales_t)
         mins = b.subspan(next(arg), c0, scales_t) if s.has_min else None
-        res = b.subspan(next(arg), c0, b.memref((s.n,), "f32")) if s.residual else None
-        o = _Operands(c0, c1, x, w, codes, scales, mins, res, b.subspan(next(arg), c0, b.memref((s.n,), "f32")))
+        residuals = per_row(next(arg), s.n) if s.residual else [None] * s.rows
+        ys = per_row(next(arg), s.n)
+        operands = [_Operands(c0, c1, x, w, codes, scales, mins, res, y) for x, res, y in zip(xs, residuals, ys)]
         workgroup = b.workgroup_id()
-        _quantize_activation(b, s, o)
+        for o in operands:
+            _quantize_activation(b, s, o, per_lane=s.rows == 1)
         s.isa.constants(b)
-        o.zf = b.const(0.0, b.vector(16, "f32"))
-        o.m15, o.s4 = b.const(15, b.vector(32, "i8")), b.const(4, b.vector(32, "i8"))
+        zf = b.const(0.0, b.vector(16, "f32"))
+        m15, s4 = b.const(15, b.vector(32, "i8")), b.const(4, b.vector(32, "i8"))
         if s.fmt == "q5":
             fifth_bit_constants(b, CODES_PER_STEP)
-        if _offset_codes(s):
-            o.offset_bytes = b.const(-128, b.vector(64, "i8"))
+        offset_bytes = b.const(-128, b.vector(64, "i8")) if _offset_codes(s) else None
+        for o in operands:
+            o.zf, o.m15, o.s4, o.offset_bytes = zf, m15, s4, offset_bytes
         n_rows = b.index(rows)
         first = b.muli(workgroup, n_rows)
-        b.loop(first, b.addi(first, n_rows), c1, lambda row: _row(b, s, o, row))
+        if s.rows == 1:
+            b.loop(first, b.addi(first, n_rows), c1, lambda row: _row(b, s, operands[0], row))
+        else:
+            b.loop(first, b.addi(first, n_rows), c1, lambda row: _rows(b, s, operands, row, _step_offsets(b, s)))
 
     return stream_executable(s.name, s.n // rows, bindings, body)
 
 
 def int8_dot_dispatch(s: Int8DotShape, x: str, codes: str, scales: str, mins: str | None, result: str,
                       norm_weight: str | None = None, residual: str | None = None) -> str:
-    """The `flow.dispatch` line computing `result` (tensor<N x f32>) from x (tensor<K x f32>) and the codes.
+    """The `flow.dispatch` line computing `result` (tensor<rows*N x f32>) from x (tensor<rows*K x f32>, the
+    activation rows one after another) and the codes.
 
-    norm_weight (tensor<K x f32>) with s.norm, residual (tensor<N x f32>) with s.residual.
+    norm_weight (tensor<K x f32>) with s.norm, residual (tensor<rows*N x f32>) with s.residual.
     """
     if (norm_weight is None) != (s.norm is None) or (residual is None) == s.residual:
         raise ValueError(f"{s.name}: the norm weight and residual operands must match the shape's fusions")
@@ -482,11 +572,12 @@ def int8_dot_dispatch(s: Int8DotShape, x: str, codes: str, scales: str, mins: st
     codes_t = as_tensor(_codes_memref(s))
     scales_t = as_tensor(_scales_memref(s))
     row_t = f"tensor<{s.k}xf32>"
+    y_t = f"tensor<{s.rows * s.n}xf32>"
     operands = [x] + ([norm_weight] if norm_weight else []) + [codes, scales] + ([mins] if s.has_min else [])
-    types = [f"tensor<{s.x_len}xf32>"] + ([row_t] if norm_weight else []) + [codes_t, scales_t] + (
+    types = [f"tensor<{s.rows * s.x_len}xf32>"] + ([row_t] if norm_weight else []) + [codes_t, scales_t] + (
         [scales_t] if s.has_min else [])
     if residual:
         operands.append(residual)
-        types.append(f"tensor<{s.n}xf32>")
+        types.append(y_t)
     return instantiate("flow_dispatch", result=result, name=s.name, operands=operands, types=types,
-                       result_types=[f"tensor<{s.n}xf32>"])
+                       result_types=[y_t])

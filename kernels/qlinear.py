@@ -56,13 +56,19 @@ the fused kernel runs several times slower.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from iree.compiler import ir
 
 from ..contract.block_formats import codes_dims
 from .fusion import match_gate, match_norm, match_residual
-from .int8_decode import Int8DotShape, RowNorm, int8_dot_dispatch, int8_dot_executable
+from .int8_decode import (
+    Int8DotShape,
+    RowNorm,
+    dispatch_rows,
+    int8_dot_dispatch,
+    int8_dot_executable,
+)
 from .int8_decode import supports as supports_int8_dot
 from .int8_gemm import Int8GemmShape, gemm_executable, int8_gemm_dispatches, quantize_executable
 from .int8_gemm import supports as supports_int8_gemm
@@ -367,14 +373,17 @@ def _spec_of(op: ir.Operation) -> QLinearSpec:
 
 def int8_dot_shape(spec: QLinearSpec, norm: RowNorm | None = None, residual: bool = False,
                    gate: str | None = None, isa: Int8Isa = AVX512_VNNI) -> Int8DotShape:
-    """The int8-dot kernel of a site; gate: the gated MLP activation it takes in (int8_decode.GATES), if any."""
-    return Int8DotShape(spec.fmt, spec.group, spec.scale_type, spec.has_min, spec.k, spec.n, norm, residual, gate,
-                        isa)
+    """The int8-dot kernel of a site, over as many of its rows per dispatch as fit (int8_decode.dispatch_rows);
+    gate: the gated MLP activation it takes in (int8_decode.GATES), if any."""
+    one = Int8DotShape(spec.fmt, spec.group, spec.scale_type, spec.has_min, spec.k, spec.n, norm, residual, gate, isa)
+    return replace(one, rows=dispatch_rows(one, spec.m)) if spec.m > 1 else one
 
 
 def uses_int8_dot(spec: QLinearSpec) -> bool:
-    """Whether a one-row call of this shape can take the int8-activation kernel (kernels/int8_decode.py)."""
-    return spec.m == 1 and supports_int8_dot(int8_dot_shape(spec))
+    """Whether a decode call of this shape (1 to MAX_FUSED_ROWS rows) can take the int8-activation kernel
+    (kernels/int8_decode.py): a batched bundle's k-row entry points take it for exactly the sites its
+    1-row entry point does, the shape being the same but for the rows."""
+    return 1 <= spec.m <= MAX_FUSED_ROWS and supports_int8_dot(int8_dot_shape(spec))
 
 
 def _flatten(result: str, src: str, shape: tuple[int, ...]) -> str:
@@ -398,14 +407,14 @@ def int8_dot_mlir(spec: QLinearSpec, shape: Int8DotShape | None = None) -> list[
     residual %r (y's shape) comes last.
     """
     shape = shape or int8_dot_shape(spec)
-    k, n = spec.k, spec.n
+    k, n, m = spec.k, spec.n, spec.m
     y_shape = (*spec.x_shape[:-1], n)
     x_shape = (*spec.x_shape[:-1], shape.x_len)
     lines = [_flatten("%x1", "%x", x_shape)] + ([_flatten("%r1", "%r", y_shape)] if shape.residual else [])
+    lines += _int8_dot_calls(spec, shape)
     lines += [
-        int8_dot_dispatch(shape, "%x1", "%codes", "%scales", "%mins" if spec.has_min else None, "%y1",
-                          norm_weight="%w" if shape.norm else None, residual="%r1" if shape.residual else None),
-        "%y2 = " + _reshape("expand", "%y1", tensor_type((n,), "f32"), tensor_type((1, n), "f32"), [[0, 1]], [1, n]),
+        "%y2 = " + _reshape("expand", "%y1", tensor_type((m * n,), "f32"), tensor_type((m, n), "f32"), [[0, 1]],
+                            [m, n]),
         _rows_as_y(spec),
     ]
     params = [f"%x: {tensor_type(x_shape, 'f32')}"] + ([f"%w: {tensor_type((k,), 'f32')}"] if shape.norm else [])
@@ -415,6 +424,31 @@ def int8_dot_mlir(spec: QLinearSpec, shape: Int8DotShape | None = None) -> list[
     return [int8_dot_executable(shape), _function(spec, lines, params, int8_dot_function_name(spec, shape))]
 
 
+def _int8_dot_calls(spec: QLinearSpec, shape: Int8DotShape) -> list[str]:
+    """%y1 [M*N] from %x1 [M*x_len] (and %r1 [M*N]): one dispatch of shape.rows rows, or where the rows'
+    stack does not fit, one per slice of shape.rows rows, put together in row order."""
+    m, n, rows = spec.m, spec.n, shape.rows
+    mins = "%mins" if spec.has_min else None
+    norm_weight = "%w" if shape.norm else None
+    if rows == m:
+        return [int8_dot_dispatch(shape, "%x1", "%codes", "%scales", mins, "%y1", norm_weight=norm_weight,
+                                  residual="%r1" if shape.residual else None)]
+    x_t, y_t = tensor_type((m * shape.x_len,), "f32"), tensor_type((m * n,), "f32")
+    xs_t, ys_t = tensor_type((rows * shape.x_len,), "f32"), tensor_type((rows * n,), "f32")
+    lines, acc = [f"%ye = tensor.empty() : {y_t}"], "%ye"
+    for i in range(m // rows):
+        x_at, y_at = i * rows * shape.x_len, i * rows * n
+        lines.append(f"%xs{i} = tensor.extract_slice %x1[{x_at}] [{rows * shape.x_len}] [1] : {x_t} to {xs_t}")
+        if shape.residual:
+            lines.append(f"%rs{i} = tensor.extract_slice %r1[{y_at}] [{rows * n}] [1] : {y_t} to {ys_t}")
+        lines.append(int8_dot_dispatch(shape, f"%xs{i}", "%codes", "%scales", mins, f"%ys{i}", norm_weight=norm_weight,
+                                       residual=f"%rs{i}" if shape.residual else None))
+        out = "%y1" if i == m // rows - 1 else f"%ya{i}"
+        lines.append(f"{out} = tensor.insert_slice %ys{i} into {acc}[{y_at}] [{rows * n}] [1] : {ys_t} into {y_t}")
+        acc = out
+    return lines
+
+
 def int8_gemm_shape(spec: QLinearSpec, isa: Int8Isa = AVX512_VNNI) -> Int8GemmShape:
     return Int8GemmShape(spec.fmt, spec.group, spec.scale_type, spec.has_min, spec.m, spec.k, spec.n, isa)
 
@@ -422,14 +456,13 @@ def int8_gemm_shape(spec: QLinearSpec, isa: Int8Isa = AVX512_VNNI) -> Int8GemmSh
 def uses_int8_gemm(spec: QLinearSpec) -> bool:
     """Whether a prefill chunk of this shape can take the int8 GEMM kernel (kernels/int8_gemm.py).
 
-    Only in one-row bundles, whose decode is int8 too (uses_int8_dot). A batched bundle decodes
-    its rows with float activations (fused_rows_mlir), and its scheduler may advance a row's next
-    token inside another row's prefill call: with int8 prefill products, the same token would then
-    meet int8 or float activations depending on what the other rows were doing, and a stream's
-    text would depend on its neighbours.
+    Batched bundles too: their rows decode with int8 activations (uses_int8_dot), and the scheduler
+    may advance a row's next token inside another row's prefill call, where the GEMM quantizes that
+    row as the decode kernel does (int8_decode.quantize_group) and only the float sums' order differs;
+    float prefill products there would meet the token with float activations instead, and a stream's
+    text could depend on its neighbours.
     """
-    one_row = len(spec.x_shape) < 3 or spec.x_shape[0] == 1
-    return one_row and spec.m > MAX_FUSED_ROWS and supports_int8_gemm(int8_gemm_shape(spec))
+    return spec.m > MAX_FUSED_ROWS and supports_int8_gemm(int8_gemm_shape(spec))
 
 
 def int8_gemm_mlir(spec: QLinearSpec, isa: Int8Isa = AVX512_VNNI) -> list[str]:

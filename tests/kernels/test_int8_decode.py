@@ -45,11 +45,14 @@ def gated_activation(gate: str, g: np.ndarray) -> np.ndarray:
     return np.float32(0.5) * g * (np.float32(1) + np.tanh(inner))
 
 
-def _case(shape: vk.Int8DotShape, rng: np.random.Generator):
+def _case(shape: vk.Int8DotShape, rng: np.random.Generator, weights: np.random.Generator | None = None):
+    """(kernel arguments, int8 emulation, float64 product) of a random row; weights: the generator of the
+    codes and norm weight, where several rows share them (default rng)."""
     n, k, g = shape.n, shape.k, shape.group
+    weights = weights or rng
     x = rng.standard_normal(k).astype(np.float32)
     x[:g] = 0  # a group of zeros: scale 0, no division by zero
-    codes, q, scales, mins, w = random_blocks(shape.fmt, g, shape.scale_type, n, k, rng)
+    codes, q, scales, mins, w = random_blocks(shape.fmt, g, shape.scale_type, n, k, weights)
     w = w + (mins.astype(np.float64)[..., None] if shape.has_min else 0)
     args = [x]
     if shape.gated:  # the kernel takes the fused gate/up row [g, u] and makes act(g) * u
@@ -59,7 +62,7 @@ def _case(shape: vk.Int8DotShape, rng: np.random.Generator):
         args = [gate_up]
     if shape.norm is not None:  # the kernel takes the raw row h and the norm weight, and normalizes
         h = (x * 7.5).astype(np.float32)  # far from unit RMS: the norm has something to do
-        weight = rng.uniform(0.5, 1.5, k).astype(np.float32)
+        weight = weights.uniform(0.5, 1.5, k).astype(np.float32)
         x = rms_normed(h, weight, shape.norm)
         args = [h, weight]
     exact = w.reshape(n, k) @ x.astype(np.float64)
@@ -130,6 +133,72 @@ def test_int8_dot_kernel_matches_int8_emulation(shape, isa, cpu, tmp_path):
         assert rel_rms < (2e-2 if shape.gated else 1e-2), f"relative RMS error {rel_rms:.2e} against float activations"
 
 
+def _rows_module(shape: vk.Int8DotShape) -> str:
+    """@rows: the few-row kernel of `shape` on its rows, one after another; @one: the one-row kernel of a row."""
+    one = dataclasses.replace(shape, rows=1)
+    codes_t = vk._codes_memref(shape).replace("memref", "tensor")
+    scales_t = vk._scales_memref(shape).replace("memref", "tensor")
+    funcs = []
+    for name, s in (("rows", shape), ("one", one)):
+        x_t, y_t = f"tensor<{s.rows * s.x_len}xf32>", f"tensor<{s.rows * s.n}xf32>"
+        params = [f"%x: {x_t}"] + ([f"%w: tensor<{s.k}xf32>"] if s.norm else []) + [f"%c: {codes_t}", f"%s: {scales_t}"] + (
+            [f"%m: {scales_t}"] if s.has_min else []) + ([f"%r: {y_t}"] if s.residual else [])
+        call = vk.int8_dot_dispatch(s, "%x", "%c", "%s", "%m" if s.has_min else None, "%y",
+                                    norm_weight="%w" if s.norm else None, residual="%r" if s.residual else None)
+        funcs.append(f"{vk.int8_dot_executable(s)}\nutil.func public @{name}({', '.join(params)}) -> {y_t} {{\n"
+                     f"  {call}\n  util.return %y : {y_t}\n}}\n")
+    return "".join(funcs)
+
+
+ROW_SHAPES = [
+    (vk.Int8DotShape("q4", 32, "f16", True, 576, 192, norm=vk.RowNorm(1e-5, None)), 4),  # SmolLM2's q/k/v
+    (vk.Int8DotShape("q4", 32, "f16", True, 1536, 576, residual=True, gate="silu"), 8),  # SmolLM2's down
+    (vk.Int8DotShape("q8", 32, "f16", False, 640, 320, norm=vk.RowNorm(1e-6, 1.0)), 2),  # Q8_0, Gemma's offset
+    (vk.Int8DotShape("q5", 32, "f16", True, 640, 64, norm=vk.RowNorm(1e-6, 1.0), residual=True), 3),
+    (vk.Int8DotShape("q8", 16, "f32", False, 2048, 640, gate="gelu_tanh"), 4),  # Q6_K, Gemma 3's down
+    (vk.Int8DotShape("q4", 32, "f16", True, 64, 512, norm=vk.RowNorm(1e-5, None)), 4),  # one step a row
+    (vk.Int8DotShape("q4", 32, "f16", True, 128, 64, residual=True, gate="silu"), 4),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa,cpu", ISAS)
+@pytest.mark.parametrize("shape,rows", ROW_SHAPES, ids=lambda v: v.name if isinstance(v, vk.Int8DotShape) else str(v))
+def test_few_row_kernel_gives_each_row_the_one_row_result(shape, rows, isa, cpu, tmp_path):
+    """Batched decode: each row of the few-row kernel equals the one-row kernel on that row, to the bit,
+    and so matches the int8 emulation as the one-row kernel does."""
+    if not isa.available(host_cpu_features() or set()):
+        pytest.skip(f"this CPU cannot run {isa.name}")
+    shape = dataclasses.replace(shape, isa=isa, rows=rows)
+    assert vk.supports(shape)
+    module, assembly = compile_on_host(_rows_module(shape), tmp_path / "dump", cpu)
+    check_form_code(assembly, isa)
+    cases = [_case(shape, np.random.default_rng(seed), np.random.default_rng(99)) for seed in range(rows)]
+    stacked = [np.concatenate([c[0][i] for c in cases]) if i in _row_args(shape) else cases[0][0][i]
+               for i in range(len(cases[0][0]))]
+    y = module.rows(*stacked).to_host().reshape(rows, shape.n)
+    for r, (args, emulated, exact) in enumerate(cases):
+        one = module.one(*[a if i in _row_args(shape) else stacked[i] for i, a in enumerate(args)]).to_host()
+        np.testing.assert_array_equal(y[r], one, err_msg=f"row {r} differs from the one-row kernel")
+        np.testing.assert_allclose(y[r], emulated, rtol=1e-5, atol=1e-5 * np.abs(exact).max())
+
+
+def _row_args(shape: vk.Int8DotShape) -> set[int]:
+    """Which of `_case`'s arguments are per activation row (x, the residual); the others are shared."""
+    shared = 2 + shape.has_min + (shape.norm is not None)  # the norm weight, codes, scales, mins
+    return {0} | ({1 + shared} if shape.residual else set())
+
+
+def test_few_row_kernel_splits_where_the_stack_is_short():
+    small = vk.Int8DotShape("q4", 32, "f16", True, 576, 192)
+    assert vk.dispatch_rows(small, 8) == 8 and vk.dispatch_rows(small, 4) == 4 and vk.dispatch_rows(small, 1) == 1
+    wide = vk.Int8DotShape("q4", 32, "f16", True, 8192, 64)  # 8 rows of quantized activations: 72 KiB
+    assert vk.dispatch_rows(wide, 8) == 2 and not vk.supports(dataclasses.replace(wide, rows=8))
+    assert vk.dispatch_rows(vk.Int8DotShape("q4", 32, "f16", True, 4096, 64), 6) == 3
+    assert vk.dispatch_rows(vk.Int8DotShape("q4", 32, "f16", True, 32768, 64), 4) == 1  # the one-row kernel per row
+    assert "_r4" in dataclasses.replace(small, rows=4).name and "_r" not in small.name
+
+
 def test_dispatch_operands_must_match_the_fusions():
     shape = vk.Int8DotShape("q4", 32, "f16", True, 576, 64, norm=vk.RowNorm(1e-5, 0.0))
     with pytest.raises(ValueError, match="norm weight and residual"):
@@ -166,9 +235,13 @@ def test_activations_follow_the_target():
     assert target_activations(znver4, "auto") == "int8"
     assert target_activations(v3, "auto") == "int8"  # AVX2 (Zen 3, Haswell and later)
     assert target_activations(znver4, "f32") == "f32"
-    assert target_activations(znver4, "auto", batch=4) == "f32", "batched bundles decode rows with float activations"
+    assert target_activations(znver4, "auto", batch=4) == "int8", "batched bundles decode rows with int8 kernels"
+    assert target_activations(znver4, "int8", batch=4) == "int8"
+    assert target_activations(generic, "auto", batch=4) == "f32"
+    onnx = make_target("onnx")
+    assert target_activations(onnx, "auto", batch=4) == "f32"  # ONNX Runtime's batched rows: float
     with pytest.raises(TargetError, match="--batch 1"):
-        target_activations(znver4, "int8", batch=4)
+        target_activations(onnx, "int8", batch=4)
     assert target_activations(make_target("cuda"), "auto") == "f32"
     for target in (generic, v2):
         with pytest.raises(TargetError, match="AVX2 .* or AVX-512 VNNI"):

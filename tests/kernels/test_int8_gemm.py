@@ -124,9 +124,10 @@ def test_prefill_chunks_take_the_int8_gemm_and_decode_rows_do_not():
         return qk.QLinearSpec("q4", 32, "f16", True, (1, rows, 576), 960)
 
     assert qk.uses_int8_gemm(spec(64)) and qk.uses_int8_gemm(spec(16))
-    assert not qk.uses_int8_gemm(spec(8))  # batched decode: the fused float kernel reads the codes once
+    assert not qk.uses_int8_gemm(spec(8))  # decode rows of a batched bundle: the few-row int8 kernel
     assert not qk.uses_int8_gemm(spec(1)) and qk.uses_int8_dot(spec(1))
     assert not qk.uses_int8_gemm(spec(40))  # not a multiple of 16: dequantize, then matmul
-    # a batched bundle decodes with float activations, so its prefill keeps them too
+    # a batched bundle decodes its rows with int8 activations, and prefills them so
     batched = qk.QLinearSpec("q4", 32, "f16", True, (4, 64, 576), 960)
-    assert not qk.uses_int8_gemm(batched) and qk.fuses_rows(qk.QLinearSpec("q4", 32, "f16", True, (4, 1, 576), 960))
+    assert qk.uses_int8_gemm(batched) and qk.uses_int8_dot(qk.QLinearSpec("q4", 32, "f16", True, (4, 1, 576), 960))
+    assert not qk.uses_int8_dot(qk.QLinearSpec("q4", 32, "f16", True, (9, 1, 576), 960))  # past MAX_FUSED_ROWS
