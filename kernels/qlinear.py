@@ -21,12 +21,14 @@ replaces each one with a `util.call` to a generated `util.func`:
   On a CPU without FMA or F16C (`x86-64-v2`) it is spelt with a multiply and
   an add, one row per step, and f32 scales converted by a dispatch before it
   (`mlir.FloatIsa`, `fused_rows_code`);
-- decode (one row) on an x86 CPU with AVX2 or AVX-512 VNNI, int8 activations
-  asked for (the default there): `int8_dot_mlir`, the hand-written int8-dot
-  dispatch of kernels/int8_decode.py, in the target's best form
-  (kernels/isa.py), behind the same util.func signature;
-- prefill chunks (M rows, M a multiple of 16) of a one-row bundle on an x86
-  CPU with AVX-512 VNNI, int8 activations asked for: `int8_gemm_mlir`, the two hand-written
+- decode (1 to MAX_FUSED_ROWS rows: one, or a batched bundle's rows) on a CPU
+  with an int8 dot product (x86 AVX2 or VNNI, aarch64 dotprod), int8
+  activations asked for (the default there): `int8_dot_mlir`, the hand-written
+  int8-dot dispatch of kernels/int8_decode.py, in the target's best form
+  (kernels/isa.py), behind the same util.func signature; several rows take its
+  few-row form, each row to the bit as one row alone;
+- prefill chunks (M rows, M a multiple of 16) on such a CPU, int8 activations
+  asked for: `int8_gemm_mlir`, the two hand-written
   dispatches of kernels/int8_gemm.py (quantize the chunk's activations, then
   int8 products with 16 rows per vector);
 - other prefill chunks on CPU, and every call on GPU targets:
