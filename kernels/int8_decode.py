@@ -20,12 +20,12 @@ from kernels/isa.py (the shape's `isa`): on CPUs without VNNI the same
 kernel runs each 64-code step as two 256-bit `vpmaddubsw` + `vpmaddwd`, and
 each form (kernels/x86/) says why it is exact in int32.
 
-A batched bundle's decode calls of k rows (k <= MAX_ROWS) take the same kernel
-with `rows` activation rows per dispatch: every row is quantized as one row is,
-and each weight block is read and unpacked once for all rows, whose products,
-scaling and sums are the one-row kernel's, in its order (`_rows`), so each row's
-result is the one-row kernel's to the bit and a stream's tokens do not depend
-on how many rows a call computes.
+A batched bundle's decode calls of k rows (k <= MAX_ROWS; `--activations int8`)
+take the same kernel with `rows` activation rows per dispatch: every row is
+quantized as one row is, and each weight block is read and unpacked once for
+all rows, whose products, scaling and sums are the one-row kernel's, in its
+order (`_rows`), so each row's result is the one-row kernel's to the bit,
+however many rows a call computes.
 
 The codes keep the bundle's layout (frontend/quant.py: [N, K/2] q4 bytes in
 ggml's nibble order, [N, K] q8 codes), so the prefill, embedding and GPU paths

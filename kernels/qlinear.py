@@ -458,11 +458,11 @@ def int8_gemm_shape(spec: QLinearSpec, isa: Int8Isa = AVX512_VNNI) -> Int8GemmSh
 def uses_int8_gemm(spec: QLinearSpec) -> bool:
     """Whether a prefill chunk of this shape can take the int8 GEMM kernel (kernels/int8_gemm.py).
 
-    Batched bundles too: their rows decode with int8 activations (uses_int8_dot), and the scheduler
-    may advance a row's next token inside another row's prefill call, where the GEMM quantizes that
-    row as the decode kernel does (int8_decode.quantize_group) and only the float sums' order differs;
-    float prefill products there would meet the token with float activations instead, and a stream's
-    text could depend on its neighbours.
+    Batched bundles compiled with int8 activations too: their rows decode with the int8 kernels
+    (uses_int8_dot), and the scheduler may advance a row's next token inside another row's prefill
+    call, where the GEMM quantizes that row as the decode kernel does (int8_decode.quantize_group);
+    float prefill products there would meet the token with float activations instead. (Batched
+    bundles take float activations by default: backends/policy.target_activations says why.)
     """
     return spec.m > MAX_FUSED_ROWS and supports_int8_gemm(int8_gemm_shape(spec))
 

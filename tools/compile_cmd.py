@@ -69,7 +69,9 @@ def add_parser(sub) -> None:
     p.add_argument("--activations", choices=["auto", "int8", "f32"], default="auto",
                    help="what quantized weights meet in prefill and decode: auto (default: int8 activations per weight "
                         "group with VNNI dot products where the CPU target has AVX-512 VNNI, as llama.cpp; "
-                        "else f32), int8, or f32 (exact float products everywhere)")
+                        "else f32; f32 for --batch above 1, whose streams' tokens would otherwise depend on the "
+                        "load), int8 (a batched bundle's rows then decode with the int8 kernels too), or f32 "
+                        "(exact float products everywhere)")
     p.add_argument("--attention", choices=["auto", "fused", "decomposed"], default="auto",
                    help="prefill attention over the caches: fused (one flash-style attention op per layer, whose "
                         "scratch does not grow with the context), decomposed (scores and softmax as separate "

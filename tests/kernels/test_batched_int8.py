@@ -1,8 +1,9 @@
-"""A batched bundle decodes with the int8 kernels, each row as fewer rows compute it.
+"""A batched bundle compiled with `--activations int8` decodes with the int8 kernels, each row as fewer rows
+compute it.
 
 A quantized tiny model (llama-tiny with block-exact q4 weights and an MLP width
 of 128, so every projection takes an int8 kernel and its fusions:
-test_fusion.py) is compiled with `--batch 4 --rows 1,2` for this host. Four
+test_fusion.py) is compiled with `--batch 4 --rows 1,2 --activations int8` for this host. Four
 rows with different prompts run through the 4-row entry points, the first two
 again through the 2-row ones, each sequence alone through the 1-row ones. The
 int8 kernels compute each row to the bit as the one-row kernel does
@@ -44,7 +45,7 @@ def bundle(tmp_path_factory):
     from foldline.backends.build import BuildOptions, compile_model
 
     out = tmp_path_factory.mktemp("batched-int8") / "bundle"
-    compile_model(_blocked(PRESET, FMT, INTERMEDIATE), out, BuildOptions(weights="auto", batch=ROWS, rows=ROW_COUNTS),
+    compile_model(_blocked(PRESET, FMT, INTERMEDIATE), out, BuildOptions(weights="auto", activations="int8", batch=ROWS, rows=ROW_COUNTS),
                   progress=lambda _m: None)
     return out
 

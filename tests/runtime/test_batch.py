@@ -342,12 +342,14 @@ def test_scheduler_runs_more_requests_than_rows(bundle_factory):
     (["--batch", "4", "--rows", "4"], "between 1 and --batch 4"),
     (["--batch", "4", "--rows", "0,2"], "between 1 and --batch 4"),
     (["--batch", "4", "--rows", "two"], "comma-separated row counts"),
-    (["--batch", "4", "--activations", "int8"], "--activations int8 is for --batch 1"),
+    (["--batch", "4", "--activations", "int8", "--target", "onnx"], "--activations int8 on the ONNX target is for --batch 1"),
+    (["--batch", "4", "--activations", "int8", "--cpu", "generic"], "needs a CPU target with an int8 dot product"),
 ])
 def test_row_counts_and_activations_of_a_batched_bundle_are_checked(tmp_path, capsys, args, message):
     from foldline.tools.cli import main
 
-    assert main(["compile", "llama-tiny", "-o", str(tmp_path / "b"), "--cpu", "host", *args]) == 2
+    cpu = [] if "--cpu" in args or "--target" in args else ["--cpu", "host"]
+    assert main(["compile", "llama-tiny", "-o", str(tmp_path / "b"), *cpu, *args]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "b" / "manifest.json").exists()
 
