@@ -224,6 +224,44 @@ def arm_kernels(arm64, tmp_path_factory):
     return cases
 
 
+# The few-row decode kernel in the sdot form: each row against the one-row kernel on it, to the bit.
+ROW_KERNELS = [dataclasses.replace(s, isa=NEON_DOTPROD, rows=r) for s, r in test_int8_decode.ROW_SHAPES[:5]]
+
+
+@pytest.fixture(scope="module")
+def arm_row_kernels(arm64, tmp_path_factory):
+    """Every few-row case and its one-row kernel on each row, compiled for aarch64, run in one qemu process."""
+    root = tmp_path_factory.mktemp("aarch64_row_kernels")
+    cases, jobs = {}, []
+    for i, shape in enumerate(ROW_KERNELS):
+        cpu = FORM_CPU[NEON_DOTPROD.name]
+        rows_vmfb, assembly = _compile_for_arm(test_int8_decode._module(shape), root / f"dump{i}", cpu)
+        one_vmfb, _ = _compile_for_arm(test_int8_decode._module(dataclasses.replace(shape, rows=1)),
+                                       root / f"dump{i}-one", cpu)
+        (root / f"r{i}.vmfb").write_bytes(rows_vmfb)
+        (root / f"o{i}.vmfb").write_bytes(one_vmfb)
+        stacked, ones, emulated, scale = test_int8_decode.rows_case(shape)
+        for name, vmfb, args in [(f"r{i}", "r", stacked)] + [(f"o{i}-{r}", "o", a) for r, a in enumerate(ones)]:
+            np.savez(root / f"{name}.npz", **{f"a{j}": a for j, a in enumerate(args)})
+            jobs.append({"vmfb": str(root / f"{vmfb}{i}.vmfb"), "args": str(root / f"{name}.npz"),
+                         "out": str(root / f"{name}.npy")})
+        cases[shape.name] = {"assembly": assembly, "emulated": emulated, "scale": scale, "rows": root / f"r{i}.npy",
+                             "ones": [root / f"o{i}-{r}.npy" for r in range(shape.rows)]}
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    arm64.run(RUN_KERNELS, str(root / "jobs.json"))
+    return cases
+
+
+@pytest.mark.parametrize("shape", ROW_KERNELS, ids=lambda s: s.name)
+def test_arm_few_row_kernel_gives_each_row_the_one_row_result(shape, arm_row_kernels):
+    case = arm_row_kernels[shape.name]
+    check_form_code(case["assembly"], NEON_DOTPROD)
+    y = np.load(case["rows"]).reshape(shape.rows, shape.n)
+    for r, (one, want) in enumerate(zip(case["ones"], case["emulated"])):
+        np.testing.assert_array_equal(y[r], np.load(one), err_msg=f"row {r} differs from the one-row kernel")
+        assert np.all(np.abs(y[r] - want) <= 1e-5 * case["scale"]), "differs from the int8 emulation"
+
+
 @pytest.mark.parametrize("family,form,shape", KERNELS,
                          ids=[_kernel_id(*case).replace("int8-neon-", "") for case in KERNELS])
 def test_arm_kernel_matches_int8_emulation(family, form, shape, arm_kernels):

@@ -75,16 +75,18 @@ def _case(shape: vk.Int8DotShape, rng: np.random.Generator, weights: np.random.G
     return args, emulated, exact
 
 
-def _module(shape: vk.Int8DotShape) -> str:
+def _module(shape: vk.Int8DotShape, name: str = "main") -> str:
+    """The kernel of `shape` behind a util.func @name; with shape.rows rows, x, the residual and y hold
+    the rows one after another."""
     codes_t = vk._codes_memref(shape).replace("memref", "tensor")
     scales_t = vk._scales_memref(shape).replace("memref", "tensor")
-    row = f"tensor<{shape.k}xf32>"
-    params = [f"%x: tensor<{shape.x_len}xf32>"] + ([f"%w: {row}"] if shape.norm else []) + [f"%c: {codes_t}", f"%s: {scales_t}"] + (
-        [f"%m: {scales_t}"] if shape.has_min else []) + ([f"%r: tensor<{shape.n}xf32>"] if shape.residual else [])
+    x_t, y_t = f"tensor<{shape.rows * shape.x_len}xf32>", f"tensor<{shape.rows * shape.n}xf32>"
+    params = [f"%x: {x_t}"] + ([f"%w: tensor<{shape.k}xf32>"] if shape.norm else []) + [f"%c: {codes_t}", f"%s: {scales_t}"] + (
+        [f"%m: {scales_t}"] if shape.has_min else []) + ([f"%r: {y_t}"] if shape.residual else [])
     call = vk.int8_dot_dispatch(shape, "%x", "%c", "%s", "%m" if shape.has_min else None, "%y",
                                 norm_weight="%w" if shape.norm else None, residual="%r" if shape.residual else None)
-    return (f"{vk.int8_dot_executable(shape)}\nutil.func public @main({', '.join(params)}) -> tensor<{shape.n}xf32> {{\n"
-            f"  {call}\n  util.return %y : tensor<{shape.n}xf32>\n}}\n")
+    return (f"{vk.int8_dot_executable(shape)}\nutil.func public @{name}({', '.join(params)}) -> {y_t} {{\n"
+            f"  {call}\n  util.return %y : {y_t}\n}}\n")
 
 
 SHAPES = [
@@ -135,19 +137,17 @@ def test_int8_dot_kernel_matches_int8_emulation(shape, isa, cpu, tmp_path):
 
 def _rows_module(shape: vk.Int8DotShape) -> str:
     """@rows: the few-row kernel of `shape` on its rows, one after another; @one: the one-row kernel of a row."""
-    one = dataclasses.replace(shape, rows=1)
-    codes_t = vk._codes_memref(shape).replace("memref", "tensor")
-    scales_t = vk._scales_memref(shape).replace("memref", "tensor")
-    funcs = []
-    for name, s in (("rows", shape), ("one", one)):
-        x_t, y_t = f"tensor<{s.rows * s.x_len}xf32>", f"tensor<{s.rows * s.n}xf32>"
-        params = [f"%x: {x_t}"] + ([f"%w: tensor<{s.k}xf32>"] if s.norm else []) + [f"%c: {codes_t}", f"%s: {scales_t}"] + (
-            [f"%m: {scales_t}"] if s.has_min else []) + ([f"%r: {y_t}"] if s.residual else [])
-        call = vk.int8_dot_dispatch(s, "%x", "%c", "%s", "%m" if s.has_min else None, "%y",
-                                    norm_weight="%w" if s.norm else None, residual="%r" if s.residual else None)
-        funcs.append(f"{vk.int8_dot_executable(s)}\nutil.func public @{name}({', '.join(params)}) -> {y_t} {{\n"
-                     f"  {call}\n  util.return %y : {y_t}\n}}\n")
-    return "".join(funcs)
+    return _module(shape, "rows") + _module(dataclasses.replace(shape, rows=1), "one")
+
+
+def rows_case(shape: vk.Int8DotShape) -> tuple[list[np.ndarray], list[list[np.ndarray]], list[np.ndarray], float]:
+    """(the few-row kernel's arguments, each row's one-row kernel arguments, each row's int8 emulation, the
+    largest |float64 product|) of shape.rows random rows sharing their codes."""
+    cases = [_case(shape, np.random.default_rng(seed), np.random.default_rng(99)) for seed in range(shape.rows)]
+    per_row = _row_args(shape)
+    stacked = [np.concatenate([c[0][i] for c in cases]) if i in per_row else a for i, a in enumerate(cases[0][0])]
+    ones = [[a if i in per_row else stacked[i] for i, a in enumerate(c[0])] for c in cases]
+    return stacked, ones, [c[1] for c in cases], max(float(np.abs(c[2]).max()) for c in cases)
 
 
 ROW_SHAPES = [
@@ -173,14 +173,11 @@ def test_few_row_kernel_gives_each_row_the_one_row_result(shape, rows, isa, cpu,
     assert vk.supports(shape)
     module, assembly = compile_on_host(_rows_module(shape), tmp_path / "dump", cpu)
     check_form_code(assembly, isa)
-    cases = [_case(shape, np.random.default_rng(seed), np.random.default_rng(99)) for seed in range(rows)]
-    stacked = [np.concatenate([c[0][i] for c in cases]) if i in _row_args(shape) else cases[0][0][i]
-               for i in range(len(cases[0][0]))]
+    stacked, ones, emulated, scale = rows_case(shape)
     y = module.rows(*stacked).to_host().reshape(rows, shape.n)
-    for r, (args, emulated, exact) in enumerate(cases):
-        one = module.one(*[a if i in _row_args(shape) else stacked[i] for i, a in enumerate(args)]).to_host()
-        np.testing.assert_array_equal(y[r], one, err_msg=f"row {r} differs from the one-row kernel")
-        np.testing.assert_allclose(y[r], emulated, rtol=1e-5, atol=1e-5 * np.abs(exact).max())
+    for r, (args, want) in enumerate(zip(ones, emulated)):
+        np.testing.assert_array_equal(y[r], module.one(*args).to_host(), err_msg=f"row {r} differs from the one-row kernel")
+        np.testing.assert_allclose(y[r], want, rtol=1e-5, atol=1e-5 * scale)
 
 
 def _row_args(shape: vk.Int8DotShape) -> set[int]:
@@ -192,7 +189,7 @@ def _row_args(shape: vk.Int8DotShape) -> set[int]:
 def test_few_row_kernel_splits_where_the_stack_is_short():
     small = vk.Int8DotShape("q4", 32, "f16", True, 576, 192)
     assert vk.dispatch_rows(small, 8) == 8 and vk.dispatch_rows(small, 4) == 4 and vk.dispatch_rows(small, 1) == 1
-    wide = vk.Int8DotShape("q4", 32, "f16", True, 8192, 64)  # 8 rows of quantized activations: 72 KiB
+    wide = vk.Int8DotShape("q4", 32, "f16", True, 8192, 64)  # 8 rows of quantized activations: 80 KiB
     assert vk.dispatch_rows(wide, 8) == 2 and not vk.supports(dataclasses.replace(wide, rows=8))
     assert vk.dispatch_rows(vk.Int8DotShape("q4", 32, "f16", True, 4096, 64), 6) == 3
     assert vk.dispatch_rows(vk.Int8DotShape("q4", 32, "f16", True, 32768, 64), 4) == 1  # the one-row kernel per row
