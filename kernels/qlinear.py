@@ -382,9 +382,9 @@ def int8_dot_shape(spec: QLinearSpec, norm: RowNorm | None = None, residual: boo
 
 
 def uses_int8_dot(spec: QLinearSpec) -> bool:
-    """Whether a decode call of this shape (1 to MAX_FUSED_ROWS rows) can take the int8-activation kernel
-    (kernels/int8_decode.py): a batched bundle's k-row entry points take it for exactly the sites its
-    1-row entry point does, the shape being the same but for the rows."""
+    """Whether a call of this shape (1 to MAX_FUSED_ROWS rows: decode, or a prefill chunk as short) can take
+    the int8-activation kernel (kernels/int8_decode.py): a batched bundle's k-row entry points take it for
+    exactly the sites its 1-row entry point does, the shape being the same but for the rows."""
     return 1 <= spec.m <= MAX_FUSED_ROWS and supports_int8_dot(int8_dot_shape(spec))
 
 
