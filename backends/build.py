@@ -48,7 +48,15 @@ from .iree.input_ir import module_text
 from .iree.multi_device import device_scope, multi_device_flags, parameters_by_device, place_module
 from .iree.online_attention import expand_online_attention
 from .lowering import Lowering
-from .options import BuildOptions, Progress, build_cache_key, check_devices, from_cache, row_counts
+from .options import (
+    BuildOptions,
+    Progress,
+    build_cache_key,
+    check_devices,
+    claimed,
+    from_cache,
+    row_counts,
+)
 from .policy import (
     default_chunk,
     import_kind,
@@ -120,9 +128,10 @@ def compile_model(loaded: LoadedModel, out_dir: str | Path, options: BuildOption
     if any(t.genai for t in options.targets):
         return _compile_genai(loaded, out_dir, options, progress)
     key = build_cache_key(loaded.fingerprint, options)
-    if from_cache(cache, key, out_dir, progress):
-        return Path(out_dir)
-    return _compile_and_store(loaded, out_dir, options, progress, cache, key)
+    with claimed(cache, key, progress):
+        if from_cache(cache, key, out_dir, progress):
+            return Path(out_dir)
+        return _compile_and_store(loaded, out_dir, options, progress, cache, key)
 
 
 @contextmanager
@@ -349,11 +358,12 @@ def compile_spec(spec: str, out_dir: str | Path, options: BuildOptions, progress
                  cache: CompileCache | None = None) -> Path:
     """Compile MODEL (a preset, shipped name, .gguf or HF dir); the cache is asked before anything is loaded."""
     key = build_cache_key(checkpoint_fingerprint(spec, options.max_context), options)
-    if from_cache(cache, key, out_dir, progress):
-        return Path(out_dir)
-    progress(f"loading {spec}")
-    # The blocks are what a weights=auto compile keeps: their float values are never made.
-    loaded = load_model(spec, max_context=options.max_context, defer_block_weights=options.weights == "auto")
-    if any(t.genai for t in options.targets):
-        return _compile_genai(loaded, out_dir, options, progress)
-    return _compile_and_store(loaded, out_dir, options, progress, cache, key)
+    with claimed(cache, key, progress):
+        if from_cache(cache, key, out_dir, progress):
+            return Path(out_dir)
+        progress(f"loading {spec}")
+        # The blocks are what a weights=auto compile keeps: their float values are never made.
+        loaded = load_model(spec, max_context=options.max_context, defer_block_weights=options.weights == "auto")
+        if any(t.genai for t in options.targets):
+            return _compile_genai(loaded, out_dir, options, progress)
+        return _compile_and_store(loaded, out_dir, options, progress, cache, key)

@@ -19,7 +19,9 @@ shapes a bundle:
 
 An entry is written to a temporary directory and renamed into place, so
 concurrent writers never expose a partial entry (the first rename wins, the
-loser discards its copy). An entry holds the bundle's own files (its manifest,
+loser discards its copy). Two compiles of the same inputs at once do not both
+compile: the second waits on the first's lock (an advisory `flock` on
+.locks/KEY.lock, released however its holder ends) and then copies its bundle. An entry holds the bundle's own files (its manifest,
 the files the manifest lists, model.mlir when kept), never other files that lay
 in the output directory. The cache holds foldline's own outputs only and is
 bounded (FOLDLINE_CACHE_MAX_GB, default 20): the least recently used entries
@@ -34,7 +36,8 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -107,6 +110,28 @@ class CompileCache:
 
     def _entry_dir(self, key: str) -> Path:
         return self.root / key
+
+    @contextmanager
+    def claimed(self, key: str, waiting: Callable[[], None] = lambda: None) -> Iterator[None]:
+        """Held while one process asks the cache for `key` and, on a miss, compiles and stores it; calls
+        `waiting()` once when another process holds it. No lock where the OS has no flock."""
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: concurrent compiles of the same inputs both compile
+            yield
+            return
+        locks = self.root / ".locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        with open(locks / f"{key}.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                waiting()
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     def fetch(self, key: str, out_dir: Path) -> bool:
         """Copy the bundle stored under `key` into out_dir; False when there is none."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,6 +80,15 @@ def build_cache_key(fingerprint: dict | None, options: BuildOptions) -> str | No
     fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
               if f.name not in ("targets", "dump_after")}
     return cache_key(fingerprint, fields, [dataclasses.asdict(t) for t in options.targets])
+
+
+def claimed(cache: CompileCache | None, key: str | None, progress: Progress) -> AbstractContextManager:
+    """The cache's lock on `key` for a compile that asks it and may store into it (nothing without a cache):
+    a second compile of the same inputs waits, then reuses the first's bundle."""
+    if cache is None or key is None:
+        return nullcontext()
+    return cache.claimed(key, lambda: progress("another compile of the same inputs is running: waiting for it, "
+                                               "then reusing its bundle from the compile cache"))
 
 
 def from_cache(cache: CompileCache | None, key: str | None, out_dir: str | Path, progress: Progress) -> bool:

@@ -56,6 +56,39 @@ def test_concurrent_writers_leave_one_whole_entry(tmp_path):
     assert cache.fetch("k", tmp_path / "out") and _digest(tmp_path / "out") == _digest(sources[0])
 
 
+def test_a_second_compile_of_the_same_inputs_waits_and_reuses_the_first(tmp_path, monkeypatch):
+    """Two compiles of one key at once: one compiles, the other waits on the cache's lock and copies the
+    bundle (the test workers asking for the same bundle compiled it twice before)."""
+    from types import SimpleNamespace
+
+    from foldline.backends import build
+
+    cache = CompileCache(tmp_path / "cache")
+    compiled, started = [], threading.Event()
+
+    def fake_compile(loaded, out_dir, options, progress, cache_, key):
+        compiled.append(out_dir)
+        started.set()
+        threading.Event().wait(0.5)  # the other compile arrives meanwhile
+        _bundle(Path(out_dir), "built once")
+        cache_.store(key, Path(out_dir), {}, files=BUNDLE_FILES)
+        return Path(out_dir)
+
+    monkeypatch.setattr(build, "_compile_and_store", fake_compile)
+    loaded = SimpleNamespace(fingerprint={"preset": "llama-tiny", "seed": 0})
+    options = BuildOptions(targets=[make_target("cpu")])
+    said: list[str] = []
+    first = threading.Thread(target=build.compile_model, args=(loaded, tmp_path / "a", options, lambda _m: None, cache))
+    first.start()
+    started.wait(10)
+    build.compile_model(loaded, tmp_path / "b", options, said.append, cache)
+    first.join()
+    assert compiled == [tmp_path / "a"], "one compile"
+    assert _digest(tmp_path / "b") == _digest(tmp_path / "a")
+    assert any("another compile of the same inputs is running" in m for m in said), said
+    assert any("reused from the compile cache" in m for m in said), said
+
+
 def test_the_bound_drops_least_recently_used_entries(tmp_path):
     cache = CompileCache(tmp_path / "cache", max_bytes=10**9)
     for i in range(3):
