@@ -7,11 +7,18 @@ rows of the input projections, its columns of the output projection and its
 own state buffers; the layer adds the parts' outputs. A part computes exactly
 what its heads compute in the whole layer, so the passes treat it as they
 treat any mixer, and placement (passes/place_devices.py) only has to put each
-part on its device: the sum of the parts is then the all-reduce, a move of
-each part's output to device 0 and an add, and the normed hidden row moved to
-every device is its broadcast.
+part on its device, and each reduction's sum on device 0 (below).
 
-The embedding, the final norm and the head stay whole on device 0.
+The residual stream, the norms and the sums stay on device 0: each device
+adds its parts' outputs in part order, device 0 adds the devices' sums in
+device order 0, 1, ..., N-1 (a fixed order, so the result is the same on
+every run), and the normed row goes to each device that reads it.
+
+The token embedding and the LM head are split by vocabulary rows (a tied
+head reads the same rows): each device looks up the ids in its rows, zeros
+for the others, and device 0 adds the devices' rows (one non-zero term per
+element, so the sum is exact); each device computes the logits of its rows
+from the final normed row and device 0 concatenates them.
 
 Weights are cut, not copied: float weights by index, a checkpoint's blocks by
 row or by whole groups of columns (quant.QuantizedTensor.take_rows /
@@ -28,8 +35,10 @@ from dataclasses import replace
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..contract.entry_points import kv_tile_size
 from ..contract.tensor_split import (
     HeadPart,
     deal_runs,
@@ -44,10 +53,11 @@ from .gdn import GatedDeltaNet, GatedRMSNorm
 from .layers import RMSNorm
 from .model import MLP, Attention, CausalLM, no_initialisers
 from .quant import QuantizedTensor
-from .types import ChunkContext
+from .types import TORCH_DTYPES, ChunkContext
 
 ROWS, COLUMNS = 0, 1
 _CUT = re.compile(r"layers\.\d+\.(mixer|mlp)\.")  # the parameters the parts replace
+_TABLES = ("embed_tokens.weight", "lm_head.weight")  # replaced by their vocabulary rows
 # The modules a part may be cut from: anything else (a Hadamard wrapper around a projection) is refused.
 _PLAIN = (nn.Linear, RMSNorm, GatedRMSNorm, Attention, GatedDeltaNet, MLP)
 
@@ -87,6 +97,58 @@ class MLPParts(nn.Module):
         return out
 
 
+class OnDevice(nn.Module):
+    """Runs what it is given on one device: placement reads the device from the module path `on_device.<j>`."""
+
+    def forward(self, fn, *args):
+        return fn(*args)
+
+
+class VocabRows(nn.Module):
+    """One device's run of vocabulary rows of the embedding table (and of a tied head)."""
+
+    def __init__(self, start: int, weight: nn.Parameter, cfg: ModelConfig):
+        super().__init__()
+        self.start = start
+        self.cfg = cfg
+        self.weight = weight
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """The embedded rows of the ids this device holds (scaled as CausalLM.embed scales them), zeros
+        for the others."""
+        rows = self.weight.shape[0]
+        local = tokens - self.start
+        held = (local >= 0) & (local < rows)
+        x = F.embedding(local.clamp(0, rows - 1), self.weight)
+        cfg = self.cfg
+        if cfg.embed_scale != 1.0:
+            if cfg.embed_scale_dtype is not None:
+                scale = torch.tensor(cfg.embed_scale, dtype=TORCH_DTYPES[cfg.embed_scale_dtype])
+                x = x * scale.to(x.dtype)
+            else:
+                x = x * cfg.embed_scale
+        return torch.where(held[..., None], x, torch.zeros((), dtype=x.dtype))
+
+
+class HeadRows(nn.Module):
+    """One device's run of vocabulary rows of an untied LM head."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+
+def _sum(*terms: Tensor) -> Tensor:
+    out = terms[0]
+    for t in terms[1:]:
+        out = out + t
+    return out
+
+
+def _cat(*pieces: Tensor) -> Tensor:
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+
+
 class TensorParallelLM(CausalLM):
     """A CausalLM whose layers hold parts; its state is every part's buffers (contract.tensor_split)."""
 
@@ -94,6 +156,61 @@ class TensorParallelLM(CausalLM):
 
     def state_specs(self, batch: int):
         return [b for b, _device in tensor_state(self.cfg.to_dict(), batch, self.devices)]
+
+    def _sum_on_device_0(self, outputs: list[tuple[int, Tensor]]) -> Tensor:
+        """Each device's outputs added on that device in part order, then the devices' sums added on device 0
+        in device order."""
+        partials: list[Tensor | None] = [None] * self.devices
+        for device, y in outputs:
+            partials[device] = y if partials[device] is None else partials[device] + y
+        return self.on_device[0](_sum, *[p for p in partials if p is not None])
+
+    def head_rows(self, h: Tensor, device: int) -> Tensor:
+        """The float32 logits of one device's vocabulary rows."""
+        weight = self.vocab[device].weight if self.cfg.tie_word_embeddings else self.vocab_head[device].weight
+        logits = F.linear(h, weight)
+        if self.cfg.final_logit_softcap is not None:
+            cap = self.cfg.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+    def forward(
+        self, tokens: Tensor, start_pos: Tensor, n_valid: Tensor, *state: Tensor, host_pos: int | None = None,
+        kv_tiles: int | None = None, all_logits: bool = False,
+    ) -> Tensor:
+        """As CausalLM.forward: the residual stream on device 0, each part on its device."""
+        b, c = tokens.shape
+        n, cfg = self.devices, self.cfg
+        x = self._sum_on_device_0([(j, self.vocab[j](tokens)) for j in range(n)])
+        positions = start_pos[:, None] + torch.arange(c, dtype=start_pos.dtype)
+        tile = kv_tile_size(cfg.max_context)
+        if kv_tiles is not None:
+            kv_length = kv_tiles * tile
+        elif host_pos is not None:
+            kv_length = (host_pos // tile + 1) * tile
+        else:
+            kv_length = None
+        ctx = ChunkContext(start_pos=start_pos, n_valid=n_valid, positions=positions, embed=x, host_pos=host_pos,
+                           kv_length=kv_length)
+        peri = cfg.norm_placement == "peri"
+        start = 0
+        for i, layer in enumerate(self.layers):
+            h = layer.input_norm(x)
+            outputs = []
+            for part, device in zip(layer.mixer.parts, self.mixer_devices[i], strict=True):
+                outputs.append((device, part(h, ctx, *state[start:start + part.state_count])))
+                start += part.state_count
+            out = self._sum_on_device_0(outputs)
+            x = x + (layer.post_mixer_norm(out) if peri else out)
+            h = layer.mlp_norm(x)
+            out = self._sum_on_device_0([(device, part(h)) for part, device in zip(layer.mlp.parts, self.mlp_devices,
+                                                                                     strict=True)])
+            x = x + (layer.post_mlp_norm(out) if peri else out)
+        if not all_logits:
+            last = (n_valid - 1).clamp(min=0)
+            x = torch.gather(x, 1, last[:, None, None].expand(b, 1, x.shape[-1]))[:, 0]
+        h = self.norm(x)
+        return self.on_device[0](_cat, *[self.on_device[j](self.head_rows, h, j) for j in range(n)])
 
 
 def split_model(model: CausalLM, blocks: dict[str, QuantizedTensor], devices: int
@@ -103,6 +220,9 @@ def split_model(model: CausalLM, blocks: dict[str, QuantizedTensor], devices: in
     `model` is left as it was: the new module shares its embedding, norms and head.
     """
     cfg = model.cfg
+    if cfg.vocab_size < devices:
+        raise ConfigError(f"--scheme tensor deals the {cfg.vocab_size} vocabulary rows over the devices: "
+                          f"{devices} devices would leave some with none")
     whole = cfg.to_dict()
     split = copy.copy(model)
     split.__class__ = TensorParallelLM
@@ -134,7 +254,21 @@ def split_model(model: CausalLM, blocks: dict[str, QuantizedTensor], devices: in
                                  prefix + "mlp.", f"{prefix}mlp.parts.{j}."))
         new.mlp = MLPParts(mlps)
         split.layers.append(new)
-    kept = {name: b for name, b in blocks.items() if not _CUT.match(name)}  # the tables, the norms
+    split.mixer_devices = [[p.device for p in mixer_parts(whole, i, devices)] for i in range(cfg.num_layers)]
+    split.mlp_devices = mlp_part_devices(whole, devices)
+    split.on_device = nn.ModuleList(OnDevice() for _ in range(devices))
+    runs = deal_runs(cfg.vocab_size, devices)
+    table = model.embed_tokens.weight
+    split.vocab = nn.ModuleList(
+        VocabRows(run.start, cut.rows(table, "embed_tokens.weight", f"vocab.{j}.weight", run), cfg)
+        for j, run in enumerate(runs))
+    split._modules.pop("embed_tokens", None)
+    if not cfg.tie_word_embeddings:
+        split.vocab_head = nn.ModuleList(
+            HeadRows(cut.rows(model.lm_head.weight, "lm_head.weight", f"vocab_head.{j}.weight", run))
+            for j, run in enumerate(runs))
+        split._modules.pop("lm_head", None)
+    kept = {name: b for name, b in blocks.items() if not _CUT.match(name) and name not in _TABLES}  # the norms
     return split, {**kept, **cut.blocks}
 
 
@@ -199,6 +333,13 @@ class _Cutter:
                 self.blocks[part_prefix + name] = blocks
         part.load_state_dict(state, strict=True, assign=True)
         return part.eval()
+
+    def rows(self, source: nn.Parameter, whole_name: str, part_name: str, run: range) -> nn.Parameter:
+        """A run of rows of a whole table, with its blocks."""
+        value, blocks = self._cut(source, self.source.get(whole_name), ROWS, np.arange(run.start, run.stop))
+        if blocks is not None:
+            self.blocks[part_name] = blocks
+        return value
 
     @staticmethod
     def _cut(source: nn.Parameter, blocks: QuantizedTensor | None, axis: int | None, keep: np.ndarray | None

@@ -5,14 +5,16 @@ so the plan and the compiled bundle hold the same state per device:
 - pipeline: device j runs a contiguous run of layers with their weights and state;
 - tensor: the program is the tensor-parallel form (frontend/tensor_parallel.py),
   each layer's mixer and MLP in parts; each part runs on its device
-  (contract/tensor_split.py), everything else on device 0, so the parts' outputs
-  are moved to device 0 and added (the all-reduce) and the normed rows moved to
-  each part's device.
+  (contract/tensor_split.py), each device's vocabulary rows and logits on that
+  device, the reductions' sums on device 0, and every other node (norms,
+  residual adds) with its first computed input, so on device 0: each device's
+  partial output is moved to device 0 and added (the all-reduce), the normed
+  rows moved to each part's device.
 
 Placement, node by node:
 - pipeline: a node inside layer i (its module stack names `layers.i`) runs on layer i's device;
 - tensor: a node inside a part (`layers.i.mixer.parts.p`, `layers.i.mlp.parts.p`) runs on the
-  part's device, any other node inside a layer on device 0;
+  part's device, one inside `on_device.j`, `vocab.j` or `vocab_head.j` on device j;
 - the token ids, positions and counts arrive on device 0; a state buffer on its layers' device;
 - any other node follows its first input that is computed (not a weight): the
   embedding lookup runs on device 0 with the token ids, the final norm and the head
@@ -50,6 +52,7 @@ from .shard_plan import shard_plan
 
 NAME = "place-on-devices"
 PLACED = "placed"  # the unit option holding the Placement once the pass has run
+SOURCE_DEVICE = "source_device"  # a move's meta: the device the value is moved from
 COPY_SUFFIX = "@device"  # a weight's copy on another device: `<target>@device<j>`
 # An integer tensor up to this size computed from the entry point's own inputs (positions, counts, slot
 # indices) is computed again on each device that reads it rather than moved: a move is a queue transfer
@@ -58,6 +61,9 @@ RECOMPUTE_MAX_ELEMENTS = 4096
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.bool)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _PART = re.compile(r"(?:^|\.)layers\.(\d+)\.(mixer|mlp)\.parts\.(\d+)(?:\.|$)")
+# The tensor-parallel form's modules that name their device (frontend/tensor_parallel.py): the reductions'
+# sums and the logits' concatenation (`on_device.0`), each device's vocabulary rows and logits.
+_PINNED = re.compile(r"(?:^|\.)(?:on_device|vocab|vocab_head)\.(\d+)(?:\.|$)")
 
 
 @dataclass
@@ -129,8 +135,17 @@ def tensor_home(unit: CompileUnit, devices: int) -> NodeHome:
         if part is not None:
             layer, block, index = part
             return mixer[layer][index] if block == "mixer" else mlp[index]
-        return None if _node_layer(node) is None else 0
+        return node_pin(node)
     return home
+
+
+def node_pin(node: Node) -> int | None:
+    """The device a tensor-parallel node is pinned to by its module (`on_device.<j>`, `vocab.<j>`), or None."""
+    for path in _module_paths(node):
+        found = _PINNED.findall(path)
+        if found:
+            return int(found[-1])
+    return None
 
 
 def _is_tensor(node: object) -> bool:
@@ -249,7 +264,8 @@ class _Placer:
             else:
                 with self.gm.graph.inserting_before(before):
                     copy = self.gm.graph.call_function(TO_DEVICE, (value, device))
-                copy.meta = {"val": value.meta["val"], "nn_module_stack": before.meta.get("nn_module_stack", {})}
+                copy.meta = {"val": value.meta["val"], "nn_module_stack": before.meta.get("nn_module_stack", {}),
+                             SOURCE_DEVICE: self.device[value]}
                 self.moves += 1
             self.device[copy] = device
             self._on_device[key] = copy

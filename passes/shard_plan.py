@@ -25,11 +25,14 @@ Tensor parallel ("tensor", the default), per layer:
 - replicated on every device: the norms (RMSNorm, q/k norms, GDN's gated
   norm) and Ripple's value-residual scalar.
 
-Per decode step each device joins one all-reduce of one hidden vector per row
-after the vocab-parallel embedding lookup and two per layer (after the mixer's
-output projection and after the MLP's down projection), each costing a ring
-all-reduce 2 x (N-1)/N x hidden x bytes per device, and a ring all-gather of
-the float32 logits, (N-1)/N x vocab x 4 B per device.
+Per decode step the devices move what the compiled bundle moves
+(frontend/tensor_parallel.py keeps the residual stream on device 0): each
+other device sends its looked-up embedding row to device 0; per layer, twice
+(mixer and MLP), device 0 sends the normed row to each device holding a part
+and each sends its partial row back (`all_reduce_sends`); device 0 sends the
+final normed row to every device and each sends its float32 logits rows,
+vocab/N x 4 B, back; with a value residual, the embedded row goes to each
+device holding attention heads.
 
 Pipeline ("pipeline"): each device holds a contiguous run of layers, with the
 embedding on the first and the final norm and head on the last (a tied head
@@ -381,6 +384,7 @@ class Traffic:
     per_device: int  # the most any one device sends
     total: int  # summed over devices
     lines: tuple[str, ...]  # the terms, in words
+    sent: tuple[int, ...] = ()  # per device, where the scheme tells them apart (tensor)
 
 
 @dataclass(frozen=True)
@@ -468,18 +472,46 @@ def _tensor(cfg: ModelConfig, n: int, batch: int, specs: list[StateBuffer], widt
     weight_copies = sum(weights) - one.weights
     state_copies = sum(state) - one.state
 
-    hidden = batch * cfg.hidden_size * itemsize(cfg.dtype)
-    reduces = 1 + 2 * cfg.num_layers
-    ring = Fraction(n - 1, n)
-    reduce_bytes = math.ceil(reduces * 2 * ring * hidden)
-    gather_bytes = math.ceil(ring * batch * cfg.vocab_size * LOGIT_BYTES)
-    per_device = reduce_bytes + gather_bytes
-    traffic = Traffic(per_device, n * per_device, (
-        f"{reduces} all-reduces of {fmt_bytes(hidden)} (the embedded row, then after each layer's mixer and MLP): "
-        f"{fmt_bytes(reduce_bytes)} sent per device (2 x (N-1)/N x {fmt_bytes(hidden)} each)",
-        f"logits all-gather: {fmt_bytes(gather_bytes)} sent per device ((N-1)/N x {cfg.vocab_size:,} x 4 B)",
-    ))
+    traffic = _tensor_traffic(cfg, n, batch, s)
     return ShardPlan("tensor", devs, one, weight_copies, state_copies, tuple(notes), traffic)
+
+
+def all_reduce_sends(hidden: int, devices: int, parts: tuple[bool, ...]) -> tuple[int, ...]:
+    """Elements of a row of `hidden` each device sends in one of the compile's reductions
+    (frontend/tensor_parallel.py): device 0 sends the normed row to each other device holding a part
+    (`parts[j]`), and each of those sends its partial sum back to device 0."""
+    return tuple(hidden * sum(parts[1:]) if j == 0 else hidden * held for j, held in enumerate(parts))
+
+
+def _tensor_traffic(cfg: ModelConfig, n: int, batch: int, s: Splits) -> Traffic:
+    """Bytes each device sends per decode step, as the compiled bundle moves them: the embedded rows added on
+    device 0, each layer's mixer and MLP reduced there, the final normed row out and the logits rows back."""
+    row = batch * itemsize(cfg.dtype)
+    every = (True,) * n
+    heads = {"gdn": s.gdn_v_heads.per_device}
+    blocks = [p for t in cfg.layer_types
+              for p in (tuple(h > 0 for h in heads.get(t, s.query_heads.per_device)),
+                        tuple(f > 0 for f in s.mlp.per_device))]
+    sent = [0] * n
+    for parts in [*blocks, every]:  # the layers' reductions, then the head's normed row and its rows back
+        for j, elements in enumerate(all_reduce_sends(cfg.hidden_size, n, parts)):
+            sent[j] += elements * row
+    embedded = [0] + [cfg.hidden_size * row] * (n - 1)  # each device's looked-up rows, added on device 0
+    if cfg.value_residual and any(t != "gdn" for t in cfg.layer_types):  # the embedded row to attention parts
+        embedded[0] += cfg.hidden_size * row * sum(h > 0 for h in s.query_heads.per_device[1:])
+    logits = [0] + [batch * rows * LOGIT_BYTES for rows in s.vocab.per_device[1:]]
+    head_rows = [cfg.hidden_size * row * (j > 0) for j in range(n)]  # counted with the reductions above
+    sent = [a + b + c - d for a, b, c, d in zip(sent, embedded, logits, head_rows, strict=True)]
+    hidden = cfg.hidden_size * row
+    return Traffic(max(sent), sum(sent), (
+        f"{len(blocks)} reductions of {fmt_bytes(hidden)} (each layer's mixer and MLP) on device 0: the normed row "
+        f"out to each other device, its partial row back",
+        "the embedding: each other device's looked-up row to device 0"
+        + (", the embedded row out to each for the value residual" if cfg.value_residual else ""),
+        f"the head: the final normed row out, each other device's logits rows back "
+        f"({max(s.vocab.per_device[1:], default=0):,} vocabulary rows x 4 B)",
+        f"{fmt_bytes(sent[0])} sent by device 0, {fmt_bytes(max(sent[1:], default=0))} by the busiest other",
+    ), tuple(sent))
 
 
 def _balanced_runs(costs: list[int], n: int) -> list[tuple[int, int]]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from foldline.contract.tensor_split import head_parts, shared_head, tensor_state
+from foldline.contract.tensor_split import deal_counts, head_parts, shared_head, tensor_state
 from foldline.frontend.arch import get_preset
 from foldline.frontend.config import ConfigError
 from foldline.frontend.deferred_weights import blocks_of, defer, materialize
@@ -21,7 +21,7 @@ from foldline.frontend.model import build_model, new_state
 from foldline.frontend.quant import quantize
 from foldline.frontend.tensor_parallel import split_model
 from foldline.passes.manager import run_pipeline
-from foldline.passes.place_devices import PLACED, TO_DEVICE, node_part
+from foldline.passes.place_devices import PLACED, SOURCE_DEVICE, TO_DEVICE
 from foldline.passes.shard_plan import deal, read_by, shard_plan
 from foldline.runtime import Model
 from foldline.testing.golden import compare_units, copy_unit, make_steps
@@ -111,6 +111,28 @@ def test_parts_keep_the_checkpoints_blocks():
     assert "layers.1.mixer.parts.0.q_proj.weight" not in part_blocks  # layer 1 had no blocks
 
 
+@pytest.mark.parametrize("preset", ["gemma3-tiny", "qwen35-tiny"])  # a tied head, an untied one
+def test_the_tables_split_by_vocabulary_rows_with_their_blocks(preset):
+    """Each device holds its run of the embedding's rows (and of an untied head's), cut from the checkpoint's
+    blocks; the whole tables are gone from the split model and its blocks."""
+    cfg = get_preset(preset)
+    model = build_model(cfg, seed=1)
+    names = ["embed_tokens.weight"] + ([] if cfg.tie_word_embeddings else ["lm_head.weight"])
+    blocks = {name: quantize(model.get_parameter(name).detach().numpy(), "q8", 32) for name in names}
+    split, part_blocks = split_model(model, blocks, 3)
+    assert not set(names) & set(part_blocks) and not set(names) & {n for n, _ in split.named_parameters()}
+    runs = [range(0, 171), range(171, 342), range(342, 512)]  # 512 rows dealt 171, 171, 170
+    for j, run in enumerate(runs):
+        assert split.vocab[j].start == run.start
+        for whole, part in (("embed_tokens.weight", f"vocab.{j}.weight"), ("lm_head.weight", f"vocab_head.{j}.weight")):
+            if whole not in blocks:
+                assert not hasattr(split, "vocab_head")
+                continue
+            np.testing.assert_array_equal(part_blocks[part].dequantize(), blocks[whole].dequantize()[run.start:run.stop])
+            np.testing.assert_array_equal(split.get_parameter(part).detach().numpy(),
+                                          model.get_parameter(whole).detach().numpy()[run.start:run.stop])
+
+
 def test_deferred_weights_stay_deferred_in_their_parts():
     cfg = get_preset("llama-tiny")
     model = build_model(cfg, seed=1)
@@ -150,24 +172,41 @@ def _tensor_unit(preset: str, devices: int = 2):
     return unit, placed
 
 
+def _sent(program) -> tuple[list[int], list]:
+    """Bytes each device sends in one call of a placed program (its moves of computed values, by source
+    device), and the entry point's inputs it moves."""
+    sent, inputs = [0, 0], []
+    for node in program.graph.nodes:
+        if node.target == TO_DEVICE:
+            value = node.args[0].meta["val"]
+            if node.args[0].op == "placeholder":
+                inputs.append(value)
+            else:
+                sent[node.meta[SOURCE_DEVICE]] += value.numel() * value.element_size()
+    return sent, inputs
+
+
 @pytest.mark.parametrize("preset", ["gemma3-tiny", "qwen35-tiny"])
-def test_placement_puts_each_part_on_its_device_and_changes_no_value(preset, torch_one_thread):
-    """Every part's nodes on its device, the rest on device 0; per layer and entry point the moves are the
-    normed rows out to device 1 and each part's output back to device 0 (the all-reduce); the placed
-    programs compute exactly what the unplaced ones do."""
+def test_placement_moves_the_bytes_the_plan_prices_and_changes_no_value(preset, torch_one_thread):
+    """The bytes each device sends per decode step, summed over the placed program's moves, are
+    `foldline plan --scheme tensor`'s: per mixer and MLP the normed row to device 1 and device 1's partial
+    row back, device 1's looked-up embedding row, the final normed row out and device 1's half of the
+    logits back; a prefill chunk of 8 moves 8 rows where a row per token moves. Besides, only the integer
+    inputs (token ids, positions) move. The placed programs compute exactly what the unplaced ones do."""
     unit, placed = _tensor_unit(preset)
     placement = placed.options[PLACED]
     cfg = unit.config
     assert placement.scheme == "tensor" and placement.result == 0
     assert placement.state == [d for _, d in tensor_state(cfg.to_dict(), 1, 2)]
-    for program in placed.programs.values():
-        moves = [n for n in program.graph.nodes if n.target == TO_DEVICE]
-        out = [n for n in moves if n.args[1] == 1 and n.args[0].op != "placeholder"]
-        back = [n for n in moves if n.args[1] == 0]
-        assert all(node_part(n.args[0]) is not None and node_part(n.args[0])[2] >= 1 for n in back)
-        # one normed row out and one part output back per mixer and MLP of each layer (Ripple: the embedded row too)
-        assert len(back) == 2 * cfg.num_layers, [n.args[0].name for n in back]
-        assert len(out) == 2 * cfg.num_layers
+    plan = shard_plan(cfg, 2, scheme="tensor").traffic
+    row = cfg.hidden_size * 4  # float32
+    blocks = 2 * cfg.num_layers
+    assert list(plan.sent) == [(blocks + 1) * row, (blocks + 1) * row + deal_counts(cfg.vocab_size, 2)[1] * 4]
+    decode, decode_inputs = _sent(placed.programs["decode"])
+    assert decode == list(plan.sent)
+    prefill, prefill_inputs = _sent(placed.programs["prefill"])
+    assert prefill == [decode[0] + 7 * blocks * row, decode[1] + 7 * (blocks + 1) * row]  # the head: one row
+    assert all(not v.dtype.is_floating_point and v.numel() <= 8 for v in decode_inputs + prefill_inputs)
     report = compare_units(unit, placed, make_steps([40], chunk=8, decode_steps=6, vocab_size=cfg.vocab_size))
     assert report.worst_logit_error == 0.0 and report.worst_state_error == 0.0, report
 

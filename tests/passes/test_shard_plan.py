@@ -16,6 +16,7 @@ from foldline.frontend.model import build_model, skeleton
 from foldline.passes.shard_plan import (
     STATE_SPLITS,
     _balanced_runs,
+    all_reduce_sends,
     deal,
     parameter_count,
     parse_size,
@@ -103,7 +104,7 @@ def test_ripple_65b_eight_devices_cli(capsys):
     assert held, out
     assert int(held.group(1).replace(",", "")) == 7 * ripple_replicated_bytes(get_preset("ripple-65b"))
     assert held.group(2) == "0"
-    assert "161 all-reduces" in out  # 1 after the embedding + 2 x 80 layers
+    assert "160 reductions" in out  # 2 x 80 layers
     assert "state buffers after the default pipeline" not in out
 
 
@@ -227,8 +228,20 @@ def test_traffic_per_decode_step():
     cfg = get_preset("ripple-65b")
     hidden = cfg.hidden_size * 2
     plan = shard_plan(cfg, 8, 1, MI)
-    assert plan.traffic.per_device == math.ceil(161 * 2 * 7 / 8 * hidden) + math.ceil(7 / 8 * cfg.vocab_size * 4)
+    logits = cfg.vocab_size // 8 * 4  # each device's rows of the logits, to device 0
+    # device 0: the normed row to the 7 others per mixer and MLP (160) and for the head, and Ripple's embedded
+    # row; each other device: its looked-up embedding row, its 160 partial rows, its logits rows
+    assert plan.traffic.sent == (162 * 7 * hidden,) + (161 * hidden + logits,) * 7
+    assert plan.traffic.per_device == 162 * 7 * hidden
     assert shard_plan(cfg, 1, 1, MI).traffic.per_device == 0
+
+
+def test_a_reduction_moves_rows_only_to_and_from_devices_holding_parts():
+    """Device 0 sends the normed row to each other device holding a part, each of those its partial row
+    back; a device without a part of the layer (more devices than heads) neither."""
+    assert all_reduce_sends(10, 3, (True, True, True)) == (20, 10, 10)
+    assert all_reduce_sends(10, 3, (True, False, True)) == (10, 0, 10)
+    assert all_reduce_sends(10, 1, (True,)) == (0,)
 
 
 def test_parse_size():
