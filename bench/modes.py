@@ -336,13 +336,16 @@ def run_held(args: Namespace, manifest: Manifest) -> int:
                   f"{host.describe()}, median of {args.rounds} shuffled round(s), ratios' (min-max) over rounds")
     print_held(list(by_length.items()))
     _print_run_notes(results, by_length, "held")
+    walls = [_print_memory_wall(args, manifest, next(iter(engines.values())), held + new_tokens // 2)
+             for held, engines in by_length.items()]
     if args.plot:
         from .plot import plot_held
 
         plot_held(args.plot, name + (" (HOST BUSY)" if host.busy else ""), by_length)
     _write_json(args, {"bundle": str(args.bundle), "model": name, "new_tokens": new_tokens, "threads": threads,
                        "rounds": args.rounds, "orders": results.orders, "host_load": host.load,
-                       "host_busy": host.busy, "held": [{"held": h, "engines": e} for h, e in by_length.items()]})
+                       "host_busy": host.busy, "held": [{"held": h, "engines": e, "memory_wall": w}
+                                                        for (h, e), w in zip(by_length.items(), walls)]})
     return 0
 
 
