@@ -145,6 +145,17 @@ class DecoderLayer(nn.Module):
         return x + (self.post_mlp_norm(out) if peri else out)
 
 
+def scale_embedding(x: Tensor, cfg: ModelConfig) -> Tensor:
+    """Embedded rows times the config's embedding scale (Gemma's sqrt(hidden)), rounded to the dtype the
+    checkpoint's reference rounds it to first where it names one."""
+    if cfg.embed_scale == 1.0:
+        return x
+    if cfg.embed_scale_dtype is not None:
+        scale = torch.tensor(cfg.embed_scale, dtype=TORCH_DTYPES[cfg.embed_scale_dtype])
+        return x * scale.to(x.dtype)
+    return x * cfg.embed_scale
+
+
 class CausalLM(nn.Module):
     """The whole model; `forward` processes one chunk and updates `state` in place."""
 
@@ -161,15 +172,7 @@ class CausalLM(nn.Module):
         return state_specs(self.cfg, batch)
 
     def embed(self, tokens: Tensor) -> Tensor:
-        x = self.embed_tokens(tokens)
-        cfg = self.cfg
-        if cfg.embed_scale != 1.0:
-            if cfg.embed_scale_dtype is not None:
-                scale = torch.tensor(cfg.embed_scale, dtype=TORCH_DTYPES[cfg.embed_scale_dtype])
-                x = x * scale.to(x.dtype)
-            else:
-                x = x * cfg.embed_scale
-        return x
+        return scale_embedding(self.embed_tokens(tokens), self.cfg)
 
     def head(self, h: Tensor) -> Tensor:
         weight = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight

@@ -51,9 +51,9 @@ from .config import ConfigError, ModelConfig
 from .deferred_weights import blocks_of, defer, materialize
 from .gdn import GatedDeltaNet, GatedRMSNorm
 from .layers import RMSNorm
-from .model import MLP, Attention, CausalLM, no_initialisers
+from .model import MLP, Attention, CausalLM, no_initialisers, scale_embedding
 from .quant import QuantizedTensor
-from .types import TORCH_DTYPES, ChunkContext
+from .types import ChunkContext
 
 ROWS, COLUMNS = 0, 1
 _CUT = re.compile(r"layers\.\d+\.(mixer|mlp)\.")  # the parameters the parts replace
@@ -119,14 +119,7 @@ class VocabRows(nn.Module):
         rows = self.weight.shape[0]
         local = tokens - self.start
         held = (local >= 0) & (local < rows)
-        x = F.embedding(local.clamp(0, rows - 1), self.weight)
-        cfg = self.cfg
-        if cfg.embed_scale != 1.0:
-            if cfg.embed_scale_dtype is not None:
-                scale = torch.tensor(cfg.embed_scale, dtype=TORCH_DTYPES[cfg.embed_scale_dtype])
-                x = x * scale.to(x.dtype)
-            else:
-                x = x * cfg.embed_scale
+        x = scale_embedding(F.embedding(local.clamp(0, rows - 1), self.weight), self.cfg)
         return torch.where(held[..., None], x, torch.zeros((), dtype=x.dtype))
 
 
