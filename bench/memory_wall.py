@@ -182,7 +182,7 @@ class MemoryWall:
 
     def as_json(self) -> dict:
         return {"module": self.module, "dispatches_per_step": self.dispatches, "dispatches_upper_bound": self.branches,
-                "weights_bytes": self.reads.weights, "state_bytes": self.reads.state, "held": self.reads.held,
+                "weights_read_bytes": self.reads.weights, "state_read_bytes": self.reads.state, "held": self.reads.held,
                 "decode_gb_s": self.decode_gb_s, "host_read_gb_s": self.host_read_gb_s, "threads": self.threads,
                 "fraction": self.fraction}
 

@@ -435,20 +435,10 @@ def _int8_dot_calls(spec: QLinearSpec, shape: Int8DotShape) -> list[str]:
     if rows == m:
         return [int8_dot_dispatch(shape, "%x1", "%codes", "%scales", mins, "%y1", norm_weight=norm_weight,
                                   residual="%r1" if shape.residual else None)]
-    x_t, y_t = tensor_type((m * shape.x_len,), "f32"), tensor_type((m * n,), "f32")
-    xs_t, ys_t = tensor_type((rows * shape.x_len,), "f32"), tensor_type((rows * n,), "f32")
-    lines, acc = [f"%ye = tensor.empty() : {y_t}"], "%ye"
-    for i in range(m // rows):
-        x_at, y_at = i * rows * shape.x_len, i * rows * n
-        lines.append(f"%xs{i} = tensor.extract_slice %x1[{x_at}] [{rows * shape.x_len}] [1] : {x_t} to {xs_t}")
-        if shape.residual:
-            lines.append(f"%rs{i} = tensor.extract_slice %r1[{y_at}] [{rows * n}] [1] : {y_t} to {ys_t}")
-        lines.append(int8_dot_dispatch(shape, f"%xs{i}", "%codes", "%scales", mins, f"%ys{i}", norm_weight=norm_weight,
-                                       residual=f"%rs{i}" if shape.residual else None))
-        out = "%y1" if i == m // rows - 1 else f"%ya{i}"
-        lines.append(f"{out} = tensor.insert_slice %ys{i} into {acc}[{y_at}] [{rows * n}] [1] : {ys_t} into {y_t}")
-        acc = out
-    return lines
+    dispatches = [int8_dot_dispatch(shape, f"%xs{i}", "%codes", "%scales", mins, f"%ys{i}", norm_weight=norm_weight,
+                                    residual=f"%rs{i}" if shape.residual else None) for i in range(m // rows)]
+    return instantiate("qlinear_row_slices", m=m, n=n, rows=rows, x_len=shape.x_len, residual=shape.residual,
+                       dispatches=dispatches).split("\n")
 
 
 def int8_gemm_shape(spec: QLinearSpec, isa: Int8Isa = AVX512_VNNI) -> Int8GemmShape:

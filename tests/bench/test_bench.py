@@ -97,7 +97,7 @@ def test_bench_cli_on_a_compiled_bundle(bundle_factory, tmp_path, capsys):
         assert figures["warmup"] == {"prefill_tokens": 20, "decode_steps": 4}
     assert data["engines"]["foldline (cpu)"]["chunk"] == 16
     wall = data["memory_wall"]  # bench/memory_wall.py, measured in the same run
-    assert wall["held"] == 20 + 8 // 2 and wall["dispatches_per_step"] > 0 and wall["weights_bytes"] > 0
+    assert wall["held"] == 20 + 8 // 2 and wall["dispatches_per_step"] > 0 and wall["weights_read_bytes"] > 0
     assert wall["decode_gb_s"] > 0 and len(wall["host_read_gb_s"]) == 5
     assert abs(wall["fraction"] - wall["decode_gb_s"] / max(wall["host_read_gb_s"])) < 1e-9
     assert f"{wall['dispatches_per_step']} dispatches per decode step" in printed
