@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import shutil
 import subprocess
 import threading
@@ -72,6 +73,7 @@ def step_reads(manifest: Manifest, held: int) -> StepReads:
     return StepReads(weights, state, held)
 
 
+@functools.cache
 def dispatches_per_step(vmfb: Path, batch: int = 1) -> tuple[int, bool] | None:
     """(dispatches the one-row decode function records, whether it branches); None without iree-dump-module."""
     tool = shutil.which("iree-dump-module") or _beside_python("iree-dump-module")
@@ -187,9 +189,10 @@ class MemoryWall:
                 "fraction": self.fraction}
 
 
-def measure_wall(manifest: Manifest, module_key: str, decode_tok_s: float, held: int, threads: int) -> MemoryWall:
-    """The host's bandwidth measured now with `threads` threads, beside what the module's step reads."""
+def measure_wall(manifest: Manifest, module_key: str, decode_tok_s: float, held: int, threads: int,
+                 bandwidth: list[float]) -> MemoryWall:
+    """What the module's step reads beside `bandwidth`, the host's read rates measured with `threads` threads
+    in this run (host_read_gb_s)."""
     counted = dispatches_per_step(manifest.root / manifest.modules[module_key].file, manifest.batch)
     calls, branches = counted if counted is not None else (None, False)
-    return MemoryWall(module_key, calls, branches, step_reads(manifest, held), decode_tok_s,
-                      host_read_gb_s(threads), threads)
+    return MemoryWall(module_key, calls, branches, step_reads(manifest, held), decode_tok_s, bandwidth, threads)

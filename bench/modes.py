@@ -277,7 +277,7 @@ def run_throughput(args: Namespace, manifest: Manifest) -> int:
     first = by_length[lengths[0]]
     _print_genai_ratios(first)
     _print_run_notes(results, by_length, "prompt")
-    wall = _print_memory_wall(args, manifest, next(iter(first.values())), lengths[0] + new_tokens // 2)
+    wall = _print_memory_wall(args, manifest, next(iter(first.values())), lengths[0] + new_tokens // 2, {})
     if args.hadamard_online:
         compiled = next(iter(first.values()))
         online = run_foldline("engines", "bench_compiled", {
@@ -298,14 +298,18 @@ def run_throughput(args: Namespace, manifest: Manifest) -> int:
     return 0
 
 
-def _print_memory_wall(args: Namespace, manifest: Manifest, compiled: dict[str, Any], held: int) -> dict | None:
-    """foldline's decode against the host's read bandwidth, measured now at its best thread count
-    (bench/memory_wall.py); CPU bundles only."""
+def _print_memory_wall(args: Namespace, manifest: Manifest, compiled: dict[str, Any], held: int,
+                       probes: dict[int, list[float]]) -> dict | None:
+    """foldline's decode against the host's read bandwidth at its best thread count (bench/memory_wall.py),
+    measured once per thread count in a run (`probes` keeps them); CPU bundles only."""
     if args.device != "cpu" or not compiled.get("module"):
         return None
-    from .memory_wall import measure_wall
+    from .memory_wall import host_read_gb_s, measure_wall
 
-    wall = measure_wall(manifest, compiled["module"], compiled["decode_tok_s"], held, int(compiled["threads"]))
+    threads = int(compiled["threads"])
+    if threads not in probes:
+        probes[threads] = host_read_gb_s(threads)
+    wall = measure_wall(manifest, compiled["module"], compiled["decode_tok_s"], held, threads, probes[threads])
     for line in wall.lines():
         print(line)
     return wall.as_json()
@@ -336,7 +340,8 @@ def run_held(args: Namespace, manifest: Manifest) -> int:
                   f"{host.describe()}, median of {args.rounds} shuffled round(s), ratios' (min-max) over rounds")
     print_held(list(by_length.items()))
     _print_run_notes(results, by_length, "held")
-    walls = [_print_memory_wall(args, manifest, next(iter(engines.values())), held + new_tokens // 2)
+    probes: dict[int, list[float]] = {}
+    walls = [_print_memory_wall(args, manifest, next(iter(engines.values())), held + new_tokens // 2, probes)
              for held, engines in by_length.items()]
     if args.plot:
         from .plot import plot_held
