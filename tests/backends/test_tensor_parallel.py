@@ -27,7 +27,7 @@ from foldline.runtime import Model
 from foldline.testing.golden import compare_units, copy_unit, make_steps
 from foldline.testing.parity import SCALED_TOL_FP32, batches_differ, run_parity
 
-from backends.test_multi_device import BATCH_FEEDS
+from backends.test_multi_device import BATCH_FEEDS, TWO_DEVICE_BATCH
 from kernels.test_avx2_kernels import SCALED_TOL_INT8
 
 PRESETS = ["llama-tiny", "gemma3-tiny", "qwen35-tiny", "ripple-tiny"]
@@ -214,9 +214,10 @@ def test_placement_moves_the_bytes_the_plan_prices_and_changes_no_value(preset, 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_tensor_parallel_on_two_devices_matches_eager_and_one_device(preset, bundle_factory):
     """Greedy decoding through 40 tokens with every layer split over 2 CPU devices: eager's logits within
-    fp32 tolerance, the one-device bundle's tokens."""
+    fp32 tolerance, the one-device bundle's tokens. qwen35-tiny's bundle is its batch-2 one (TWO_DEVICE_BATCH), run
+    through its one-row functions."""
     loaded = load_model_once(preset)
-    two = Model.load(bundle_factory(preset, devices=2, scheme="tensor"))
+    two = Model.load(bundle_factory(preset, devices=2, scheme="tensor", batch=TWO_DEVICE_BATCH.get(preset, 1)))
     assert two.manifest.placement.scheme == "tensor" and len(two.ctx.devices) == 2
     report = run_parity(loaded.module, two, PROMPT, steps=40)
     assert report.worst_scaled_error < SCALED_TOL_FP32, report
@@ -273,7 +274,7 @@ def test_quantized_parts_give_the_one_device_logits(bundle_factory):
 def test_a_batched_tensor_parallel_bundle_gives_each_row_the_one_device_logits(bundle_factory):
     """qwen35-tiny at batch 2, its GDN and attention parts on 2 devices: rows of different lengths prefilled
     together and alone, then decoded, give the one-device batched bundle's logits up to float rounding."""
-    batches = [Model.load(bundle_factory("qwen35-tiny", batch=2, **options)).batch()
+    batches = [Model.load(bundle_factory("qwen35-tiny", batch=TWO_DEVICE_BATCH["qwen35-tiny"], **options)).batch()
                for options in ({}, {"devices": 2, "scheme": "tensor"})]
     assert batches_differ(batches, BATCH_FEEDS) <= 1e-5
 

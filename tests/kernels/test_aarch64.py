@@ -35,24 +35,21 @@ TRIPLE = "aarch64-unknown-linux-gnu"
 PROMPT = list(range(3, 83))  # 80 tokens: two prefill chunks of 64, gemma3-tiny's 16-slot windows wrap 5 times
 FORCED = list(range(40, 64))  # 24 decode steps, the same tokens on every side
 
-# Runs on aarch64: each job's bundle, prefill PROMPT, decode FORCED, the logits to a file.
-RUN_BUNDLES = """
-import json, sys
-import numpy as np
-from foldline.runtime import Model
-for job in json.load(open(sys.argv[1])):
-    with Model.load(job["bundle"]) as model:
-        session = model.session()
-        steps = [session.prefill(job["prompt"])] + [session.decode(t) for t in job["forced"]]
-    np.save(job["out"], np.stack(steps))
-"""
-
-# Runs on aarch64: each job's module `main` on its arguments, the result to a file.
-RUN_KERNELS = """
+# Runs on aarch64, in one qemu process for the whole file (each start of the emulated Python is tens of
+# seconds): a bundle job prefills PROMPT and decodes FORCED, a kernel job runs its module's `main` on its
+# arguments; each result to its file.
+RUN_JOBS = """
 import json, sys
 import numpy as np
 import iree.runtime as rt
+from foldline.runtime import Model
 for job in json.load(open(sys.argv[1])):
+    if "bundle" in job:
+        with Model.load(job["bundle"]) as model:
+            session = model.session()
+            steps = [session.prefill(job["prompt"])] + [session.decode(t) for t in job["forced"]]
+        np.save(job["out"], np.stack(steps))
+        continue
     config = rt.Config("local-task")
     ctx = rt.SystemContext(config=config)
     with open(job["vmfb"], "rb") as f:
@@ -123,11 +120,8 @@ CASES = {
 PREFILL_FORM = {"llama-q4-dotprod": NEON_DOTPROD, "gemma3-q8-dotprod": NEON_DOTPROD, "gemma3-q4-i8mm": NEON_I8MM}
 
 
-@pytest.fixture(scope="module")
-def arm_runs(arm64, tmp_path_factory):
-    """Every case compiled for aarch64 (the int8 ones in one bundle with this x86 CPU's module), run in one
-    qemu process."""
-    root = tmp_path_factory.mktemp("aarch64")
+def _bundle_jobs(root: Path) -> tuple[dict, list[dict]]:
+    """Every case compiled for aarch64 (the int8 ones in one bundle with this x86 CPU's module)."""
     runs, jobs = {}, []
     for name, (preset, fmt, cpu, options) in CASES.items():
         loaded = test_quant_compile._blocked(preset, fmt)
@@ -135,11 +129,7 @@ def arm_runs(arm64, tmp_path_factory):
         runs[name] = {"loaded": loaded, "arm": arm, "x86": arm if cpu != "generic" else None,
                       "out": root / name / "logits.npy"}
         jobs.append({"bundle": str(arm), "prompt": PROMPT, "forced": FORCED, "out": str(runs[name]["out"])})
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    arm64.run(RUN_BUNDLES, str(root / "jobs.json"))
-    for run in runs.values():
-        run["logits"] = np.load(run["out"])
-    return runs
+    return runs, jobs
 
 
 @pytest.mark.parametrize("case", ["llama-q4-dotprod", "gemma3-q8-dotprod", "gemma3-q4-i8mm"])
@@ -204,10 +194,8 @@ def _kernel_id(family: str, form, shape) -> str:
     return f"{form.name}-{shape.name}"
 
 
-@pytest.fixture(scope="module")
-def arm_kernels(arm64, tmp_path_factory):
-    """Every kernel case compiled for aarch64 and run in one qemu process."""
-    root = tmp_path_factory.mktemp("aarch64_kernels")
+def _kernel_jobs(root: Path) -> tuple[dict, list[dict]]:
+    """Every kernel case compiled for aarch64, with its arguments and int8 emulation."""
     cases, jobs = {}, []
     for i, (family, form, shape) in enumerate(KERNELS):
         shape = dataclasses.replace(shape, isa=form)
@@ -219,19 +207,15 @@ def arm_kernels(arm64, tmp_path_factory):
         cases[_kernel_id(family, form, shape)] = {"assembly": assembly, "emulated": emulated, "exact": exact,
                                                   "out": root / f"k{i}.npy"}
         jobs.append({"vmfb": str(root / f"k{i}.vmfb"), "args": str(root / f"k{i}.npz"), "out": str(root / f"k{i}.npy")})
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    arm64.run(RUN_KERNELS, str(root / "jobs.json"))
-    return cases
+    return cases, jobs
 
 
 # The few-row decode kernel in the sdot form: each row against the one-row kernel on it, to the bit.
 ROW_KERNELS = [dataclasses.replace(s, isa=NEON_DOTPROD, rows=r) for s, r in test_int8_decode.ROW_SHAPES[:5]]
 
 
-@pytest.fixture(scope="module")
-def arm_row_kernels(arm64, tmp_path_factory):
-    """Every few-row case and its one-row kernel on each row, compiled for aarch64, run in one qemu process."""
-    root = tmp_path_factory.mktemp("aarch64_row_kernels")
+def _row_kernel_jobs(root: Path) -> tuple[dict, list[dict]]:
+    """Every few-row case and its one-row kernel on each row, compiled for aarch64."""
     cases, jobs = {}, []
     for i, shape in enumerate(ROW_KERNELS):
         cpu = FORM_CPU[NEON_DOTPROD.name]
@@ -247,9 +231,39 @@ def arm_row_kernels(arm64, tmp_path_factory):
                          "out": str(root / f"{name}.npy")})
         cases[shape.name] = {"assembly": assembly, "emulated": emulated, "scale": scale, "rows": root / f"r{i}.npy",
                              "ones": [root / f"o{i}-{r}.npy" for r in range(shape.rows)]}
+    return cases, jobs
+
+
+@pytest.fixture(scope="module")
+def arm_results(arm64, tmp_path_factory) -> dict[str, dict]:
+    """The bundles, the kernels and the few-row kernels compiled for aarch64 and all run in one qemu process:
+    {"bundles": ..., "kernels": ..., "row_kernels": ...}, each case with the path of what aarch64 computed."""
+    root = tmp_path_factory.mktemp("aarch64")
+    results, jobs = {}, []
+    for name, make in (("bundles", _bundle_jobs), ("kernels", _kernel_jobs), ("row_kernels", _row_kernel_jobs)):
+        (root / name).mkdir()
+        results[name], more = make(root / name)
+        jobs += more
     (root / "jobs.json").write_text(json.dumps(jobs))
-    arm64.run(RUN_KERNELS, str(root / "jobs.json"))
-    return cases
+    arm64.run(RUN_JOBS, str(root / "jobs.json"))
+    for run in results["bundles"].values():
+        run["logits"] = np.load(run["out"])
+    return results
+
+
+@pytest.fixture(scope="module")
+def arm_runs(arm_results):
+    return arm_results["bundles"]
+
+
+@pytest.fixture(scope="module")
+def arm_kernels(arm_results):
+    return arm_results["kernels"]
+
+
+@pytest.fixture(scope="module")
+def arm_row_kernels(arm_results):
+    return arm_results["row_kernels"]
 
 
 @pytest.mark.parametrize("shape", ROW_KERNELS, ids=lambda s: s.name)
