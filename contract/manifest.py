@@ -46,7 +46,8 @@ STATE_FIELDS = ("name", "shape", "dtype", "nbytes", "layers", "kind")
 PARAMS_FIELDS = ("file", "sha256", "size", "scope", "count")
 PLACEMENT_FIELDS = ("devices", "scheme", "layers", "state", "result")
 MODULE_FIELDS = ("file", "sha256", "size", "params_sha256", "device", "cpu", "flags", "description", "arch",
-                 "cpu_flags", "activations", "kernel_isa", "kernels", "executable_formats", "parts", "window_order")
+                 "cpu_flags", "activations", "kernel_isa", "kernels", "executable_formats", "parts", "window_order",
+                 "provider_gaps")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -111,6 +112,9 @@ class ModuleEntry:
     # how its windowed layers' caches hold the window: None, as rings (position p in slot p mod
     # window); "recent", in order (ONNX Runtime's GroupQueryAttention: backends/onnx/gqa.py)
     window_order: str | None = None
+    # an ONNX module: for each GPU execution provider checked (cuda, dml), "op (type)" -> the nodes of its
+    # graphs that provider has no kernel for, which run on the next provider (backends/onnx/providers.py)
+    provider_gaps: dict[str, dict[str, int]] | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModuleEntry:

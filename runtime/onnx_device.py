@@ -15,6 +15,7 @@ Imports onnxruntime only: no torch, no onnx.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,8 @@ PROVIDER_SUFFIX = "ExecutionProvider"  # CUDAExecutionProvider: the short name i
 DEFAULT_PROVIDERS = ("cpu",)
 # ONNX Runtime's type names of the dtypes a bundle's inputs use.
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int8)": "int8", "tensor(int64)": "int64"}
+
+log = logging.getLogger("foldline")
 
 
 @dataclass
@@ -177,6 +180,20 @@ def execution_providers(names: Sequence[str], known: Sequence[str], available: S
     return resolved
 
 
+def fallback_notice(gaps: dict[str, dict[str, int]] | None, chosen: Sequence[str]) -> str | None:
+    """What a user naming GPU providers should know: the nodes of the graphs a chosen provider (not the last)
+    has no kernel for, which ONNX Runtime runs on the next one, copying across (the compile's check, kept
+    in the manifest: backends/onnx/providers.py). None when every node has a kernel, or nothing was checked."""
+    lines = []
+    for provider, later in zip(chosen, chosen[1:]):
+        ops = (gaps or {}).get(short_provider_name(provider))
+        if ops:
+            lines.append(f"{sum(ops.values())} nodes of this bundle's ONNX graphs have no {short_provider_name(provider)} "
+                         f"kernel and run on {short_provider_name(later)}: "
+                         + ", ".join(f"{n} {op}" for op, n in ops.items()))
+    return "; ".join(lines) or None
+
+
 def open_onnx(manifest: Manifest, verify: bool = True, threads: int | None = None,
               providers: Sequence[str] = DEFAULT_PROVIDERS) -> OnnxContext:
     """ONNX Runtime sessions for every function of the bundle's ONNX module, on `providers` (short or full
@@ -197,6 +214,9 @@ def open_onnx(manifest: Manifest, verify: bool = True, threads: int | None = Non
         if buf.dtype not in ("float32", "float16"):
             raise BundleError(f"state buffer {buf.name!r} is {buf.dtype}; the onnxruntime device takes float32 "
                               f"and float16 state (recompile with --kv-dtype f16)")
+    notice = fallback_notice(manifest.modules[DEVICE].provider_gaps, chosen)
+    if notice is not None:
+        log.warning(notice)
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors only: its constant folding warns of ops it leaves to run time
     if threads is not None:

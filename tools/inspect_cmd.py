@@ -66,6 +66,10 @@ def run(args) -> int:
         if mod.window_order:
             print(f"         windowed caches held in {mod.window_order!r} order, not as rings "
                   "(session files of the other order are refused)")
+        for provider, ops in (mod.provider_gaps or {}).items():
+            print(f"         under {provider}: " + (f"{sum(ops.values())} nodes have no {provider} kernel and run on the "
+                  "next provider: " + ", ".join(f"{n} {op}" for op, n in ops.items()) if ops
+                  else "every node has a kernel"))
         if mod.kernels:
             print("         sites: " + ", ".join(f"{n} {kind}" for kind, n in mod.kernels.items()))
     if "cpu" in m.devices():

@@ -63,6 +63,7 @@ from .nbits import (
     placeholder_translation,
 )
 from .norms import NORMS_GRAPH_REWRITE
+from .providers import module_gaps
 
 DATA_FILE = "model.onnx.data"
 EXTERNAL_MIN_BYTES = 1024  # smaller initializers stay in their graph
@@ -228,12 +229,14 @@ def export_module(unit: CompileUnit, rows: dict[str, int], out: Path, progress: 
     weights = SharedWeights(out / DATA_FILE)
     parts: dict[str, FileEntry] = {}
     opsets: set[int] = set()
+    graphs: list[onnx.ModelProto] = []
     try:
         for function, program in unit.programs.items():
             t0 = time.time()
             if rows[function] == 1:
                 program = _with_fused_attention(gqa, function, program)
             model = export_function(program, function, rows[function], unit.state_specs, activations)
+            graphs.append(model)
             weights.externalize(model)
             path = out / graph_file(function)
             onnx.save_model(model, path)
@@ -245,6 +248,15 @@ def export_module(unit: CompileUnit, rows: dict[str, int], out: Path, progress: 
     finally:
         weights.close()
     entry = FileEntry.of(out / DATA_FILE)
+    gaps = module_gaps(graphs)
+    nodes = sum(len(graph.graph.node) for graph in graphs)
+    for provider, ops in gaps.items():
+        most = sorted(ops.items(), key=lambda item: -item[1])
+        listed = ", ".join(f"{n} {op}" for op, n in most[:4]) + (f" and {len(most) - 4} more kinds (foldline inspect "
+                                                                  "lists them)" if len(most) > 4 else "")
+        progress(f"      under {provider}: {sum(ops.values())} of {nodes} nodes have no {provider} kernel"
+                 + (f" and would run on the next provider: {listed}" if ops else ""))
     return ModuleEntry(entry.file, entry.sha256, entry.size, device=ONNX_DEVICE,
                        description=f"ONNX opset {max(opsets)} for ONNX Runtime", executable_formats=["onnx"],
-                       activations=activations, parts=parts, window_order=WINDOW_ORDER if window_caches else None)
+                       activations=activations, parts=parts, window_order=WINDOW_ORDER if window_caches else None,
+                       provider_gaps=gaps)

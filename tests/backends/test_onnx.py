@@ -309,3 +309,27 @@ def test_a_saved_session_holding_its_windows_in_order_resumes_to_the_bit(onnx_bu
                 for session in (fresh, used):
                     got = [session.decode(9), session.prefill(later)]
                     assert all(np.array_equal(w, g) for w, g in zip(want, got)), prompt_length
+
+
+def test_the_manifest_names_the_nodes_each_gpu_provider_leaves_to_the_next(onnx_bundles, capsys):
+    """The compile checks its graphs against ONNX Runtime's kernel table: for CUDA and DirectML, the nodes no
+    kernel of theirs takes, as `foldline inspect` prints them. Against the CPU provider's table the check
+    finds no gap in any graph of these bundles, which ONNX Runtime ran on its CPU provider above."""
+    from foldline.backends.onnx.providers import module_gaps, provider_gaps
+    from foldline.contract.manifest import Manifest
+    from foldline.tools.cli import main
+
+    for name in ("gemma3-tiny", "qwen35-tiny-q4", "llama-tiny-q8", "ripple-tiny", "gemma3-tiny-full-windows"):
+        _module, bundle = onnx_bundles(name)
+        entry = Manifest.load(bundle).modules["onnxruntime"]
+        graphs = [onnx.load(bundle / part.file, load_external_data=False) for part in entry.parts.values()]
+        assert all(not provider_gaps(graph, "cpu") for graph in graphs), name
+        assert entry.provider_gaps == module_gaps(graphs) and set(entry.provider_gaps) == {"cuda", "dml"}, name
+    _module, bundle = onnx_bundles("qwen35-tiny-q4")
+    gaps = Manifest.load(bundle).modules["onnxruntime"].provider_gaps
+    assert main(["inspect", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    for provider, ops in gaps.items():
+        line = f"under {provider}: " + (f"{sum(ops.values())} nodes have no {provider} kernel" if ops
+                                        else "every node has a kernel")
+        assert line in out, (line, out)
