@@ -252,8 +252,9 @@ def export_module(unit: CompileUnit, rows: dict[str, int], out: Path, progress: 
     nodes = sum(len(graph.graph.node) for graph in graphs)
     for provider, ops in gaps.items():
         most = sorted(ops.items(), key=lambda item: -item[1])
-        listed = ", ".join(f"{n} {op}" for op, n in most[:4]) + (f" and {len(most) - 4} more kinds (foldline inspect "
-                                                                  "lists them)" if len(most) > 4 else "")
+        more = len(most) - 4
+        listed = ", ".join(f"{n} {op}" for op, n in most[:4]) + (
+            f" and {more} more kind{'s' if more > 1 else ''} (foldline inspect lists them)" if more > 0 else "")
         progress(f"      under {provider}: {sum(ops.values())} of {nodes} nodes have no {provider} kernel"
                  + (f" and would run on the next provider: {listed}" if ops else ""))
     return ModuleEntry(entry.file, entry.sha256, entry.size, device=ONNX_DEVICE,
