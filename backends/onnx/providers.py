@@ -3,8 +3,9 @@
 ONNX Runtime places each node on the first provider of the session's list that registers a kernel for
 its op at the model's opset and for its input types; a node no GPU kernel takes runs on the next provider
 (CPU), with a copy across at each boundary. What each provider registers is ONNX Runtime's own table
-(docs/OperatorKernels.md in its repository, generated from the registrations), kept here for the ops the
-exporter emits (provider_kernels.json; scripts/ort_provider_kernels.py rewrites it from that file). The
+(docs/OperatorKernels.md in its repository, generated from the registrations), kept here for the default
+and com.microsoft domains (provider_kernels.json; scripts/ort_provider_kernels.py rewrites it from that
+file). The
 compile records each checked provider's gaps in the module's manifest entry; `foldline inspect` prints
 them and the onnxruntime device warns when a session names such a provider.
 """
@@ -97,9 +98,9 @@ def _element_types(model: onnx.ModelProto) -> dict[str, str]:
     """Every value's element type ('float', 'int64', ...), followed through the graph in order.
 
     onnx's shape inference stops at ONNX Runtime's own ops (com.microsoft), which it has no schemas for;
-    what these graphs need is only each node's first input type, which this walk gives: a node's outputs
-    take its `to` (Cast), its second input's type (CastLike), bool (comparisons), int64 (Shape), its
-    second input's type (Where), else its first input's (or its scales', GatherBlockQuantized).
+    what the check needs is each node's input types, which this walk gives: a node's outputs take its
+    `to` (Cast), its second input's type (CastLike, Where), bool (comparisons), int64 (Shape), its scales'
+    (GatherBlockQuantized), else its first input's.
     """
     name = onnx.TensorProto.DataType.Name
     types = {t.name: name(t.data_type).lower() for t in model.graph.initializer}
