@@ -66,7 +66,12 @@ def decomposition_table() -> dict:
 
 
 def is_decode_entry(name: str) -> bool:
-    return name == "decode"
+    """Whether an entry point decodes one token per row: `decode`, or `decode_rows{k}` of a batched bundle.
+
+    Every one of them takes the same decode attention kernel, so a row's logits do not depend
+    on how many rows the call computes (docs/serving.md).
+    """
+    return name == "decode" or name.startswith("decode_rows")
 
 
 def _describe(value: object) -> tuple:

@@ -118,23 +118,19 @@ def target_activations(target: Target, activations: str, batch: int = 1) -> str:
     int8 (kernels/int8_decode.py) needs a CPU one of the int8 dot-product forms runs
     on (kernels/select.py: x86 AVX2 or VNNI, aarch64 dotprod); auto takes it there
     and on the ONNX target (MatMulNBits' int8 kernels), f32 everywhere else (GPU
-    targets, other CPUs, `--cpu generic`). A batched bundle takes f32 unless int8 is
-    asked for: its int8 kernels compute each row as the 1-row entry point does (the
-    few-row form, kernels/int8_decode.py), but its entry points' other ops do not all
-    (1-row against k-row decode attention; a decode token inside another row's prefill
-    call), and int8 rounding of the next activations turns those float32 rounding
-    differences into other tokens: a stream's text would depend on how many other
-    streams run (docs/serving.md). `--activations int8` takes the faster path anyway
-    on a CPU target; the ONNX target's batched rows stay f32.
+    targets, other CPUs, `--cpu generic`). A batched IREE bundle takes it too: its
+    few-row kernels (kernels/int8_decode.py) and every other op compute each row
+    to the bit as the 1-row entry points do, so a stream's tokens do not depend on
+    how many others run (docs/serving.md). The ONNX target's batched rows stay f32:
+    ONNX Runtime's MatMulNBits takes another kernel over several rows.
     """
     if activations not in ACTIVATIONS:
         raise TargetError(f"unknown activations {activations!r}; expected one of {', '.join(ACTIVATIONS)}")
-    if batch > 1:
-        if activations == "int8" and target.device == ONNX_DEVICE:
+    if batch > 1 and target.device == ONNX_DEVICE:
+        if activations == "int8":
             raise TargetError(f"--activations int8 on the ONNX target is for --batch 1 (--batch {batch} asked for): "
                               "its batched rows decode with float activations")
-        if activations != "int8":
-            return "f32"
+        return "f32"
     # ONNX Runtime picks MatMulNBits' int8 kernel by the CPU it runs on, and multiplies in float where it has none
     capable = target.device == ONNX_DEVICE or (target.device == "cpu" and cpu_has_int8_dot(target.cpu_flags, target.arch))
     if activations == "int8" and not capable:

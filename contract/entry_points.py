@@ -4,7 +4,10 @@ Every function of a bundle takes its step inputs, then every state buffer
 (updated in place) and returns the next-token logits:
 
 - `prefill(tokens[B,C] i64, start_pos[B] i64, n_valid[B] i64, kv_tiles[0,T] i8, state...)`;
-- `decode(tokens[B,1] i64, pos[B] i64, pos_shape[0,pos[0]] i8 (B = 1 only), state...)`;
+- `decode(tokens[B,1] i64, pos[B] i64, pos_shape[0,pos[0]] i8, state...)` for one row;
+- `decode(tokens[B,1] i64, pos[B] i64, n_valid[B] i64, state...)` for B > 1 rows: a row
+  given n_valid 0 is left as it is, so a call can decode some rows while others
+  wait (runtime/batch.py);
 - `prefill_rows{k}` / `decode_rows{k}`: the same over the first k rows of the
   state buffers, for each row count of a batched bundle below its batch.
 
@@ -31,7 +34,8 @@ INPLACE_STATE_KEY = "foldline.inplace_state"
 SIGNATURES = {
     "prefill": "prefill(tokens[B,C] i64, start_pos[B] i64, n_valid[B] i64, kv_tiles[0,T] i8, state...) "
                "-> logits[B,V] f32",
-    "decode": "decode(tokens[B,1] i64, pos[B] i64, pos_shape[0,pos[0]] i8 (B = 1 only), state...) -> logits[B,V] f32",
+    "decode": "decode(tokens[B,1] i64, pos[B] i64, pos_shape[0,pos[0]] i8 (B = 1) or n_valid[B] i64 (B > 1), "
+              "state...) -> logits[B,V] f32",
 }
 ROW_SIGNATURES = {"prefill_rows{k}, decode_rows{k}": "prefill and decode over the first k rows of the state "
                   "buffers (B = k), for k in row_counts below batch"}
@@ -54,11 +58,12 @@ def row_entry_name(entry: str, rows: int, batch: int) -> str:
 
 
 def takes_position_shape(batch: int) -> bool:
-    """Whether decode takes pos_shape: one-row functions only.
+    """Whether decode takes pos_shape (one-row functions), else n_valid (batched ones).
 
     A batched step's rows sit at different positions, so its cache writes take
     the general form and read no host position; IREE drops an input that nothing
-    reads, and the entry point's signature would not match the manifest.
+    reads, and the entry point's signature would not match the manifest. Its
+    rows take n_valid instead: 0 leaves a row's state as it is.
     """
     return batch == 1
 
@@ -92,10 +97,12 @@ def kv_tiles_input(end: int, slots: int) -> np.ndarray:
     return np.empty((0, kv_tile_count(end, slots)), np.int8)
 
 
-def decode_inputs(tokens: np.ndarray, pos: np.ndarray) -> list[np.ndarray]:
-    """decode's inputs before the state: tokens, pos and, for one row, pos_shape."""
-    extra = [position_shape(int(pos[0]))] if takes_position_shape(tokens.shape[0]) else []
-    return [tokens, pos, *extra]
+def decode_inputs(tokens: np.ndarray, pos: np.ndarray, n_valid: np.ndarray | None = None) -> list[np.ndarray]:
+    """decode's inputs before the state: tokens, pos and, for one row, pos_shape, else n_valid
+    (every row fed when None)."""
+    if takes_position_shape(tokens.shape[0]):
+        return [tokens, pos, position_shape(int(pos[0]))]
+    return [tokens, pos, np.ones(tokens.shape[0], np.int64) if n_valid is None else n_valid]
 
 
 def declared_inputs(declaration: str) -> list[tuple[list[int], str]]:

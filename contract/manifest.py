@@ -35,7 +35,8 @@ FORMAT = "foldline-bundle"
 # Version 4: one-row decode takes pos_shape, an empty [0, position] int8 tensor.
 # Version 5: prefill takes kv_tiles, an empty [0, T] int8 tensor: its attention reads T tiles of the
 # cache (manifest `kv_tile` slots each); no more prefill_<L> / decode_<L> entry points.
-FORMAT_VERSION = 5
+# Version 6: batched decode takes n_valid[B] after pos: a row given 0 keeps its state.
+FORMAT_VERSION = 6
 MANIFEST = "manifest.json"
 SEAL_KEY = "manifest_sha256"
 # Every key manifest.json uses, at any depth: only this package names them (tests/test_layering.py).
@@ -263,8 +264,8 @@ class Manifest:
             state = [([b, *s.shape[1:]], s.dtype, f"state buffer {s.name!r}") for s in self.state]
             prefill = [([b, c], "int64", "tokens"), ([b], "int64", "start_pos"), ([b], "int64", "n_valid"),
                        ([0, tiles], "int8", "kv_tiles"), *state]
-            pos_shape = [([0, DYNAMIC], "int8", "pos_shape")] if takes_position_shape(b) else []
-            decode = [([b, 1], "int64", "tokens"), ([b], "int64", "pos"), *pos_shape, *state]
+            third = ([0, DYNAMIC], "int8", "pos_shape") if takes_position_shape(b) else ([b], "int64", "n_valid")
+            decode = [([b, 1], "int64", "tokens"), ([b], "int64", "pos"), third, *state]
             out[row_entry_name("prefill", b, self.batch)] = prefill
             out[row_entry_name("decode", b, self.batch)] = decode
         return out

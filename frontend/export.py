@@ -94,10 +94,9 @@ class _DecodeEntry(_ChunkEntry):
 
 
 class _BatchDecodeEntry(_ChunkEntry):
-    """decode(tokens[B,1], pos[B], state...) for B > 1: rows at different positions, no host position."""
-
-    def forward(self, tokens, pos, *state):
-        return self.model(tokens, pos, torch.ones_like(pos), *state)
+    """decode(tokens[B,1], pos[B], n_valid[B], state...) for B > 1: rows at different positions, no host
+    position; a row given n_valid 0 keeps its state, so one call decodes the rows that generate while
+    another row's prompt waits for its own call."""
 
 
 class _StepEntry(_ChunkEntry):
@@ -133,7 +132,7 @@ def example_inputs(model: CausalLM, name: str, batch: int, chunk: int) -> tuple:
         tiles = min(2, _max_tiles(model))
         return (tokens, pos, torch.full((batch,), chunk, dtype=torch.int64), kv_tiles_shape(tiles), *state)
     if not takes_position_shape(batch):
-        return (tokens, pos, *state)
+        return (tokens, pos, torch.ones((batch,), dtype=torch.int64), *state)
     # torch.export specialises a dynamic dimension traced at size 0 or 1, and so does a decomposition
     # the tile count it implies (position // tile + 1): trace at the second tile where there is one.
     tile = kv_tile_size(model.cfg.max_context)  # 1 for an odd context: trace at 2 then

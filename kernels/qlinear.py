@@ -448,11 +448,9 @@ def int8_gemm_shape(spec: QLinearSpec, isa: Int8Isa = AVX512_VNNI) -> Int8GemmSh
 def uses_int8_gemm(spec: QLinearSpec) -> bool:
     """Whether a prefill chunk of this shape can take the int8 GEMM kernel (kernels/int8_gemm.py).
 
-    Batched bundles compiled with int8 activations too: their rows decode with the int8 kernels
-    (uses_int8_dot), and the scheduler may advance a row's next token inside another row's prefill
-    call, where the GEMM quantizes that row as the decode kernel does (int8_decode.quantize_group);
-    float prefill products there would meet the token with float activations instead. (Batched
-    bundles take float activations by default: backends/policy.target_activations says why.)
+    Batched bundles too: their rows decode with the int8 kernels (uses_int8_dot), and a caller
+    may still feed a row's next token in a prefill call (runtime/batch.py; the scheduler does
+    not), where the GEMM quantizes that row as the decode kernel does (int8_decode.quantize_group).
     """
     return spec.m > MAX_FUSED_ROWS and supports_int8_gemm(int8_gemm_shape(spec))
 

@@ -5,15 +5,14 @@ position and, in a prefill chunk, its own number of valid tokens. `Batch` owns
 the N rows of state and advances any subset of them in one call:
 
 - every fed row takes one token (decode) or up to `chunk` tokens (prefill);
-- when every open row takes exactly one token, the call is `decode` (the cheap
-  entry point); free rows ride along on a pad token, which only touches their
-  own state: at the row's next position when its kept tokens survive that
-  (runtime/prompt_cache.py), else at position 0;
-- otherwise the call is `prefill`, and open rows that take nothing get
-  n_valid = 0, which leaves their state untouched (the module's padding rules,
-  docs/architecture.md), so a long prompt can be fed chunk by chunk between
-  the decode steps of the other rows. Free rows take n_valid = 0 at their own
-  position too: a ring reads its start position to know which slot holds
+- when every fed row takes exactly one token and none of them a prompt token,
+  the call is `decode` (the cheap entry point), else `prefill`;
+- rows in the call that take nothing, open or free, get n_valid = 0, which
+  leaves every kind of their state untouched (the module's padding rules,
+  docs/architecture.md), so a long prompt can be fed chunk by chunk in prefill
+  calls between the decode calls of the other rows, each row always computed
+  by the same kind of call (runtime/scheduler.py). They ride along at their
+  own position: a ring reads its start position to know which slot holds
   which token, so a kept row fed nothing at position 0 would lose its window.
 
 Opening a row zeroes its slice of every state buffer in place: the other rows'
@@ -114,8 +113,6 @@ class Batch(ClosedOnExit):
             raise InputError(f"checkpoints must be a count of 0 or more, not {checkpoints!r}")
         self.max_checkpoints = checkpoints if self.volatile else 0
         self.checkpoints: list[list[Checkpoint]] = [[] for _ in range(self.rows)]
-        # per row: its volatile state follows its tokens (False after a pad ride-along: only a checkpoint serves)
-        self.live = [True] * self.rows
         # per row: every token so far fed by prefill calls that start at multiples of the chunk, from 0, as a
         # prefill from scratch feeds them: a checkpoint taken then is that prefill's state, to the bit
         self._aligned = [True] * self.rows
@@ -160,7 +157,7 @@ class Batch(ClosedOnExit):
                             for buf, nbytes in zip(self.buffers, self._row_bytes)]
             self._written[row] = False
         self.positions[row], self.tokens[row], self.prefilled[row], self.open[row] = 0, [], 0, True
-        self.checkpoints[row], self.live[row], self._aligned[row] = [], True, True
+        self.checkpoints[row], self._aligned[row] = [], True
         return row
 
     def open_row_reusing(self, prompt: Sequence[int], row: int | None = None) -> tuple[int, int]:
@@ -190,12 +187,11 @@ class Batch(ClosedOnExit):
 
     def usable(self, row: int, prompt: Sequence[int]) -> int:
         """How many leading tokens of `prompt` the kept `row` serves (runtime/prompt_cache.py)."""
-        return self.reuse.usable(self.tokens[row], prompt, self.prefilled[row], self.checkpoint_positions(row),
-                                 self.live[row])
+        return self.reuse.usable(self.tokens[row], prompt, self.prefilled[row], self.checkpoint_positions(row))
 
     def served(self, row: int) -> int:
         """The most leading tokens of what `row` holds that any prompt can reuse."""
-        return self.reuse.served(self.tokens[row], self.prefilled[row], self.checkpoint_positions(row), self.live[row])
+        return self.reuse.served(self.tokens[row], self.prefilled[row])
 
     def checkpoint_positions(self, row: int) -> list[int]:
         """The positions at which `row` keeps a checkpoint, oldest first."""
@@ -212,8 +208,7 @@ class Batch(ClosedOnExit):
         Rings and recurrent state that do not already follow those tokens are rewound to the
         checkpoint at `keep` (the prompt cache served no more than one).
         """
-        whole = self.live[row] and keep == len(self.tokens[row])
-        if self.volatile and not whole:
+        if self.volatile and keep != len(self.tokens[row]):
             self._write_checkpoint(row, next(c for c in self.checkpoints[row] if c.position == keep))
             self._aligned[row] = True
         else:
@@ -221,7 +216,6 @@ class Batch(ClosedOnExit):
         self.positions[row], self.tokens[row], self.open[row] = keep, self.tokens[row][:keep], True
         self.prefilled[row] = min(self.prefilled[row], keep)
         self.checkpoints[row] = [c for c in self.checkpoints[row] if c.position <= keep]
-        self.live[row] = True
 
     def _write_checkpoint(self, row: int, checkpoint: Checkpoint) -> None:
         """Put a checkpoint's rings and recurrent state back into `row`'s slice of those buffers."""
@@ -256,9 +250,6 @@ class Batch(ClosedOnExit):
     def _losing(self, row: int, keep: int) -> None:
         """Tell `before_evict` when `row` is about to keep only `keep` of its tokens and held more worth serving."""
         if self.before_evict is not None and self.served(row) > keep:
-            if not self.live[row]:  # what a save reads must follow the row's tokens: its last checkpoint
-                self._write_checkpoint(row, self.checkpoints[row][-1])
-                self.live[row] = True
             self.before_evict(row)
 
     def release(self, row: int) -> None:
@@ -266,27 +257,14 @@ class Batch(ClosedOnExit):
         self._check_row(row)
         self.open[row] = False
 
-    def _ride_along_position(self, row: int, decode: bool) -> int:
-        """Where a free row rides along in a call: after its kept tokens when they survive it, else at 0.
-
-        A prefill call gives the row no token (n_valid 0), which leaves every kind of state as it is
-        when fed at the row's own position; a decode call gives it a pad token, which only attention
-        state survives (runtime/prompt_cache.py).
-        """
-        keeps = self.tokens[row] and self.positions[row] < self.model.max_context
-        if keeps and (not decode or self.reuse.ride_along_keeps):
+    def _ride_along_position(self, row: int) -> int:
+        """Where a free row rides along in a call: after its kept tokens, or at 0 when it holds a full
+        context (n_valid 0 still writes padding into the slot at its position, which must be free)."""
+        if self.tokens[row] and self.positions[row] < self.model.max_context:
             return self.positions[row]
-        if keeps and self.checkpoints[row]:
-            # the pad spoils the live rings and recurrent state; the full caches below the row's last
-            # checkpoint, and the checkpoint itself, still serve its tokens up to there
-            last = self.checkpoints[row][-1].position
-            self._losing(row, keep=last)
-            self.positions[row], self.tokens[row] = last, self.tokens[row][:last]
-            self.prefilled[row], self.live[row] = min(self.prefilled[row], last), False
-            return last
         self._losing(row, keep=0)
         self.positions[row], self.tokens[row], self.prefilled[row] = 0, [], 0  # what it held is overwritten now
-        self.checkpoints[row], self.live[row] = [], True
+        self.checkpoints[row] = []
         return 0
 
     # ---- steps ---------------------------------------------------------------
@@ -314,7 +292,7 @@ class Batch(ClosedOnExit):
         # Rows past them are not in the call at all, so their state is untouched.
         rows = self.model.rows_for(max(checked) + 1)
         open_rows = [r for r in range(rows) if self.open[r]]
-        is_decode = all(r in checked and checked[r].size == 1 for r in open_rows) and not set(prompt_rows) & set(checked)
+        is_decode = all(ids.size == 1 for ids in checked.values()) and not set(prompt_rows) & set(checked)
         width = 1 if is_decode else self.model.chunk
         tokens = np.zeros((rows, width), np.int64)
         start = np.zeros(rows, np.int64)
@@ -326,13 +304,13 @@ class Batch(ClosedOnExit):
             start[r] = self.positions[r]
         for r in range(rows):
             if not self.open[r]:
-                start[r] = self._ride_along_position(r, is_decode)
+                start[r] = self._ride_along_position(r)
         for r, ids in checked.items():
             tokens[r, : ids.size] = ids
             n_valid[r] = ids.size
         end = max(int(start[r] + max(n_valid[r], 1)) for r in open_rows)
         if is_decode:
-            entry, inputs = "decode", decode_inputs(tokens, start)
+            entry, inputs = "decode", decode_inputs(tokens, start, n_valid)
         else:
             entry, inputs = "prefill", [tokens, start, n_valid, kv_tiles_input(end, self.model.max_context)]
         name = row_entry_name(entry, rows, self.rows)
@@ -378,7 +356,7 @@ class Batch(ClosedOnExit):
         self._write_row(row, enumerate(snap.buffers))
         self.positions[row], self.tokens[row], self.open[row] = snap.position, list(snap.tokens), True
         self.prefilled[row] = snap.prefilled
-        self.checkpoints[row], self.live[row], self._aligned[row] = [], True, False
+        self.checkpoints[row], self._aligned[row] = [], False
 
     def open_row_from(self, row: int, snap: Snapshot, prompt: Sequence[int]) -> int:
         """Open the free `row` from `snap` (a saved conversation) for `prompt`; returns the prompt tokens it serves.

@@ -3,10 +3,12 @@
 One thread owns the `Batch` and runs a loop:
 
 1. waiting requests take free rows (a new request starts at the next step);
-2. every running request is fed in the same call: a prompt still being read
-   takes its next chunk, a generating one its last sampled token; a long
-   prompt therefore never stalls the others, it just makes those steps
-   prefill calls;
+2. every running request is fed: the generating ones their last sampled token
+   in one decode call, the ones still reading a prompt their next chunk in one
+   prefill call (each call leaves the other rows as they are). A long prompt
+   therefore never stalls the others, and a row's tokens are computed by the
+   same kind of call whoever else runs: a stream's text does not depend on the
+   load (docs/serving.md);
 3. each row whose prompt is complete samples a token and hands it to its
    request; a request that hits a stop id, its token budget, the context
    limit, its deadline or a cancellation gives its row back.
@@ -312,7 +314,7 @@ class Scheduler:
         own = [r for r in free if key is not None and self._row_key[r] == key]
         preferred = max(own, key=self._row_used.__getitem__) if own else None
         return place(batch.reuse, free, batch.tokens, batch.prefilled, self._row_used, prompt,
-                     [batch.checkpoint_positions(r) for r in range(batch.rows)], batch.live, preferred)
+                     [batch.checkpoint_positions(r) for r in range(batch.rows)], preferred)
 
     def _opened_now(self, row: int, key: str | None = None) -> int:
         self._opened += 1
@@ -356,24 +358,26 @@ class Scheduler:
         chunk = self.model.chunk
         with self._wake:  # stop() may finish requests from another thread while a call runs
             running = list(self._running.items())
+        generating = [(row, request) for row, request in running if not request.pending]
+        reading = [(row, request) for row, request in running if request.pending]
         feeds: dict[int, list[int]] = {}
-        prompt_rows = {row for row, request in running if request.pending}
-        for row, request in running:
-            if request.pending:
-                feeds[row], request.pending = request.pending[:chunk], request.pending[chunk:]
-                self.prefilled += len(feeds[row])
-            else:
-                feeds[row] = [request.last_token]
-        try:
-            logits = self.batch.step(feeds, prompt_rows)
-        except Exception as e:  # the batch is broken: every running request fails, new rows start clean
-            self._fail_running(e)
-            return
+        for row, request in reading:
+            feeds[row], request.pending = request.pending[:chunk], request.pending[chunk:]
+            self.prefilled += len(feeds[row])
         self.steps += 1
-        for row, request in running:
-            if request.pending:
-                continue  # still reading its prompt
-            self._emit(request, logits[row])
+        calls = ((generating, {row: [request.last_token] for row, request in generating}, ()),
+                 (reading, feeds, set(feeds)))
+        for requests, call_feeds, prompt_rows in calls:
+            if not requests:
+                continue
+            try:
+                logits = self.batch.step(call_feeds, prompt_rows)
+            except Exception as e:  # the batch is broken: every running request fails, new rows start clean
+                self._fail_running(e)
+                return
+            for row, request in requests:
+                if not request.pending:  # a prompt still being read gives no token yet
+                    self._emit(request, logits[row])
 
     def _emit(self, request: Request, logits: np.ndarray) -> None:
         if request.finished:

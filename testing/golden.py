@@ -64,7 +64,8 @@ class Step:
         if self.entry == "prefill":
             return (self.tokens, self.start_pos, self.n_valid, kv_tiles_shape(kv_tile_count(int(self.end_pos.max()), slots)))
         if not takes_position_shape(self.tokens.shape[0]):
-            return (self.tokens, self.start_pos)
+            n_valid = torch.ones_like(self.start_pos) if self.n_valid is None else self.n_valid
+            return (self.tokens, self.start_pos, n_valid)
         return (self.tokens, self.start_pos, position_shape(int(self.start_pos[0])))
 
     @property

@@ -68,10 +68,9 @@ def add_parser(sub) -> None:
     p.add_argument("--group", type=positive_int, default=32, help="group size for --weights int8/int4 (default 32)")
     p.add_argument("--activations", choices=["auto", "int8", "f32"], default="auto",
                    help="what quantized weights meet in prefill and decode: auto (default: int8 activations per weight "
-                        "group with VNNI dot products where the CPU target has AVX-512 VNNI, as llama.cpp; "
-                        "else f32; f32 for --batch above 1, whose streams' tokens would otherwise depend on the "
-                        "load), int8 (a batched bundle's rows then decode with the int8 kernels too), or f32 "
-                        "(exact float products everywhere)")
+                        "group with int8 dot products where the CPU target has them: AVX2, AVX-512 VNNI or "
+                        "aarch64 dotprod, as llama.cpp; else f32; f32 for the ONNX target's --batch above 1), "
+                        "int8 (refused where the target has none), or f32 (exact float products everywhere)")
     p.add_argument("--attention", choices=["auto", "fused", "decomposed"], default="auto",
                    help="prefill attention over the caches: fused (one flash-style attention op per layer, whose "
                         "scratch does not grow with the context), decomposed (scores and softmax as separate "

@@ -68,7 +68,8 @@ from .providers import module_gaps
 DATA_FILE = "model.onnx.data"
 EXTERNAL_MIN_BYTES = 1024  # smaller initializers stay in their graph
 # The step inputs of each entry point, in order (contract/entry_points.py).
-STEP_INPUTS = {"prefill": ("tokens", "start_pos", "n_valid", "kv_tiles"), "decode": ("tokens", "pos", "pos_shape")}
+STEP_INPUTS = {"prefill": ("tokens", "start_pos", "n_valid", "kv_tiles"), "decode": ("tokens", "pos", "pos_shape"),
+               "decode_rows": ("tokens", "pos", "n_valid")}
 
 
 class OnnxExportError(FoldlineError, ValueError):
@@ -80,11 +81,11 @@ def graph_file(function: str) -> str:
 
 
 def step_inputs(function: str, rows: int) -> tuple[str, ...]:
-    """The step inputs of `function` (prefill, decode, prefill_rows2, ...); batched decode has no pos_shape."""
+    """The step inputs of `function` (prefill, decode, prefill_rows2, ...); batched decode takes n_valid
+    where one row takes pos_shape."""
     if function.startswith("prefill"):
         return STEP_INPUTS["prefill"]
-    decode = STEP_INPUTS["decode"]
-    return decode if takes_position_shape(rows) else decode[:2]
+    return STEP_INPUTS["decode" if takes_position_shape(rows) else "decode_rows"]
 
 
 # The ONNX graph rewrites (graph_rewrites.py) each exported graph takes, in order: the placeholders

@@ -192,7 +192,7 @@ def _declarations(data: dict) -> dict[str, dict[str, str]]:
         return {"iree.abi.declaration": f"sync func @{name}({args}) -> (%output0: tensor<{b}x512xf32>)"}
 
     prefill = [f"{b}x{c}xi64", f"{b}xi64", f"{b}xi64", "0x?xi8"]
-    decode = [f"{b}x1xi64", f"{b}xi64", *(["0x?xi8"] if b == 1 else [])]  # pos_shape: one row only
+    decode = [f"{b}x1xi64", f"{b}xi64", "0x?xi8" if b == 1 else f"{b}xi64"]  # pos_shape for one row, else n_valid
     return {"prefill": decl("prefill", prefill), "decode": decl("decode", decode)}
 
 

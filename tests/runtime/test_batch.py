@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import numpy as np
@@ -360,4 +361,5 @@ def test_inspect_names_the_row_counts(bundle_factory, capsys):
     assert main(["inspect", str(bundle_factory("gemma3-tiny", batch=ROWS))]) == 0
     out = capsys.readouterr().out
     assert "batch 2 (entry points for 1, 2 rows)" in out
-    assert "f32 activations" in out, "a batched bundle decodes with float activations"
+    module = json.loads((bundle_factory("gemma3-tiny", batch=ROWS) / "manifest.json").read_text())["modules"]["cpu"]
+    assert f"{module['activations']} activations" in out

@@ -19,9 +19,9 @@ def test_rules_follow_the_kinds_of_state():
     full = ReuseRule.for_state([spec("global_kv"), spec("local_kv", 64)], max_context=64)
     ring = ReuseRule.for_state([spec("global_kv"), spec("local_kv", 16)], max_context=64)
     recurrent = ReuseRule.for_state([spec("global_kv"), spec("gdn_recurrent", 4), spec("gdn_conv", 3)], max_context=64)
-    assert full == ReuseRule(whole_only=False, ride_along_keeps=True)
-    assert ring == ReuseRule(whole_only=True, ride_along_keeps=True)
-    assert recurrent == ReuseRule(whole_only=True, ride_along_keeps=False)
+    assert full == ReuseRule(whole_only=False)
+    assert ring == ReuseRule(whole_only=True)
+    assert recurrent == ReuseRule(whole_only=True)
 
     held = [5, 6, 7, 8]
     assert full.usable(held, [5, 6, 9, 9]) == 2, "full caches serve any shared prefix"
@@ -46,7 +46,7 @@ def test_common_prefix():
 
 def test_a_prompt_takes_its_own_row_then_an_empty_one_then_the_least_recently_used():
     """Two chats share a template header: the second takes an empty row, not the first chat's row."""
-    full = ReuseRule(whole_only=False, ride_along_keeps=True)
+    full = ReuseRule(whole_only=False)
     header, chat_a, chat_b = [1, 2, 3], [1, 2, 3, 10, 11, 12], [1, 2, 3, 20, 21, 22]
     held, prefilled = [chat_a, [], [], []], [len(chat_a), 0, 0, 0]
     used = [1, 0, 0, 0]
@@ -57,7 +57,7 @@ def test_a_prompt_takes_its_own_row_then_an_empty_one_then_the_least_recently_us
     assert place(full, [0, 2, 3], held, prefilled, used, [*header, 50, 51]) == (3, 3)
     assert place(full, [0, 1, 2, 3], held, prefilled, used, [1, 2, 3, 10, 99, 98]) == (1, 3), "LRU, not chat A's"
     assert place(full, [0, 1, 2, 3], held, prefilled, used, chat_a) == (0, 5), "the same prompt again: its row"
-    ring = ReuseRule(whole_only=True, ride_along_keeps=True)
+    ring = ReuseRule(whole_only=True)
     assert place(ring, [0, 1], [chat_a, []], [0, 0], [1, 0], chat_b) == (1, 0)
     assert place(ring, [0, 1], [chat_a, chat_b], [0, 0], [1, 2], []) == (0, 0), "a row for a restore: LRU"
 
@@ -158,8 +158,9 @@ def test_rings_continue_after_riding_along(bundle_factory):
 
 
 @pytest.mark.slow
-def test_recurrent_state_is_kept_until_a_row_rides_along(bundle_factory):
-    """qwen35-tiny (gated delta net): a continuation reuses the row, unless a decode call fed it a pad."""
+def test_recurrent_state_is_kept_while_other_rows_decode(bundle_factory):
+    """qwen35-tiny (gated delta net): a continuation reuses the row, also after another row's prefill and
+    decode calls in which it rode along with no token (n_valid 0)."""
     model = Model.load(bundle_factory("qwen35-tiny", batch=2))
     rng = np.random.default_rng(13)
     first = rng.integers(1, model.vocab_size, 21).tolist()
@@ -176,31 +177,35 @@ def test_recurrent_state_is_kept_until_a_row_rides_along(bundle_factory):
     _assert_same(_feed(batch, row, follow[len(held):], model.chunk), _fresh(model, follow), "recurrent continuation")
     batch.release(row)
 
+    held = list(batch.tokens[a])
     b = batch.open_row(1 - a)
     batch.step({b: [1, 2, 3]})
-    batch.step({b: [5]})  # decode: row a rides along, which advances its recurrent state
-    assert batch.tokens[a] == [] and batch.positions[a] == 0
+    batch.step({b: [5]})  # decode over both rows: row a rides along, fed nothing
+    assert batch.tokens[a] == held
     batch.release(b)
-    assert batch.open_row_reusing([*follow, 1])[1] == 0
+    again = [*held, *rng.integers(1, model.vocab_size, 4).tolist()]
+    row, reused = batch.open_row_reusing(again)
+    assert (row, reused) == (a, len(held))
+    _assert_same(_feed(batch, row, again[len(held):], model.chunk), _fresh(model, again),
+                 "recurrent continuation after riding along")
 
 
 def test_checkpoints_serve_a_prompt_that_leaves_a_ring_or_recurrent_row():
     """A whole-only row serves a diverging prompt from its last checkpoint at or before the divergence."""
-    ring = ReuseRule(whole_only=True, ride_along_keeps=True)
+    ring = ReuseRule(whole_only=True)
     held = list(range(1, 41))
     edited = [*held[:29], 99, 98]
     assert ring.usable(held, edited) == 0, "without checkpoints: nothing"
     assert ring.usable(held, edited, checkpoints=[8, 16, 24, 32]) == 24, "the last checkpoint before the edit"
     assert ring.usable(held, [*held, 7], checkpoints=[8, 16]) == 40, "a continuation still takes the whole row"
-    assert ring.usable(held, [*held, 7], checkpoints=[8, 16], live=False) == 16, "a spoiled row: its checkpoints only"
     assert ring.usable(held, held[:16], checkpoints=[8, 16]) == 8, "the last prompt token is always fed"
-    assert ring.served(held, checkpoints=[8, 16]) == 40 and ring.served(held, checkpoints=[8, 16], live=False) == 16
+    assert ring.served(held) == 40
 
 
 def test_a_conversation_takes_back_its_row_and_a_prompt_asked_again_its_own():
     """`preferred` (a prompt_cache_key's row) wins when it serves anything; a prompt that repeats all a row's
     prefill computed takes that row back (it loses at most an answer), also when an empty row is free."""
-    ring = ReuseRule(whole_only=True, ride_along_keeps=True)
+    ring = ReuseRule(whole_only=True)
     prompt = list(range(1, 33))
     held = [*prompt, 70, 71, 72]  # the prompt and an answer
     edited = [*prompt[:20], 90, 91]
@@ -211,7 +216,7 @@ def test_a_conversation_takes_back_its_row_and_a_prompt_asked_again_its_own():
     assert place(ring, rows, [held, []], [32, 0], used, [9, 9, 9], marks, preferred=0) == (1, 0), \
         "its row serves nothing: the usual rules"
     assert place(ring, rows, [held, []], [32, 0], used, prompt, marks) == (0, 24), "asked again"
-    full = ReuseRule(whole_only=False, ride_along_keeps=True)
+    full = ReuseRule(whole_only=False)
     assert place(full, rows, [held, []], [32, 0], used, edited) == (1, 0)
     assert place(full, rows, [held, []], [32, 0], used, edited, preferred=0) == (0, 20)
 
@@ -221,8 +226,8 @@ def test_a_conversation_takes_back_its_row_and_a_prompt_asked_again_its_own():
 def test_checkpoints_resume_an_edited_prompt_to_the_bit(bundle_factory, preset):
     """gemma3-tiny (rings of 16 slots, wrapped four times) and qwen35-tiny (gated delta net): a row keeps
     its rings and recurrent state at its prompt's chunk boundaries (the latest 3); a prompt edited after
-    one resumes there and its logits are a prefill from scratch's, to the bit. A decode call that feeds the
-    free row a pad spoils a recurrent row's live state, not its checkpoints."""
+    one resumes there and its logits are a prefill from scratch's, to the bit. Another row's calls leave the
+    free row's state and checkpoints as they were."""
     model = Model.load(bundle_factory(preset, batch=2))
     chunk = model.chunk
     rng = np.random.default_rng(14)
@@ -249,17 +254,13 @@ def test_checkpoints_resume_an_edited_prompt_to_the_bit(bundle_factory, preset):
     batch.step({row: [6]})
     batch.release(row)
 
-    # another row's decode steps feed this free row a pad token
+    # another row's prefill and decode calls: this free row rides along, fed nothing
     other = batch.open_row(1 - row)
     batch.step({other: [1, 2, 3]})
     saved = []
     batch.before_evict = lambda r: saved.append(batch.snapshot_row(r))
     batch.step({other: [7]})
-    if batch.reuse.ride_along_keeps:  # rings: the pad lands in a slot the row's next token overwrites
-        assert batch.live[row] and len(batch.tokens[row]) == len(edited) + 1 and not saved
-    else:  # recurrent state summed the pad: only the checkpoints serve, the tail was saved first
-        assert not batch.live[row] and batch.tokens[row] == edited[:4 * chunk]
-        assert len(saved) == 1 and saved[0].tokens == [*edited, 6]
+    assert batch.tokens[row] == [*edited, 6] and not saved
     batch.release(other)
     prompt_again = edited[:4 * chunk + 3]
     row_again, reused = batch.open_row_reusing(prompt_again, row)

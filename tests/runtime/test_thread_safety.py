@@ -80,8 +80,7 @@ class _Batch:
     def __init__(self):
         self.closed, self.positions, self.open = False, [0, 0], set()
         self.tokens, self.prefilled = [[], []], [0, 0]  # nothing kept: the prompt cache serves nothing
-        self.reuse = ReuseRule(whole_only=False, ride_along_keeps=True)
-        self.live = [True, True]  # no checkpoints: full caches need none
+        self.reuse = ReuseRule(whole_only=False)
 
     def checkpoint_positions(self, _row: int) -> list[int]:
         return []

@@ -180,7 +180,9 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(client, server):
 
 
 def test_chat_logprobs_and_usage_leave_out_the_end_of_turn(client, server):
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    # a question the quantized 135M model answers in one sentence (asked "What is the capital of France?",
+    # its top two first tokens lie 0.09 apart and int8 activations take the one that rambles on)
+    messages = [{"role": "user", "content": "Name the capital of France."}]
     result = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
                                             logprobs=True, top_logprobs=3)
     choice = result.choices[0]
