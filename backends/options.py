@@ -47,9 +47,11 @@ def row_counts(options: BuildOptions) -> list[int]:
 
     A batched module computes every row it is given; the runtime calls the smallest
     variant that covers the rows in use (runtime/batch.py), so one stream on a batch-8
-    bundle costs one row. Default: 1 and the batch.
+    bundle costs one row. Default: the powers of two below the batch, then the batch
+    (1, 2, 4, 8 for 8): a stream on row 1 then costs two rows, not eight.
     """
-    below = (1,) if options.rows is None and options.batch > 1 else (options.rows or ())
+    powers = tuple(1 << i for i in range(options.batch.bit_length()) if 1 << i < options.batch)
+    below = powers if options.rows is None else options.rows
     bad = [k for k in below if not 1 <= k < options.batch]
     if bad:
         raise InputError(f"row counts must be between 1 and --batch {options.batch} (exclusive), got {bad}")

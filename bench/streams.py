@@ -32,8 +32,30 @@ def parse_streams(text: str, rows: int) -> list[int]:
     return streams
 
 
+def warm_up(model: Any, prompt_len: int, rng: np.random.Generator) -> None:
+    """Page in the weights and run every row count's prefill and decode function once, on a batch of its own.
+
+    The timed streams then start on a fresh scheduler with empty rows: a warm-up request kept by
+    the prompt cache would push a lone stream to row 1, whose calls compute more rows than a
+    stream alone on an idle server does (docs/serving.md, "How requests share the rows").
+    """
+    batch = model.batch()
+    try:
+        for rows in model.manifest.row_counts:
+            for row in range(rows):
+                if batch.open[row]:
+                    batch.release(row)
+                batch.open_row(row)
+            batch.step({row: random_ids(rng, model.vocab_size, min(prompt_len, model.chunk)) for row in range(rows)},
+                       prompt_rows=range(rows))
+            batch.step({row: random_ids(rng, model.vocab_size, 1) for row in range(rows)})
+    finally:
+        batch.close()
+
+
 def bench_streams(bundle: str, device: str, streams: list[int], prompt_len: int, new_tokens: int,
                   seed: int) -> list[dict[str, Any]]:
+    """Per stream count: a fresh scheduler (empty rows) after a shared warm-up (`warm_up`)."""
     from ..runtime import Model
     from ..runtime.scheduler import Request, Scheduler
 
@@ -41,14 +63,11 @@ def bench_streams(bundle: str, device: str, streams: list[int], prompt_len: int,
     if prompt_len + new_tokens > model.max_context:
         raise BenchError(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} exceeds max_context {model.max_context}")
     rng = np.random.default_rng(seed)
-    scheduler = Scheduler(model, max_queue=max(streams)).start()
-    warm = threading.Event()  # first calls page in the weights
-    scheduler.submit(Request(random_ids(rng, model.vocab_size, prompt_len), 2, lambda _t, _lp: None,
-                             lambda _r, _e: warm.set()))
-    warm.wait()
+    warm_up(model, prompt_len, rng)
     results = []
-    try:
-        for n in streams:
+    for n in streams:
+        scheduler = Scheduler(model, max_queue=n).start()
+        try:
             done = threading.Event()
             finished: list[str] = []
             tokens = [0] * n  # tokens each stream received, counted in its own callback
@@ -85,6 +104,6 @@ def bench_streams(bundle: str, device: str, streams: list[int], prompt_len: int,
                             # per device of a multi-device CPU bundle: its workers' CPU seconds over the wall
                             "device_busy": None if busy0 is None or busy1 is None
                             else [(b - a) / wall for a, b in zip(busy0, busy1)]})
-    finally:
-        scheduler.stop()
+        finally:
+            scheduler.stop()
     return results

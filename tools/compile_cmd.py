@@ -40,7 +40,8 @@ def add_parser(sub) -> None:
                    help="rows per call: sequences the runtime advances together (default 1)")
     p.add_argument("--rows", default=None, metavar="K,K,...",
                    help="with --batch N: row counts below N that get entry points of their own, so that a call "
-                        "computes only the rows in use (default 1; 'none' for none)")
+                        "computes only the rows in use (default: the powers of two below N, 1,2,4 for --batch 8; "
+                        "'none' for none)")
     p.add_argument("--max-context", type=positive_int, default=None,
                    help="context length the bundle supports (default: the model's trained context, at most 8192)")
     p.add_argument("--dtype", choices=["auto", "f32", "f16", "bf16"], default="auto",

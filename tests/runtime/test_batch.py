@@ -338,6 +338,16 @@ def test_scheduler_runs_more_requests_than_rows(bundle_factory):
         scheduler.stop()
 
 
+def test_default_row_counts_are_the_powers_of_two_below_the_batch():
+    """So that a stream on row 1 (row 0 kept for another conversation) computes two rows, not the batch."""
+    from foldline.backends.options import BuildOptions, row_counts
+
+    assert [row_counts(BuildOptions(batch=b)) for b in (1, 2, 3, 4, 6, 8)] == \
+        [[1], [1, 2], [1, 2, 3], [1, 2, 4], [1, 2, 4, 6], [1, 2, 4, 8]]
+    assert row_counts(BuildOptions(batch=8, rows=(1,))) == [1, 8]
+    assert row_counts(BuildOptions(batch=8, rows=())) == [8]
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--rows", "1"], "--rows needs --batch N with N > 1"),
     (["--batch", "4", "--rows", "4"], "between 1 and --batch 4"),
