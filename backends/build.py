@@ -268,7 +268,7 @@ def _compile_genai(loaded: LoadedModel, out_dir: str | Path, options: BuildOptio
         run_pipeline(unit, options.passes, dump_after=options.dump_after, progress=progress)
         clock.stage("onnx", "[3/3] exporting the ONNX Runtime GenAI model", total=1)
         export_genai(unit, out, activations, loaded.tokenizer_json, loaded.chat_template, progress,
-                     options.dump_after)
+                     options.dump_after, options.onnx_opset)
         clock.advance("step")
         progress(clock.summary())
     progress(f"ONNX Runtime GenAI model written to {out} in {time.time() - t0:.0f} s")
@@ -283,7 +283,7 @@ def _export_onnx(activations: str, unit: CompileUnit, out: Path, clock: StageClo
 
     clock.stage("onnx", "[3/4] exporting ONNX graphs (core aten: standard ONNX ops and MatMulNBits)", total=len(unit.programs))
     rows = {name: n for name, _kind, n in entry_point_variants(options)}
-    return export_module(unit, rows, out, progress, activations, options.dump_after)
+    return export_module(unit, rows, out, progress, activations, options.dump_after, options.onnx_opset)
 
 
 def _compile_iree(targets: list[Target], activations: list[str], unit: CompileUnit, out: Path, clock: StageClock,

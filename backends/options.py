@@ -40,6 +40,7 @@ class BuildOptions:
     attention: str = "auto"  # prefill attention: auto, fused (one flash-style op), decomposed (backends/iree/fused_attention.py)
     devices: int = 1  # devices the model is placed on (passes/place_devices.py, backends/iree/multi_device.py)
     scheme: str = "pipeline"  # with devices > 1: "pipeline" (runs of layers) or "tensor" (heads and features)
+    onnx_opset: int = 23  # ONNX targets: the highest opset the graphs may use (backends/onnx/graph_rewrites.py)
 
 
 def row_counts(options: BuildOptions) -> list[int]:

@@ -22,6 +22,11 @@ def add_parser(sub) -> None:
                         "onnxruntime runs (docs/onnx.md), loaded with --device onnxruntime. onnx-genai (alone): "
                         "not a bundle but a model directory for ONNX Runtime GenAI (onnxruntime_genai.Model), "
                         "one graph and genai_config.json")
+    p.add_argument("--onnx-opset", type=int, choices=range(20, 24), default=None, metavar="20..23",
+                   help="with --target onnx or onnx-genai: the highest ONNX opset the graphs may use (default 23, "
+                        "where each RMS norm is one RMSNormalization); 20 to 22 keep a norm that follows no "
+                        "residual add in plain ops and the graphs at opset 20, for runtimes whose kernels stop "
+                        "below opset 23, such as ONNX Runtime's DirectML provider (docs/onnx.md)")
     p.add_argument("--cpu", default=None,
                    help="CPU(s) for llvm-cpu: host, generic, an LLVM CPU name, a comma-separated list "
                         "(e.g. x86-64-v3,znver4) or x86-all (x86-64-v2, x86-64-v3, cascadelake): one module "
@@ -116,7 +121,7 @@ def run(args) -> int:
         row_counts,
     )
     from ..backends.output_dir import check_output_dir, staged_output
-    from ..backends.targets import default_cpu, make_targets
+    from ..backends.targets import ONNX_DEVICE, default_cpu, make_targets
     from ..frontend.fingerprint import checkpoint_fingerprint
     from .compile_progress import CompileProgress
 
@@ -147,7 +152,10 @@ def run(args) -> int:
         attention=args.attention,
         devices=args.devices,
         scheme=args.scheme,
+        onnx_opset=args.onnx_opset or BuildOptions.onnx_opset,
     )
+    if args.onnx_opset is not None and not any(t.device == ONNX_DEVICE for t in targets):
+        raise CliError("--onnx-opset is for --target onnx or onnx-genai")
     row_counts(options)  # refuse row counts outside 1..--batch before anything is loaded
     check_devices(options)
     cache = None if args.no_cache else CompileCache()

@@ -54,7 +54,7 @@ from .gqa import (
     WINDOW_ORDER,
 )
 from .gqa import translation as gqa_translation
-from .graph_rewrites import run_graph_rewrites
+from .graph_rewrites import MAX_OPSET, GraphSettings, run_graph_rewrites
 from .nbits import (
     NBITS_GRAPH_REWRITE,
     embedding_fits,
@@ -150,13 +150,14 @@ def _functional(program: ExportedProgram, n_state: int, lookups: bool = False) -
 
 def export_function(program: ExportedProgram, function: str, rows: int, state: list[StateBuffer],
                     activations: str = "f32", steps: tuple[str, ...] | None = None,
-                    gather_block_quantized: bool = False) -> onnx.ModelProto:
+                    gather_block_quantized: bool = False, opset: int = MAX_OPSET) -> onnx.ModelProto:
     """One function as an ONNX model, its inputs and outputs named as the module's contract names them.
 
     program: after the target passes (a one-row program's attention as GroupQueryAttention's op).
     activations: what MatMulNBits multiplies the codes by, "int8" (per block, ONNX Runtime's accuracy
     level 4) or "f32". steps: the step inputs' names (default: the entry point's, step_inputs).
     gather_block_quantized: q8 embedding lookups as ONNX Runtime's GatherBlockQuantized (nbits.py).
+    opset: the highest default-domain opset the graph may use (graph_rewrites.GraphSettings).
     """
     functional = _functional(program, len(state), gather_block_quantized)
     lookups = {QEMBEDDING: embedding_translation()} if gather_block_quantized else {}
@@ -171,7 +172,7 @@ def export_function(program: ExportedProgram, function: str, rows: int, state: l
                                      custom_translation_table={QLINEAR: placeholder_translation(), **lookups,
                                                                **gqa_translation()})
     model = exported.model_proto
-    run_graph_rewrites(model, GRAPH_REWRITE_ORDER, activations)
+    run_graph_rewrites(model, GRAPH_REWRITE_ORDER, GraphSettings(activations, opset))
     for node in model.graph.node:  # the exporter's per-node Python stack traces: most of the graph's bytes
         node.ClearField("metadata_props")
         node.ClearField("doc_string")
@@ -211,13 +212,14 @@ class SharedWeights:
 
 
 def export_module(unit: CompileUnit, rows: dict[str, int], out: Path, progress: Callable[[str], None] = print,
-                  activations: str = "f32", dump_after: dict[str, Path] | None = None) -> ModuleEntry:
+                  activations: str = "f32", dump_after: dict[str, Path] | None = None,
+                  opset: int = MAX_OPSET) -> ModuleEntry:
     """Every function as `model.<function>.onnx` over one shared `model.onnx.data`; the manifest's entry.
 
     unit: the post-pass programs by function name, their state and config (the context bounds the
     positions the rotation tables cover). rows: the rows each function computes. activations: "int8" or
     "f32", for the quantized products (export_function). dump_after: `--dump-after` for the onnx-gqa pass,
-    which runs on each one-row function.
+    which runs on each one-row function. opset: the highest opset the graphs may use (`--onnx-opset`).
 
     A bundle whose functions all compute one row keeps its windowed layers' caches in window order,
     as GroupQueryAttention's `sliding_window_cache` does (docs/onnx.md); a batched one keeps rings,
@@ -236,7 +238,7 @@ def export_module(unit: CompileUnit, rows: dict[str, int], out: Path, progress: 
             t0 = time.time()
             if rows[function] == 1:
                 program = _with_fused_attention(gqa, function, program)
-            model = export_function(program, function, rows[function], unit.state_specs, activations)
+            model = export_function(program, function, rows[function], unit.state_specs, activations, opset=opset)
             graphs.append(model)
             weights.externalize(model)
             path = out / graph_file(function)

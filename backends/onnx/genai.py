@@ -34,6 +34,7 @@ from ...frontend.config import ModelConfig
 from ...passes.manager import CompileUnit, TargetPasses
 from .export import DATA_FILE, SharedWeights, export_function
 from .gqa import ATTENTION_OPS, GQA_PASS, RING_OPS, WINDOW_CACHES
+from .graph_rewrites import MAX_OPSET
 
 GRAPH_FILE = "model.onnx"
 CONFIG_FILE = "genai_config.json"
@@ -219,11 +220,12 @@ def tokenizer_config(tokenizer_json: str, cfg: ModelConfig, chat_template: str |
 
 def export_genai(unit: CompileUnit, out: Path, activations: str, tokenizer_json: str | None,
                  chat_template: str | None, progress: Callable[[str], None] = print,
-                 dump_after: dict[str, Path] | None = None) -> list[str]:
+                 dump_after: dict[str, Path] | None = None, opset: int = MAX_OPSET) -> list[str]:
     """unit's `step` program as GenAI's model directory in `out`; the files written.
 
     unit: after the default passes, its one program `step` (frontend/export.export_step).
     activations: what MatMulNBits multiplies the codes by ("int8" or "f32", export_function).
+    opset: the highest opset the graph may use (`--onnx-opset`).
     """
     t0 = time.time()
     (name, program), = unit.programs.items()
@@ -235,7 +237,7 @@ def export_genai(unit: CompileUnit, out: Path, activations: str, tokenizer_json:
         raise GenaiExportError(f"{unit.config.name}: attention left as {', '.join(left)}, not GroupQueryAttention: "
                                "GenAI shares each cache between past and present, which only it updates in place")
     model = export_function(program, name, 1, unit.state_specs, activations, steps=STEP_INPUTS,
-                            gather_block_quantized=True)
+                            gather_block_quantized=True, opset=opset)
     windowed = {s.name for s in unit.state_specs if window_caches and s.kind == "local_kv"}
     to_genai_graph(model, unit.state_specs, windowed)
     weights = SharedWeights(out / DATA_FILE)

@@ -58,7 +58,7 @@ from ...frontend.attention_ops import (
 from ...frontend.op_registry import declare_op
 from ...passes.graph_edit import copy_graph_module, rebuild, remove_dead_code
 from ...passes.registry import CompileUnit, PassResult, register_pass
-from .graph_rewrites import register_graph_rewrite
+from .graph_rewrites import GraphSettings, register_graph_rewrite
 from .rope import Rotated, match_rotated, normed_source, rope_tables, rotate_heads
 
 PLACEHOLDER_DOMAIN = "foldline"
@@ -425,7 +425,7 @@ def to_group_query_attention(model: onnx.ModelProto) -> list[str]:
 
 @register_graph_rewrite(GQA_GRAPH_REWRITE, "onnx-gqa's placeholder nodes as com.microsoft.GroupQueryAttention, "
                         "their caches updated in place")
-def group_query_attention_nodes(model: onnx.ModelProto, _activations: str) -> int:
+def group_query_attention_nodes(model: onnx.ModelProto, _settings: GraphSettings) -> int:
     """`to_group_query_attention` as a graph rewrite: how many nodes it renamed."""
     placeholders = sum(n.domain == PLACEHOLDER_DOMAIN and n.op_type in (PLACEHOLDER, ROPE_PLACEHOLDER)
                        for n in model.graph.node)

@@ -18,8 +18,22 @@ import onnx
 
 from ...errors import FoldlineError
 
-# (model, activations: "int8" or "f32") -> how many sites it rewrote, the model edited in place
-RewriteFn = Callable[[onnx.ModelProto, str], int]
+# torch's exporter writes opset 20 graphs; a rewrite may raise that up to the export's `opset`
+EXPORTED_OPSET = 20
+MAX_OPSET = 23  # RMSNormalization's (norms.py), the default
+OPSETS = tuple(range(EXPORTED_OPSET, MAX_OPSET + 1))
+
+
+@dataclass(frozen=True)
+class GraphSettings:
+    """What every rewrite of one export is told."""
+
+    activations: str = "f32"  # "int8" or "f32": what MatMulNBits multiplies the codes by (nbits.py)
+    opset: int = MAX_OPSET  # the highest default-domain opset the graph may be raised to
+
+
+# (model, settings) -> how many sites it rewrote, the model edited in place
+RewriteFn = Callable[[onnx.ModelProto, GraphSettings], int]
 
 
 @dataclass(frozen=True)
@@ -44,10 +58,10 @@ def register_graph_rewrite(name: str, description: str) -> Callable[[RewriteFn],
     return wrap
 
 
-def run_graph_rewrites(model: onnx.ModelProto, names: Sequence[str], activations: str) -> dict[str, int]:
+def run_graph_rewrites(model: onnx.ModelProto, names: Sequence[str], settings: GraphSettings) -> dict[str, int]:
     """Run the named rewrites in order on `model` (in place); the sites each rewrote."""
     unknown = [n for n in names if n not in GRAPH_REWRITES]
     if unknown:
         raise GraphRewriteError(f"unknown ONNX graph rewrite {', '.join(unknown)}; known: "
                                 f"{', '.join(sorted(GRAPH_REWRITES)) or 'none'}")
-    return {name: GRAPH_REWRITES[name].run(model, activations) for name in names}
+    return {name: GRAPH_REWRITES[name].run(model, settings) for name in names}

@@ -36,7 +36,7 @@ from torch.fx import Node
 from ...contract.block_formats import row_length
 from ...errors import FoldlineError
 from ...frontend.quant import QuantizedTensor, unpack_q4
-from .graph_rewrites import register_graph_rewrite
+from .graph_rewrites import GraphSettings, register_graph_rewrite
 
 PLACEHOLDER_DOMAIN = "foldline"
 ORT_DOMAIN = "com.microsoft"
@@ -338,6 +338,6 @@ def to_matmul_nbits(model: onnx.ModelProto, accuracy_level: int) -> int:
 
 @register_graph_rewrite(NBITS_GRAPH_REWRITE, "quantized products as com.microsoft.MatMulNBits over their 4- or 8-bit "
                         "codes (int8 activations per block where asked)")
-def matmul_nbits(model: onnx.ModelProto, activations: str) -> int:
-    """`to_matmul_nbits` as a graph rewrite, at the accuracy level of `activations`."""
-    return to_matmul_nbits(model, ACCURACY_LEVEL[activations])
+def matmul_nbits(model: onnx.ModelProto, settings: GraphSettings) -> int:
+    """`to_matmul_nbits` as a graph rewrite, at the accuracy level of the settings' activations."""
+    return to_matmul_nbits(model, ACCURACY_LEVEL[settings.activations])

@@ -10,7 +10,12 @@ about 2,100 of them against ONNX Runtime GenAI's 341 (docs/onnx.md).
 - `com.microsoft.SkipSimplifiedLayerNormalization` where the norm's input is a
   residual sum `a + b` of two tensors of its shape: the add and the norm in one
   kernel, the sum (its fourth output) taken by the add's other readers;
-- the standard `RMSNormalization` (opset 23) otherwise.
+- the standard `RMSNormalization` (opset 23) otherwise, where the export may
+  raise the graph to opset 23 (`foldline compile --onnx-opset`, the default);
+  below it such a norm stays as the exporter wrote it: ONNX Runtime's own
+  `SimplifiedLayerNormalization` is no ONNX operator (`onnx.checker` refuses
+  it), and DirectML registers no kernel for RMSNormalization, nor the opset 23
+  versions of Reshape, Cast and the like (docs/onnx.md).
 
 Both compute x / sqrt(mean(x^2) + eps) * gamma in float over the last axis;
 gamma may be any tensor of the hidden size (a Gemma norm's 1 + w too).
@@ -24,7 +29,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .graph_rewrites import register_graph_rewrite
+from .graph_rewrites import GraphSettings, register_graph_rewrite
 
 NORMS_GRAPH_REWRITE = "rms-norms"
 ORT_DOMAIN = "com.microsoft"
@@ -133,9 +138,10 @@ def _residual(g: _Graph, x: str) -> onnx.NodeProto | None:
     return add if shapes[0] is not None and len(shapes[0]) == 3 and shapes[0] == shapes[1] == shapes[2] else None
 
 
-def fuse_rms_norms(model: onnx.ModelProto) -> int:
+def fuse_rms_norms(model: onnx.ModelProto, opset: int = RMS_NORM_OPSET) -> int:
     """Rewrite (in place) every RMS norm of `model` into one node; how many. Raises the default
-    opset to 23 where a plain RMSNormalization is used."""
+    opset to 23 where a plain RMSNormalization is used, which takes an `opset` of 23: below it,
+    only the norms after a residual add are fused."""
     g = _Graph(model)
     replaced: dict[int, list[onnx.NodeProto]] = {}  # id of the norm's last node -> its new nodes
     dropped: set[int] = set()
@@ -149,6 +155,8 @@ def fuse_rms_norms(model: onnx.ModelProto) -> int:
         x, gamma, eps, nodes = found
         out = node.output[0]
         add = _residual(g, x)
+        if add is None and opset < RMS_NORM_OPSET:
+            continue
         if add is not None:
             fused = helper.make_node("SkipSimplifiedLayerNormalization", [add.input[0], add.input[1], gamma],
                                      [out, "", "", x], domain=ORT_DOMAIN, epsilon=eps, name=f"{out}.skip_rms_norm")
@@ -181,9 +189,9 @@ def fuse_rms_norms(model: onnx.ModelProto) -> int:
 
 @register_graph_rewrite(NORMS_GRAPH_REWRITE, "each RMS norm as one RMSNormalization, or with the residual add before "
                         "it as one com.microsoft.SkipSimplifiedLayerNormalization")
-def rms_norms(model: onnx.ModelProto, _activations: str) -> int:
-    """`fuse_rms_norms` as a graph rewrite."""
-    return fuse_rms_norms(model)
+def rms_norms(model: onnx.ModelProto, settings: GraphSettings) -> int:
+    """`fuse_rms_norms` as a graph rewrite, under the settings' opset."""
+    return fuse_rms_norms(model, settings.opset)
 
 
 def _sorted(nodes: list[onnx.NodeProto], model: onnx.ModelProto) -> list[onnx.NodeProto]:

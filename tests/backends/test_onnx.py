@@ -48,14 +48,14 @@ def onnx_bundles(tmp_path_factory):
             if name == "gemma3-tiny-full-windows":  # window layers as full caches: GroupQueryAttention's local window
                 loaded = load_model("gemma3-tiny")
                 passes = [p for p in default_pipeline() if p != "ring-buffer-swa"]
-            elif name == "gemma3-tiny-batch2":  # rows of a batched bundle: rings, attended decomposed
+            elif name in ("gemma3-tiny-batch2", "gemma3-tiny-opset20"):  # batch2: rings, attended decomposed
                 loaded = load_model("gemma3-tiny")
             else:
                 loaded = _blocked(*blocked[name]) if name in blocked else load_model(name)
             batch = 2 if name == "gemma3-tiny-batch2" else 1
             out = tmp_path_factory.mktemp(name) / "bundle"
             options = BuildOptions(targets=[make_target("onnx")], kv_dtype="float32", activations="f32", passes=passes,
-                                   batch=batch)
+                                   batch=batch, onnx_opset=20 if name.endswith("opset20") else 23)
             compile_model(loaded, out, options, progress=lambda _m: None, cache=CompileCache())
             cache[name] = (loaded.module, out)
         return cache[name]
@@ -64,7 +64,7 @@ def onnx_bundles(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["gemma3-tiny", "qwen35-tiny-q4", "llama-tiny-q8", "ripple-tiny",
-                                  "gemma3-tiny-full-windows"])
+                                  "gemma3-tiny-full-windows", "gemma3-tiny-opset20"])
 def test_onnxruntime_matches_eager(name, onnx_bundles):
     module, bundle = onnx_bundles(name)
     model = Model.load(bundle, device="onnxruntime")
@@ -333,3 +333,44 @@ def test_the_manifest_names_the_nodes_each_gpu_provider_leaves_to_the_next(onnx_
         line = f"under {provider}: " + (f"{sum(ops.values())} nodes have no {provider} kernel" if ops
                                         else "every node has a kernel")
         assert line in out, (line, out)
+
+
+def test_an_opset_20_export_leaves_directml_no_gap_from_its_opset(onnx_bundles):
+    """`--onnx-opset 20`: graphs at opset 20, the norms that follow no residual add in plain ops (gemma3-tiny's
+    q/k and post norms), every other norm still one SkipSimplifiedLayerNormalization. Against DirectML's kernel
+    table the shape ops the opset 23 export left without a kernel (Reshape, Cast, Transpose, ...) all have one.
+    It matches eager in test_onnxruntime_matches_eager."""
+    from foldline.contract.manifest import Manifest
+
+    graphs = {}
+    for name in ("gemma3-tiny", "gemma3-tiny-opset20"):
+        _module, bundle = onnx_bundles(name)
+        entry = Manifest.load(bundle).modules["onnxruntime"]
+        graphs[name] = (entry, [onnx.load(bundle / part.file, load_external_data=False) for part in entry.parts.values()])
+    (new_entry, low), (old_entry, high) = graphs["gemma3-tiny-opset20"], graphs["gemma3-tiny"]
+    for graph in low:
+        assert {o.version for o in graph.opset_import if o.domain == ""} == {20}
+        ops = [n.op_type for n in graph.graph.node]
+        assert "RMSNormalization" not in ops and "ReduceMean" in ops and "SkipSimplifiedLayerNormalization" in ops
+    assert all({o.version for o in g.opset_import if o.domain == ""} == {23} for g in high)
+    shape_ops = {"Reshape", "Cast", "Transpose", "Unsqueeze", "Shape"}
+
+    def kinds(gaps: dict[str, int]) -> set[str]:  # "Reshape (int64)" -> "Reshape"
+        return {kind.split(" ")[0] for kind in gaps}
+
+    assert shape_ops & kinds(old_entry.provider_gaps["dml"]), old_entry.provider_gaps["dml"]
+    assert not shape_ops & kinds(new_entry.provider_gaps["dml"]), new_entry.provider_gaps["dml"]
+    assert sum(new_entry.provider_gaps["dml"].values()) < sum(old_entry.provider_gaps["dml"].values()) / 4
+    assert "opset 20" in new_entry.description
+
+
+def test_onnx_opset_is_for_onnx_targets(tmp_path, capsys):
+    from foldline.contract.manifest import Manifest
+    from foldline.tools.cli import main
+
+    assert main(["compile", "llama-tiny", "-o", str(tmp_path / "b"), "--onnx-opset", "21"]) == 2
+    assert "--onnx-opset is for --target onnx or onnx-genai" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
+    assert main(["compile", "llama-tiny", "-o", str(tmp_path / "onnx"), "--target", "onnx", "--onnx-opset", "20"]) == 0
+    assert "opset 20" in Manifest.load(tmp_path / "onnx").modules["onnxruntime"].description
+

@@ -76,6 +76,24 @@ def test_norms_become_single_nodes_with_the_same_outputs():
     np.testing.assert_allclose(_run(fused, feeds), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("opset", [20, 21, 22])
+def test_below_opset_23_only_the_norms_after_a_residual_add_are_fused(opset):
+    """RMSNormalization is an opset 23 operator: under a lower ceiling the plain norm keeps its ops and the
+    graph its opset; the norm after a + b still becomes com.microsoft's SkipSimplifiedLayerNormalization."""
+    model = _model()
+    feeds = {n: np.random.default_rng(3).standard_normal(SHAPE).astype(np.float32) for n in ("a", "b")}
+    before = next(o.version for o in model.opset_import if o.domain == "")
+    fused = onnx.ModelProto()
+    fused.CopyFrom(model)
+    assert fuse_rms_norms(fused, opset) == 1
+    onnx.checker.check_model(fused, full_check=True)
+    ops = [n.op_type for n in fused.graph.node]
+    assert ops.count("SkipSimplifiedLayerNormalization") == 1 and "RMSNormalization" not in ops
+    assert ops.count("ReduceMean") == 1, "the plain norm stays as it was written"
+    assert next(o.version for o in fused.opset_import if o.domain == "") == before < 23
+    np.testing.assert_allclose(_run(fused, feeds), _run(model, feeds), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("change", ["exponent", "other_reader"])
 def test_what_is_not_a_norm_is_left_alone(change):
     model = _model(exponent=3.0 if change == "exponent" else 2.0)
@@ -93,15 +111,19 @@ def test_what_is_not_a_norm_is_left_alone(change):
 def test_the_registered_graph_rewrite_fuses_the_norms():
     """rms-norms, as the export runs it (by name, through backends/onnx/graph_rewrites.py), against the unfused
     graph in ONNX Runtime."""
-    from foldline.backends.onnx.graph_rewrites import GraphRewriteError, run_graph_rewrites
+    from foldline.backends.onnx.graph_rewrites import (
+        GraphRewriteError,
+        GraphSettings,
+        run_graph_rewrites,
+    )
     from foldline.backends.onnx.norms import NORMS_GRAPH_REWRITE
 
     model = _model()
     feeds = {n: np.random.default_rng(2).standard_normal(SHAPE).astype(np.float32) for n in ("a", "b")}
     fused = onnx.ModelProto()
     fused.CopyFrom(model)
-    assert run_graph_rewrites(fused, [NORMS_GRAPH_REWRITE], "f32") == {NORMS_GRAPH_REWRITE: 2}
+    assert run_graph_rewrites(fused, [NORMS_GRAPH_REWRITE], GraphSettings("f32")) == {NORMS_GRAPH_REWRITE: 2}
     assert "ReduceMean" not in {n.op_type for n in fused.graph.node}
     np.testing.assert_allclose(_run(fused, feeds), _run(model, feeds), rtol=1e-5, atol=1e-5)
     with pytest.raises(GraphRewriteError, match="unknown ONNX graph rewrite rms-norm;"):
-        run_graph_rewrites(fused, ["rms-norm"], "f32")
+        run_graph_rewrites(fused, ["rms-norm"], GraphSettings("f32"))
