@@ -53,6 +53,7 @@ from .options import (
     Progress,
     build_cache_key,
     check_devices,
+    check_onnx_opset,
     claimed,
     from_cache,
     row_counts,
@@ -125,6 +126,7 @@ def compile_model(loaded: LoadedModel, out_dir: str | Path, options: BuildOption
     With a `cache`, a model whose checkpoint fingerprint and options were compiled
     before is copied from it, and a new bundle is stored in it.
     """
+    check_onnx_opset(options)
     if any(t.genai for t in options.targets):
         return _compile_genai(loaded, out_dir, options, progress)
     key = build_cache_key(loaded.fingerprint, options)

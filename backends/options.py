@@ -40,7 +40,18 @@ class BuildOptions:
     attention: str = "auto"  # prefill attention: auto, fused (one flash-style op), decomposed (backends/iree/fused_attention.py)
     devices: int = 1  # devices the model is placed on (passes/place_devices.py, backends/iree/multi_device.py)
     scheme: str = "pipeline"  # with devices > 1: "pipeline" (runs of layers) or "tensor" (heads and features)
-    onnx_opset: int = 23  # ONNX targets: the highest opset the graphs may use (backends/onnx/graph_rewrites.py)
+    onnx_opset: int = 23  # ONNX targets: the highest opset the graphs may use, one of ONNX_OPSETS
+
+
+# What --onnx-opset takes: torch's exporter writes opset 20, and the norm fusion's RMSNormalization
+# raises the graphs to 23, the default (backends/onnx/norms.py).
+ONNX_OPSETS = (20, 21, 22, 23)
+
+
+def check_onnx_opset(options: BuildOptions) -> None:
+    """--onnx-opset: one of ONNX_OPSETS."""
+    if options.onnx_opset not in ONNX_OPSETS:
+        raise InputError(f"--onnx-opset takes {', '.join(map(str, ONNX_OPSETS))}, not {options.onnx_opset!r}")
 
 
 def row_counts(options: BuildOptions) -> list[int]:

@@ -97,12 +97,11 @@ def kv_tiles_input(end: int, slots: int) -> np.ndarray:
     return np.empty((0, kv_tile_count(end, slots)), np.int8)
 
 
-def decode_inputs(tokens: np.ndarray, pos: np.ndarray, n_valid: np.ndarray | None = None) -> list[np.ndarray]:
-    """decode's inputs before the state: tokens, pos and, for one row, pos_shape, else n_valid
-    (every row fed when None)."""
+def decode_inputs(tokens: np.ndarray, pos: np.ndarray, n_valid: np.ndarray) -> list[np.ndarray]:
+    """decode's inputs before the state: tokens, pos and, for one row, pos_shape, else n_valid."""
     if takes_position_shape(tokens.shape[0]):
         return [tokens, pos, position_shape(int(pos[0]))]
-    return [tokens, pos, np.ones(tokens.shape[0], np.int64) if n_valid is None else n_valid]
+    return [tokens, pos, n_valid]
 
 
 def declared_inputs(declaration: str) -> list[tuple[list[int], str]]:

@@ -364,7 +364,6 @@ class Scheduler:
         for row, request in reading:
             feeds[row], request.pending = request.pending[:chunk], request.pending[chunk:]
             self.prefilled += len(feeds[row])
-        self.steps += 1
         calls = ((generating, {row: [request.last_token] for row, request in generating}, ()),
                  (reading, feeds, set(feeds)))
         for requests, call_feeds, prompt_rows in calls:
@@ -375,6 +374,7 @@ class Scheduler:
             except Exception as e:  # the batch is broken: every running request fails, new rows start clean
                 self._fail_running(e)
                 return
+            self.steps += 1
             for row, request in requests:
                 if not request.pending:  # a prompt still being read gives no token yet
                     self._emit(request, logits[row])

@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
                         "onnxruntime runs (docs/onnx.md), loaded with --device onnxruntime. onnx-genai (alone): "
                         "not a bundle but a model directory for ONNX Runtime GenAI (onnxruntime_genai.Model), "
                         "one graph and genai_config.json")
-    p.add_argument("--onnx-opset", type=int, choices=range(20, 24), default=None, metavar="20..23",
+    p.add_argument("--onnx-opset", type=int, default=None, metavar="20..23",
                    help="with --target onnx or onnx-genai: the highest ONNX opset the graphs may use (default 23, "
                         "where each RMS norm is one RMSNormalization); 20 to 22 keep a norm that follows no "
                         "residual add in plain ops and the graphs at opset 20, for runtimes whose kernels stop "
@@ -117,6 +117,7 @@ def run(args) -> int:
         BuildOptions,
         build_cache_key,
         check_devices,
+        check_onnx_opset,
         from_cache,
         row_counts,
     )
@@ -152,12 +153,13 @@ def run(args) -> int:
         attention=args.attention,
         devices=args.devices,
         scheme=args.scheme,
-        onnx_opset=args.onnx_opset or BuildOptions.onnx_opset,
+        onnx_opset=BuildOptions.onnx_opset if args.onnx_opset is None else args.onnx_opset,
     )
     if args.onnx_opset is not None and not any(t.device == ONNX_DEVICE for t in targets):
         raise CliError("--onnx-opset is for --target onnx or onnx-genai")
     row_counts(options)  # refuse row counts outside 1..--batch before anything is loaded
     check_devices(options)
+    check_onnx_opset(options)
     cache = None if args.no_cache else CompileCache()
     with staged_output(args.output) as staging, CompileProgress(shown_as={staging: args.output}) as progress:
         key = build_cache_key(checkpoint_fingerprint(args.model, options.max_context), options)

@@ -17,11 +17,9 @@ from dataclasses import dataclass
 import onnx
 
 from ...errors import FoldlineError
+from ..options import BuildOptions
 
-# torch's exporter writes opset 20 graphs; a rewrite may raise that up to the export's `opset`
-EXPORTED_OPSET = 20
-MAX_OPSET = 23  # RMSNormalization's (norms.py), the default
-OPSETS = tuple(range(EXPORTED_OPSET, MAX_OPSET + 1))
+MAX_OPSET = BuildOptions.onnx_opset  # the default ceiling: RMSNormalization's opset (norms.py)
 
 
 @dataclass(frozen=True)

@@ -371,6 +371,8 @@ def test_onnx_opset_is_for_onnx_targets(tmp_path, capsys):
     assert main(["compile", "llama-tiny", "-o", str(tmp_path / "b"), "--onnx-opset", "21"]) == 2
     assert "--onnx-opset is for --target onnx or onnx-genai" in capsys.readouterr().err
     assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
+    assert main(["compile", "llama-tiny", "-o", str(tmp_path / "b"), "--target", "onnx", "--onnx-opset", "19"]) == 2
+    assert "--onnx-opset takes 20, 21, 22, 23, not 19" in capsys.readouterr().err
     assert main(["compile", "llama-tiny", "-o", str(tmp_path / "onnx"), "--target", "onnx", "--onnx-opset", "20"]) == 0
     assert "opset 20" in Manifest.load(tmp_path / "onnx").modules["onnxruntime"].description
 
