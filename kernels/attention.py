@@ -1,4 +1,4 @@
-"""Decode attention as one hand-written CPU dispatch per layer.
+"""Decode attention as two hand-written CPU dispatches per layer.
 
 A decode step attends one query token per head over the cache it has just
 written. Decomposed into aten ops, IREE runs that as three dispatches per
@@ -10,22 +10,36 @@ bandwidth, each dispatch adding the task system's own cost
 The decode programs keep `foldline::cache_attention` and
 `foldline::ring_decode_attention` as ops (backends/iree/importer.py), which reach
 MLIR as `torch.operator`; for CPU targets `expand_decode_attention_ops`
-replaces each with a call to a dispatch written in templates/decode_attention.mlir (`stream.executable`,
-vector dialect, called with `flow.dispatch`, as kernels/int8_decode.py).
-One workgroup per (row, query head) reads its key/value head's cache slots
-in order, 16 features per vector:
+replaces each with a call to two dispatches written in templates/
+(`stream.executable`, vector dialect, called with `flow.dispatch`, as kernels/int8_decode.py).
 
-    keys [lo, hi): hi = min(pos + 1, L), lo = max(pos + 1 - W, 0) with a window W, else 0
-    s[l] = scale * sum_d q[d] * k[l, d]      (scratch, with the running max m)
+decode_attention.mlir: the keys a row reads, [first, hi), are split into
+`splits` equal shares; one workgroup per (row, key/value head, share) reads
+its share of that head's cache slots once for every query head that shares
+it, 16 features per vector, and asks for the slots 16 keys ahead
+(memref.prefetch):
+
+    keys [first, hi): hi = min(pos + 1, L), first = max(pos + 1 - W, 0) with a window W, else 0
+    s[l] = scale * sum_d q[d] * k[l, d]      (scratch, with the share's max m)
     p[l] = exp(s[l] - m), z = sum_l p[l]     (16 keys per vector)
-    o[d] = (sum_l p[l] * v[l, d]) / z
+    O[d] = sum_l p[l] * v[l, d]              (left unnormalized, with m and z)
 
-which is the decomposed form's masked softmax: a masked key's exp(-1e30 - m)
+decode_attention_combine.mlir, a workgroup per row: M = max m over the
+shares, w = exp(m - M) (0 for a share with no key), o = sum w O / sum w z.
+This is the decomposed form's masked softmax: a masked key's exp(-1e30 - m)
 is exactly 0 there, and here it is never visited. A ring holds exactly the
 window after the step's write, and slot l is filled once l <= pos, so the
 ring form is the same kernel with no window bound. The scores go through a
 transient scratch result (rows x L floats), not a stack buffer: at L = 8192
 it would exceed IREE's stack allocation limit.
+
+Why split: a row has few key/value heads (SmolLM2 3, Gemma 3 one), so one
+workgroup per head left a core idle and one read stream per core; at 4,096
+tokens held SmolLM2's attention read its cache at about half the speed its
+weights are read. The share count depends on the head count and the cache
+length only, never on the batch, and every sum runs in a fixed order, so a
+row's output is the same to the bit alone or beside other rows (the batched
+bundles' rows rely on it).
 
 GPU targets import the decomposed form instead (backends/build.py imports
 the programs a second time for them).
@@ -59,7 +73,13 @@ from .template import instantiate
 
 OP_NAMES = ("torch.foldline.cache_attention", "torch.foldline.ring_decode_attention")
 CACHE_TYPES = ("f16", "bf16", "f32")
+ELEMENT_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 LANES = 16  # features per vector (512 bits of f32)
+SPLIT_WORKGROUPS = 16  # workgroups a row's keys are split over (whole key/value heads)
+MIN_SPLIT_KEYS = 32  # keys a split may read at least, at the full length
+PREFETCH_KEYS = 16  # keys ahead of the one read that a pass asks the memory for
+CACHE_LINE = 64  # bytes
+VALUE_ACCUMULATORS = 16  # vectors the value pass accumulates at once: half the registers of AVX-512
 
 
 class AttentionKernelError(SiteError):
@@ -90,6 +110,12 @@ class DecodeAttentionShape:
     @property
     def rows(self) -> int:
         return self.batch * self.q_heads
+
+    @property
+    def splits(self) -> int:
+        """Workgroups per (row, key/value head), each reading its share of the keys held: enough for
+        SPLIT_WORKGROUPS per row, whatever the batch, so that a row's sums are the same in any batch."""
+        return max(1, min(-(-SPLIT_WORKGROUPS // self.kv_heads), self.length // MIN_SPLIT_KEYS))
 
     @property
     def name(self) -> str:
@@ -124,7 +150,7 @@ def _parameters(s: DecodeAttentionShape) -> dict[str, object]:
     """The shape as the decode_attention templates take it."""
     return dict(name=s.name, batch=s.batch, q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
                 slots=s.slots, length=s.length, window=s.window, kv_mapping=s.kv_mapping,
-                cache_type=s.cache_type, q_type=s.q_type)
+                cache_type=s.cache_type, q_type=s.q_type, splits=s.splits)
 
 
 def decode_attention_executable(s: DecodeAttentionShape, isa: FloatIsa = HARDWARE_FLOAT) -> str:
@@ -132,9 +158,32 @@ def decode_attention_executable(s: DecodeAttentionShape, isa: FloatIsa = HARDWAR
     (row, query head), three passes over its keys."""
     if not supports(s):
         raise AttentionKernelError(f"no decode attention kernel for {s}")
-    return instantiate("decode_attention", **_parameters(s), rep=s.q_heads // s.kv_heads,
-                       scale_bits=f32_bits(s.scale).upper(), lanes=LANES, chunks=s.head_dim // LANES,
+    rep, chunks = s.q_heads // s.kv_heads, s.head_dim // LANES
+    line = CACHE_LINE // ELEMENT_BYTES[s.cache_type]
+    return instantiate("decode_attention", **_parameters(s), rep=rep, scale_bits=f32_bits(s.scale).upper(),
+                       lanes=LANES, chunks=chunks, blocks=_value_blocks(rep, chunks, line),
+                       line_offsets=list(range(0, s.head_dim, line)), prefetch_keys=PREFETCH_KEYS,
                        fma=isa.fma, f16=isa.f16)
+
+
+def _value_blocks(rep: int, chunks: int, line: int) -> list[tuple[int, int, list[tuple[int, int]], list[int]]]:
+    """The feature blocks the value pass takes one at a time, so that its accumulators (`rep` query
+    heads x the block's chunks) stay in registers: (first chunk, end chunk, (head, chunk) pairs,
+    the offsets of the cache lines it reads in a row, `line` elements each)."""
+    width = max(1, min(chunks, VALUE_ACCUMULATORS // rep))
+    blocks = []
+    for first in range(0, chunks, width):
+        end = min(first + width, chunks)
+        lines = sorted({c * LANES // line * line for c in range(first, end)})
+        blocks.append((first, end, [(j, c) for j in range(rep) for c in range(first, end)], lines))
+    return blocks
+
+
+def decode_attention_combine_executable(s: DecodeAttentionShape, isa: FloatIsa = HARDWARE_FLOAT) -> str:
+    """The `stream.executable` combining a shape's splits (templates/decode_attention_combine.mlir):
+    a workgroup per row."""
+    return instantiate("decode_attention_combine", **_parameters(s), lanes=LANES, chunks=s.head_dim // LANES,
+                       fma=isa.fma)
 
 
 def decode_attention_function(s: DecodeAttentionShape) -> str:
@@ -220,7 +269,9 @@ def expand_decode_attention_ops(mlir: str, float_isa: FloatIsa = HARDWARE_FLOAT)
                     builtin_tensor(op.operands[2], kv), builtin_tensor(op.operands[3], tensor_type(*t["pos"]))]
 
         return KernelCall(at=op, callee=s.name, operands=operands, result_type=tensor_type(*t["q"]), replaces=[op],
-                          code=lambda: [decode_attention_executable(s, float_isa), decode_attention_function(s)],
+                          code=lambda: [decode_attention_executable(s, float_isa),
+                                        decode_attention_combine_executable(s, float_isa),
+                                        decode_attention_function(s)],
                           kind="attention decode")
 
     return rewrite_sites(mlir, OP_NAMES, plan)

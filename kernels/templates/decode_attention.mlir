@@ -1,13 +1,21 @@
-{# Decode attention: a workgroup per (row, query head) reads its key/value head's slots [lo, hi) in
-   three passes (kernels/attention.py has the arithmetic): scores into the scratch rows with one
-   dot product per key, the max and the exponentials 16 keys at a time, then the values weighted.
+{# Decode attention, split over the keys: a workgroup per (row, key/value head, split) reads its
+   share of that head's slots once for all `rep` query heads that share it, in three passes
+   (kernels/attention.py has the arithmetic): scores into the scratch rows with one dot product per
+   key and query head, the max and the exponentials 16 keys at a time per query head, then the
+   values weighted, a block of features at a time. It leaves each query head's unnormalized sum
+   of values, its max and its sum of exponentials per split; decode_attention_call.mlir combines
+   the splits.
    Parameters: name, the shape's fields (batch, q_heads, kv_heads, head_dim, slots, length, window,
    kv_mapping, cache_type, q_type), rep (q_heads / kv_heads), scale_bits (the f32 scale's hex bits),
-   lanes (features per vector), chunks (head_dim / lanes), fma and f16 (the CPU's float operations). #}
+   splits (workgroups per row and key/value head), lanes (features per vector), chunks (head_dim / lanes), blocks (first chunk, end chunk and the
+   (query head, chunk) accumulators of each block of features the value pass takes together),
+   fma and f16 (the CPU's float operations). #}
 !q_memref = memref<{{ batch }}x{{ q_heads }}x1x{{ head_dim }}x{{ q_type }}>
 !kv_memref = memref<{{ batch }}x{{ kv_heads }}x{{ slots }}x{{ head_dim }}x{{ cache_type }}>
 !pos_memref = memref<{{ batch }}xi64>
 !scratch_memref = memref<{{ batch * q_heads }}x{{ length }}xf32>
+!part_memref = memref<{{ splits }}x{{ batch }}x{{ q_heads }}x{{ head_dim }}xf32>
+!stat_memref = memref<{{ splits }}x{{ batch }}x{{ q_heads }}xf32>
 !q_vec = vector<{{ lanes }}x{{ q_type }}>
 !kv_vec = vector<{{ lanes }}x{{ cache_type }}>
 !vf = vector<{{ lanes }}xf32>
@@ -29,34 +37,59 @@
 {% include "multiply_add.mlir" %}
 {% endwith %}
 {% endmacro %}
+{# prefetch the cache lines `lines` (offsets into a row) of `mem`'s slot `ahead` keys past %l, at most the last slot #}
+{% macro prefetch(mem, lines, tag) %}
+        %ahead_l{{ tag }} = arith.addi %l, %ahead : index
+        %ahead_s{{ tag }} = arith.minsi %ahead_l{{ tag }}, %last_slot : index
+{% for e in lines %}
+        memref.prefetch {{ mem }}[%b, %kvh, %ahead_s{{ tag }}, %line{{ e }}], read, locality<3>, data : !kv_memref
+{% endfor %}
+{% endmacro %}
 {% set last = chunks - 1 %}
+{% set heads = range(rep) %}
 stream.executable private @{{ name }}_exe {
   stream.executable.export public @{{ name }} workgroups() -> (index, index, index) {
-    %n = arith.constant {{ batch * q_heads }} : index
+    %n = arith.constant {{ batch * kv_heads * splits }} : index
     %one = arith.constant 1 : index
     stream.return %n, %one, %one : index, index, index
   }
   builtin.module {
-    func.func @{{ name }}(%qb: !stream.binding, %kb: !stream.binding, %vb: !stream.binding, %pb: !stream.binding, %ob: !stream.binding, %sb: !stream.binding) {
+    func.func @{{ name }}(%qb: !stream.binding, %kb: !stream.binding, %vb: !stream.binding, %pb: !stream.binding, %ob: !stream.binding, %mb: !stream.binding, %zb: !stream.binding, %sb: !stream.binding) {
       %c0 = arith.constant 0 : index
       %c1 = arith.constant 1 : index
       %q = stream.binding.subspan %qb[%c0] : !stream.binding -> !q_memref
       %k = stream.binding.subspan %kb[%c0] : !stream.binding -> !kv_memref
       %v = stream.binding.subspan %vb[%c0] : !stream.binding -> !kv_memref
       %sp = stream.binding.subspan %pb[%c0] : !stream.binding -> !pos_memref
-      %o = stream.binding.subspan %ob[%c0] : !stream.binding -> !q_memref
+      %o = stream.binding.subspan %ob[%c0] : !stream.binding -> !part_memref
+      %mo = stream.binding.subspan %mb[%c0] : !stream.binding -> !stat_memref
+      %zo = stream.binding.subspan %zb[%c0] : !stream.binding -> !stat_memref
       %scr = stream.binding.subspan %sb[%c0] : !stream.binding -> !scratch_memref
       %wg = stream.dispatch.workgroup.id[0] : index
       %nq = arith.constant {{ q_heads }} : index
       %nkv = arith.constant {{ kv_heads }} : index
-      %rep = arith.constant {{ rep }} : index
-      %b = arith.divui %wg, %nq : index
-      %h = arith.remui %wg, %nq : index
+      %nsplit = arith.constant {{ splits }} : index
+      %nsplit_less = arith.constant {{ splits - 1 }} : index
+      %split = arith.remui %wg, %nsplit : index
+      %bkv = arith.divui %wg, %nsplit : index
+      %b = arith.divui %bkv, %nkv : index
+      %kvh = arith.remui %bkv, %nkv : index
+      %row_base = arith.muli %b, %nq : index
 {% if kv_mapping == "blocked" %}
-      %kvh = arith.divui %h, %rep : index
-{% else %}
-      %kvh = arith.remui %h, %nkv : index
+      %rep = arith.constant {{ rep }} : index
+      %kvh_rep = arith.muli %kvh, %rep : index
 {% endif %}
+{# the query heads reading this key/value head, and their scratch rows #}
+{% for j in heads %}
+      %j{{ j }} = arith.constant {{ j }} : index
+{% if kv_mapping == "blocked" %}
+      %h{{ j }} = arith.addi %kvh_rep, %j{{ j }} : index
+{% else %}
+      %hb{{ j }} = arith.muli %j{{ j }}, %nkv : index
+      %h{{ j }} = arith.addi %hb{{ j }}, %kvh : index
+{% endif %}
+      %row{{ j }} = arith.addi %row_base, %h{{ j }} : index
+{% endfor %}
       %p64 = memref.load %sp[%b] : !pos_memref
       %p = arith.index_cast %p64 : i64 to index
       %p1 = arith.addi %p, %c1 : index
@@ -64,83 +97,101 @@ stream.executable private @{{ name }}_exe {
       %hi = arith.minsi %p1, %len : index
 {% if window %}
       %win = arith.constant {{ window }} : index
-      %lo0 = arith.subi %p1, %win : index
-      %lo = arith.maxsi %lo0, %c0 : index
+      %first0 = arith.subi %p1, %win : index
+      %first = arith.maxsi %first0, %c0 : index
 {% else %}
-      %lo = arith.constant 0 : index
+      %first = arith.constant 0 : index
 {% endif %}
+{# this workgroup's share of the keys [first, hi): split s takes [lo, hi) of ceil(n / splits) keys each #}
+      %keys = arith.subi %hi, %first : index
+      %keys_up = arith.addi %keys, %nsplit_less : index
+      %share = arith.divsi %keys_up, %nsplit : index
+      %skip = arith.muli %split, %share : index
+      %lo_all = arith.addi %first, %skip : index
+      %lo = arith.minsi %lo_all, %hi : index
+      %end_all = arith.addi %lo, %share : index
+      %hi_s = arith.minsi %end_all, %hi : index
       %scale = arith.constant 0x{{ scale_bits }} : f32
-      %f0 = arith.constant 0.0 : f32
-      %f1 = arith.constant 1.0 : f32
       %zf = arith.constant dense<0.0> : !vf
 {% for c in range(chunks) %}
       %d{{ c }} = arith.constant {{ c * lanes }} : index
 {% endfor %}
+{% for e in line_offsets %}
+      %line{{ e }} = arith.constant {{ e }} : index
+{% endfor %}
+      %ahead = arith.constant {{ prefetch_keys }} : index
+      %last_slot = arith.constant {{ slots - 1 }} : index
+{% for j in heads %}
 {% for c in range(chunks) %}
-      %qs{{ c }} = vector.load %q[%b, %h, %c0, %d{{ c }}] : !q_memref, !q_vec
-{{ widen(q_type, "%qs" ~ c, "%q" ~ c, "      ") }}
+      %qs{{ j }}_{{ c }} = vector.load %q[%b, %h{{ j }}, %c0, %d{{ c }}] : !q_memref, !q_vec
+{{ widen(q_type, "%qs" ~ j ~ "_" ~ c, "%q" ~ j ~ "_" ~ c, "      ") }}
 {%- endfor %}
-      scf.for %l = %lo to %hi step %c1 {
+{% endfor %}
+      scf.for %l = %lo to %hi_s step %c1 {
+{{ prefetch("%k", line_offsets, "k") -}}
 {% for c in range(chunks) %}
         %kh{{ c }} = vector.load %k[%b, %kvh, %l, %d{{ c }}] : !kv_memref, !kv_vec
 {{ widen(cache_type, "%kh" ~ c, "%kf" ~ c, "        ") }}
 {%- endfor %}
-{# two accumulator chains over the features, added at the end #}
+{# per query head, two accumulator chains over the features, added at the end #}
+{% for j in heads %}
 {% for c in range(chunks) %}
-{{ multiply_add("%a" ~ c, "%q" ~ c, "%kf" ~ c, "%zf" if c < 2 else "%a" ~ (c - 2), "        ") }}
+{{ multiply_add("%a" ~ j ~ "_" ~ c, "%q" ~ j ~ "_" ~ c, "%kf" ~ c, "%zf" if c < 2 else "%a" ~ j ~ "_" ~ (c - 2), "        ") }}
 {%- endfor %}
-        %dot = arith.addf %a{{ last - last % 2 }}, {{ "%a" ~ (last - 1 + last % 2) if last else "%zf" }} : !vf
-        %sum = vector.reduction <add>, %dot : !vf into f32
-        %sc = arith.mulf %sum, %scale : f32
-        memref.store %sc, %scr[%wg, %l] : !scratch_memref
+        %dot{{ j }} = arith.addf %a{{ j }}_{{ last - last % 2 }}, {{ "%a" ~ j ~ "_" ~ (last - 1 + last % 2) if last else "%zf" }} : !vf
+        %sum{{ j }} = vector.reduction <add>, %dot{{ j }} : !vf into f32
+        %sc{{ j }} = arith.mulf %sum{{ j }}, %scale : f32
+        memref.store %sc{{ j }}, %scr[%row{{ j }}, %l] : !scratch_memref
+{% endfor %}
       }
-{# the max and the exponentials 16 keys at a time; lanes past hi are masked off #}
+{# per query head, the max and the exponentials 16 keys at a time; lanes past hi are masked off #}
       %c{{ lanes }} = arith.constant {{ lanes }} : index
       %ninfv = arith.constant dense<0xFF800000> : !vf
-      %mv = scf.for %l = %lo to %hi step %c{{ lanes }} iter_args(%mx = %ninfv) -> (!vf) {
-        %rem = arith.subi %hi, %l : index
+{% for j in heads %}
+      %mv{{ j }} = scf.for %l = %lo to %hi_s step %c{{ lanes }} iter_args(%mx = %ninfv) -> (!vf) {
+        %rem = arith.subi %hi_s, %l : index
         %mask = vector.create_mask %rem : !mask
-        %sv = vector.maskedload %scr[%wg, %l], %mask, %ninfv : !scratch_memref, !mask, !vf into !vf
+        %sv = vector.maskedload %scr[%row{{ j }}, %l], %mask, %ninfv : !scratch_memref, !mask, !vf into !vf
         %mx2 = arith.maximumf %mx, %sv : !vf
         scf.yield %mx2 : !vf
       }
-      %m = vector.reduction <maximumf>, %mv : !vf into f32
-      %mb = vector.broadcast %m : f32 to !vf
-      %zv = scf.for %l = %lo to %hi step %c{{ lanes }} iter_args(%zacc = %zf) -> (!vf) {
-        %rem = arith.subi %hi, %l : index
+      %m{{ j }} = vector.reduction <maximumf>, %mv{{ j }} : !vf into f32
+      %mb{{ j }} = vector.broadcast %m{{ j }} : f32 to !vf
+      %zv{{ j }} = scf.for %l = %lo to %hi_s step %c{{ lanes }} iter_args(%zacc = %zf) -> (!vf) {
+        %rem = arith.subi %hi_s, %l : index
         %mask = vector.create_mask %rem : !mask
-        %sv = vector.maskedload %scr[%wg, %l], %mask, %mb : !scratch_memref, !mask, !vf into !vf
-        %sm = arith.subf %sv, %mb : !vf
+        %sv = vector.maskedload %scr[%row{{ j }}, %l], %mask, %mb{{ j }} : !scratch_memref, !mask, !vf into !vf
+        %sm = arith.subf %sv, %mb{{ j }} : !vf
         %e0 = math.exp %sm : !vf
         %e = arith.select %mask, %e0, %zf : !mask, !vf
-        vector.maskedstore %scr[%wg, %l], %mask, %e : !scratch_memref, !mask, !vf
+        vector.maskedstore %scr[%row{{ j }}, %l], %mask, %e : !scratch_memref, !mask, !vf
         %zacc2 = arith.addf %zacc, %e : !vf
         scf.yield %zacc2 : !vf
       }
-      %z = vector.reduction <add>, %zv : !vf into f32
-      %acc:{{ chunks }} = scf.for %l = %lo to %hi step %c1 iter_args({% for c in range(chunks) %}%o{{ c }} = %zf{{ ", " if not loop.last }}{% endfor %}) -> ({% for c in range(chunks) %}!vf{{ ", " if not loop.last }}{% endfor %}) {
-        %pr = memref.load %scr[%wg, %l] : !scratch_memref
-        %pbv = vector.broadcast %pr : f32 to !vf
-{% for c in range(chunks) %}
+      %z{{ j }} = vector.reduction <add>, %zv{{ j }} : !vf into f32
+      memref.store %m{{ j }}, %mo[%split, %b, %h{{ j }}] : !stat_memref
+      memref.store %z{{ j }}, %zo[%split, %b, %h{{ j }}] : !stat_memref
+{% endfor %}
+{# the values weighted: every query head's accumulators of one block of feature chunks at a time #}
+{% for first, end, accs, lines in blocks %}
+      %acc{{ first }}:{{ accs | length }} = scf.for %l = %lo to %hi_s step %c1 iter_args({% for j, c in accs %}%o{{ j }}_{{ c }} = %zf{{ ", " if not loop.last }}{% endfor %}) -> ({% for _ in accs %}!vf{{ ", " if not loop.last }}{% endfor %}) {
+{{ prefetch("%v", lines, "v") -}}
+{% for c in range(first, end) %}
         %vh{{ c }} = vector.load %v[%b, %kvh, %l, %d{{ c }}] : !kv_memref, !kv_vec
 {{ widen(cache_type, "%vh" ~ c, "%vf" ~ c, "        ") -}}
-{{ multiply_add("%n" ~ c, "%pbv", "%vf" ~ c, "%o" ~ c, "        ") }}
+{% endfor %}
+{% for j in heads %}
+        %pr{{ j }} = memref.load %scr[%row{{ j }}, %l] : !scratch_memref
+        %pbv{{ j }} = vector.broadcast %pr{{ j }} : f32 to !vf
+{% for c in range(first, end) %}
+{{ multiply_add("%n" ~ j ~ "_" ~ c, "%pbv" ~ j, "%vf" ~ c, "%o" ~ j ~ "_" ~ c, "        ") }}
 {%- endfor %}
-        scf.yield {% for c in range(chunks) %}%n{{ c }}{{ ", " if not loop.last }}{% endfor %} : {% for c in range(chunks) %}!vf{{ ", " if not loop.last }}{% endfor +%}
+{% endfor %}
+        scf.yield {% for j, c in accs %}%n{{ j }}_{{ c }}{{ ", " if not loop.last }}{% endfor %} : {% for _ in accs %}!vf{{ ", " if not loop.last }}{% endfor +%}
       }
-{# no key (a row whose position is outside the cache) gives zeros, not 0/0 #}
-      %pos_z = arith.cmpf ogt, %z, %f0 : f32
-      %inv0 = arith.divf %f1, %z : f32
-      %inv = arith.select %pos_z, %inv0, %f0 : f32
-      %invb = vector.broadcast %inv : f32 to !vf
-{% for c in range(chunks) %}
-      %r{{ c }} = arith.mulf %acc#{{ c }}, %invb : !vf
-{% if q_type == "f32" %}
-      vector.store %r{{ c }}, %o[%b, %h, %c0, %d{{ c }}] : !q_memref, !q_vec
-{% else %}
-      %rn{{ c }} = arith.truncf %r{{ c }} : !vf to !q_vec
-      vector.store %rn{{ c }}, %o[%b, %h, %c0, %d{{ c }}] : !q_memref, !q_vec
-{% endif %}
+{% for j, c in accs %}
+      vector.store %acc{{ first }}#{{ loop.index0 }}, %o[%split, %b, %h{{ j }}, %d{{ c }}] : !part_memref, !vf
+{% endfor %}
 {% endfor %}
       return
     }

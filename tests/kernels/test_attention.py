@@ -75,6 +75,13 @@ CASES = {
     # a batched bundle: each row at its own position
     "batch-rows": dict(ring=False, batch=2, hq=4, hkv=2, d=32, slots=48, length=48, window=0,
                        kv_mapping="blocked", dtype=torch.float16, positions=[[3, 40], [47, 0]]),
+    # keys split over 6 workgroups per key/value head: one key (five splits empty), one key per split,
+    # shares that end inside the cache and the last slot
+    "splits": dict(ring=False, batch=1, hq=9, hkv=3, d=64, slots=1024, length=1024, window=0,
+                   kv_mapping="blocked", dtype=torch.float16, positions=[[0], [5], [700], [1023]]),
+    # split over 8, the window's lower bound moving through the splits, rows of a batch apart
+    "splits-window-rows": dict(ring=False, batch=2, hq=4, hkv=2, d=32, slots=512, length=512, window=100,
+                               kv_mapping="interleaved", dtype=torch.float16, positions=[[50, 300], [511, 99]]),
 }
 
 
@@ -101,6 +108,34 @@ def test_kernel_matches_the_decomposed_attention(name):
         scaled = np.abs(got - want).max() / np.abs(want).max()
         tol = 1e-5 if q.dtype == torch.float32 else 1e-3  # an f16 output rounds to 2^-11
         assert scaled < tol, f"{name} at {positions}: scaled error {scaled:.2e}"
+
+
+def test_keys_split_over_enough_workgroups_whatever_the_batch():
+    smollm2 = DecodeAttentionShape(1, 9, 3, 64, 8192, 8192, 0, "blocked", "f16", 0.125)
+    assert smollm2.splits == 6  # 3 key/value heads x 6 >= 16 workgroups a row
+    assert DecodeAttentionShape(**{**smollm2.__dict__, "batch": 4}).splits == 6
+    gemma_ring = DecodeAttentionShape(1, 4, 1, 256, 512, 512, 0, "blocked", "f16", 0.0625)
+    assert gemma_ring.splits == 16
+    short = DecodeAttentionShape(1, 4, 2, 32, 48, 48, 0, "blocked", "f16", 0.125)
+    assert short.splits == 1  # a split reads 32 keys at least
+
+
+def test_a_rows_output_is_the_same_to_the_bit_in_any_batch():
+    """What a batched bundle's rows rely on to decode as alone: the splits and the order of every
+    sum depend on the row's own position only."""
+    torch.manual_seed(1)
+    hq, hkv, d, slots = 6, 2, 32, 640
+    q = torch.randn(3, hq, 1, d)
+    k, v = (torch.randn(3, hkv, slots, d).half() for _ in range(2))
+    positions = np.array([37, 639, 400])
+    module = _Attend(False, 0, 0.125, "blocked", slots)
+    together = _compile(module, (q, k, v, torch.tensor(positions))).decode(
+        q.numpy(), k.numpy(), v.numpy(), positions).to_host()
+    alone = _compile(module, (q[:1], k[:1], v[:1], torch.tensor(positions[:1])))
+    for row in range(3):
+        got = alone.decode(q[row:row + 1].numpy(), k[row:row + 1].numpy(), v[row:row + 1].numpy(),
+                           positions[row:row + 1]).to_host()
+        assert np.array_equal(got[0].view(np.uint32), together[row].view(np.uint32)), f"row {row}"
 
 
 def test_shapes_the_kernel_does_not_take_are_refused():

@@ -22,6 +22,7 @@ import pytest
 from foldline.kernels import template
 from foldline.kernels.attention import (
     DecodeAttentionShape,
+    decode_attention_combine_executable,
     decode_attention_executable,
     decode_attention_function,
 )
@@ -83,7 +84,8 @@ SHAPE = DecodeAttentionShape(2, 4, 2, 32, 48, 40, 8, "interleaved", "f16", 0.125
 def test_an_instance_is_one_self_contained_op_with_its_aliases_resolved(isa):
     from iree.compiler import ir
 
-    for text in (decode_attention_executable(SHAPE, isa), decode_attention_function(SHAPE)):
+    for text in (decode_attention_executable(SHAPE, isa), decode_attention_combine_executable(SHAPE, isa),
+                 decode_attention_function(SHAPE)):
         assert not re.search(r"!\w+(?![\w.])", text), "an alias left unresolved"
         assert "{{" not in text and "{%" not in text
         with ir.Context() as ctx:
