@@ -99,6 +99,10 @@ class Builder:
         return arith.MulIOp(a, b).result
 
     @staticmethod
+    def minsi(a: Value, b: Value) -> Value:
+        return arith.MinSIOp(a, b).result
+
+    @staticmethod
     def andi(a: Value, b: Value) -> Value:
         return arith.AndIOp(a, b).result
 
@@ -244,6 +248,12 @@ class Builder:
     def alloca(t: ir.MemRefType) -> Value:
         """A stack buffer of the function (`memref.alloca`)."""
         return memref.AllocaOp(t, [], []).result
+
+    @staticmethod
+    def prefetch(base: Value, indices: Sequence[Value]) -> None:
+        """`memref.prefetch` for reading: asks the memory for the line holding base[indices] into every
+        cache level, ahead of its load."""
+        memref.PrefetchOp(base, list(indices), False, 3, True)
 
     @staticmethod
     def load_scalar(base: Value, indices: Sequence[Value]) -> Value:

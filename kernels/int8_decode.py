@@ -64,6 +64,8 @@ WORKGROUPS = 8
 ROWS_PER_WORKGROUP_LARGE = 1024
 LARGE_N = 8192
 MIN_ROWS_PER_WORKGROUP = 16
+PREFETCH_BYTES = 2048  # how far ahead of the row read its codes are asked for
+CACHE_LINE = 64  # bytes
 CODES_PER_STEP = 64  # codes per row step: one 512-bit vector, two 256-bit ones
 CHAINS = 2  # independent accumulators per row
 # Activation rows one dispatch takes (decode of a bundle compiled with --batch up to this), and the
@@ -431,8 +433,23 @@ def _dot_with_group_sums(b: Builder, s: Int8DotShape, o: _Operands, per_group: V
     return b.reduce("add", b.mulf(groups, sums))
 
 
+def _prefetch_ahead(b: Builder, s: Int8DotShape, o: _Operands, row: Value) -> None:
+    """Ask for the codes and scales of the row PREFETCH_BYTES ahead (the last row at most), every
+    cache line of them: the hardware's own prefetcher alone left each core's stream of rows waiting
+    on memory."""
+    code_bytes = codes_dims(s.fmt, s.n, s.k)[1]
+    ahead = b.minsi(b.addi(row, b.index(max(1, PREFETCH_BYTES // code_bytes))), b.index(s.n - 1))
+    for offset in range(0, code_bytes, CACHE_LINE):
+        b.prefetch(o.codes, [ahead, b.index(offset)])
+    per_line = CACHE_LINE // (2 if s.scale_type == "f16" else 4)
+    for table in (o.scales, o.mins) if s.has_min else (o.scales,):
+        for group in range(0, s.groups, per_line):
+            b.prefetch(table, [ahead, b.index(group)])
+
+
 def _row(b: Builder, s: Int8DotShape, o: _Operands, row: Value) -> None:
     """y[row]: every step of the row unrolled, CHAINS independent accumulators."""
+    _prefetch_ahead(b, s, o, row)
     offsets = _step_offsets(b, s)
     last: dict[int, Value] = {}  # chain -> its latest accumulator
     for i in range(len(offsets)):
@@ -461,6 +478,7 @@ def _rows(b: Builder, s: Int8DotShape, rows: list[_Operands], row: Value, offset
     and summed in the same order, the same chains), so it gets the one-row kernel's result to the bit.
     """
     o = rows[0]
+    _prefetch_ahead(b, s, o, row)
     per = CODES_PER_STEP // s.group
     v64, vf = b.vector(64, "i8"), b.vector(16, "f32")
     last: list[dict[int, Value]] = [{} for _ in rows]

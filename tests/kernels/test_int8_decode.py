@@ -215,6 +215,21 @@ def test_supports_only_whole_vector_shapes():
     assert not vk.supports(vk.Int8DotShape("q4", 32, "f16", False, 128, 64))  # q4 always has mins
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_each_row_asks_for_every_line_of_a_row_ahead(rows):
+    """The prefetch the codes' stream relies on (docs/quantization.md): every cache line of the codes,
+    scales and mins of a row ahead, clamped to the last row."""
+    import re
+
+    shape = vk.Int8DotShape("q5", 32, "f16", True, 640, 320, rows=rows)  # Gemma's projections: 400 code bytes a row
+    text = vk.int8_dot_executable(shape)
+    prefetches = re.findall(r"memref.prefetch %\w+\[%\w+, %\w+\], read, locality<3>, data : memref<(\d+)x(\d+)x(\w+)>", text)
+    codes = [p for p in prefetches if p[2] == "i8"]
+    assert len(codes) == -(-400 // vk.CACHE_LINE)  # 7 lines of 64 bytes
+    assert len([p for p in prefetches if p[2] == "f16"]) == 2  # scales and mins: 20 groups, one line each
+    assert "arith.minsi" in text and "arith.constant 319 : index" in text  # the row ahead, at most the last
+
+
 def test_rows_per_workgroup_divide_n():
     for n in (16, 48, 576, 960, 3072, 49152, 262144, 8208):
         rows = vk.Int8DotShape("q8", 32, "f16", False, 640, n).rows_per_workgroup
