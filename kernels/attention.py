@@ -33,10 +33,11 @@ ring form is the same kernel with no window bound. The scores go through a
 transient scratch result (rows x L floats), not a stack buffer: at L = 8192
 it would exceed IREE's stack allocation limit.
 
-Why split: a row has few key/value heads (SmolLM2 3, Gemma 3 one), so one
-workgroup per head left a core idle and one read stream per core; at 4,096
-tokens held SmolLM2's attention read its cache at about half the speed its
-weights are read. The share count depends on the head count and the cache
+Why split: with a workgroup per query head, each key/value head was read
+once per query head of its group, and a core read one stream at a time; at
+4,096 tokens held SmolLM2's attention read its cache at about half the speed
+its weights are read. A workgroup per key/value head alone leaves a core idle:
+a row has few of them (SmolLM2 3, Gemma 3 one). The share count depends on the head count and the cache
 length only, never on the batch, and every sum runs in a fixed order, so a
 row's output is the same to the bit alone or beside other rows (the batched
 bundles' rows rely on it).
@@ -155,7 +156,7 @@ def _parameters(s: DecodeAttentionShape) -> dict[str, object]:
 
 def decode_attention_executable(s: DecodeAttentionShape, isa: FloatIsa = HARDWARE_FLOAT) -> str:
     """The `stream.executable` for one shape (templates/decode_attention.mlir): a workgroup per
-    (row, query head), three passes over its keys."""
+    (row, key/value head, share of the keys), three passes over its share."""
     if not supports(s):
         raise AttentionKernelError(f"no decode attention kernel for {s}")
     rep, chunks = s.q_heads // s.kv_heads, s.head_dim // LANES
@@ -188,7 +189,7 @@ def decode_attention_combine_executable(s: DecodeAttentionShape, isa: FloatIsa =
 
 def decode_attention_function(s: DecodeAttentionShape) -> str:
     """The util.func @name(q, k, v, pos) -> out that a site calls (templates/decode_attention_call.mlir):
-    the dispatch, its scratch dropped."""
+    the two dispatches, the scratch dropped."""
     return instantiate("decode_attention_call", **_parameters(s))
 
 
