@@ -56,8 +56,10 @@ from iree.compiler import ir
 
 from ..frontend.types import MLIR_ELEMENTS
 from .mlir import (
+    CACHE_LINE,
     HARDWARE_FLOAT,
     FloatIsa,
+    element_bytes,
     f32_bits,
     tensor_type,
 )
@@ -74,12 +76,10 @@ from .template import instantiate
 
 OP_NAMES = ("torch.foldline.cache_attention", "torch.foldline.ring_decode_attention")
 CACHE_TYPES = ("f16", "bf16", "f32")
-ELEMENT_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 LANES = 16  # features per vector (512 bits of f32)
 SPLIT_WORKGROUPS = 16  # workgroups a row's keys are split over (whole key/value heads)
 MIN_SPLIT_KEYS = 32  # keys a split may read at least, at the full length
 PREFETCH_KEYS = 16  # keys ahead of the one read that a pass asks the memory for
-CACHE_LINE = 64  # bytes
 VALUE_ACCUMULATORS = 16  # vectors the value pass accumulates at once: half the registers of AVX-512
 
 
@@ -160,7 +160,7 @@ def decode_attention_executable(s: DecodeAttentionShape, isa: FloatIsa = HARDWAR
     if not supports(s):
         raise AttentionKernelError(f"no decode attention kernel for {s}")
     rep, chunks = s.q_heads // s.kv_heads, s.head_dim // LANES
-    line = CACHE_LINE // ELEMENT_BYTES[s.cache_type]
+    line = CACHE_LINE // element_bytes(s.cache_type)
     return instantiate("decode_attention", **_parameters(s), rep=rep, scale_bits=f32_bits(s.scale).upper(),
                        lanes=LANES, chunks=chunks, blocks=_value_blocks(rep, chunks, line),
                        line_offsets=list(range(0, s.head_dim, line)), prefetch_keys=PREFETCH_KEYS,

@@ -52,7 +52,7 @@ from iree.compiler import ir
 from ..contract.block_formats import codes_dims
 from .builder import Builder, Value, stream_executable
 from .isa import Int8Isa
-from .mlir import as_tensor, f32_bits, memref_type
+from .mlir import CACHE_LINE, as_tensor, element_bytes, f32_bits, memref_type
 from .template import instantiate
 from .x86 import AVX512_VNNI
 
@@ -65,7 +65,6 @@ ROWS_PER_WORKGROUP_LARGE = 1024
 LARGE_N = 8192
 MIN_ROWS_PER_WORKGROUP = 16
 PREFETCH_BYTES = 2048  # how far ahead of the row read its codes are asked for
-CACHE_LINE = 64  # bytes
 CODES_PER_STEP = 64  # codes per row step: one 512-bit vector, two 256-bit ones
 CHAINS = 2  # independent accumulators per row
 # Activation rows one dispatch takes (decode of a bundle compiled with --batch up to this), and the
@@ -441,7 +440,7 @@ def _prefetch_ahead(b: Builder, s: Int8DotShape, o: _Operands, row: Value) -> No
     ahead = b.minsi(b.addi(row, b.index(max(1, PREFETCH_BYTES // code_bytes))), b.index(s.n - 1))
     for offset in range(0, code_bytes, CACHE_LINE):
         b.prefetch(o.codes, [ahead, b.index(offset)])
-    per_line = CACHE_LINE // (2 if s.scale_type == "f16" else 4)
+    per_line = CACHE_LINE // element_bytes(s.scale_type)
     for table in (o.scales, o.mins) if s.has_min else (o.scales,):
         for group in range(0, s.groups, per_line):
             b.prefetch(table, [ahead, b.index(group)])

@@ -11,6 +11,15 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from .. import dtypes
+
+CACHE_LINE = 64  # bytes: what one prefetch asks the memory for
+
+
+def element_bytes(element: str) -> int:
+    """The size of an MLIR float element type ("f16", "bf16", "f32"), from the one dtype table."""
+    return dtypes.itemsize(dtypes.canonical(element))
+
 
 def tensor_type(shape: Sequence[int], element: str) -> str:
     """`tensor<2x3xf32>`."""

@@ -3,13 +3,15 @@
    (kernels/attention.py has the arithmetic): scores into the scratch rows with one dot product per
    key and query head, the max and the exponentials 16 keys at a time per query head, then the
    values weighted, a block of features at a time. It leaves each query head's unnormalized sum
-   of values, its max and its sum of exponentials per split; decode_attention_call.mlir combines
-   the splits.
+   of values, its max and its sum of exponentials per split; decode_attention_combine.mlir
+   combines the splits.
    Parameters: name, the shape's fields (batch, q_heads, kv_heads, head_dim, slots, length, window,
    kv_mapping, cache_type, q_type), rep (q_heads / kv_heads), scale_bits (the f32 scale's hex bits),
-   splits (workgroups per row and key/value head), lanes (features per vector), chunks (head_dim / lanes), blocks (first chunk, end chunk and the
-   (query head, chunk) accumulators of each block of features the value pass takes together),
-   fma and f16 (the CPU's float operations). #}
+   splits (workgroups per row and key/value head), lanes (features per vector), chunks
+   (head_dim / lanes), blocks (first chunk, end chunk, the (query head, chunk) accumulators and the
+   cache lines of each block of features the value pass takes together), line_offsets (the cache
+   lines of a row), prefetch_keys (how far ahead a pass asks for slots), fma and f16 (the CPU's
+   float operations). #}
 !q_memref = memref<{{ batch }}x{{ q_heads }}x1x{{ head_dim }}x{{ q_type }}>
 !kv_memref = memref<{{ batch }}x{{ kv_heads }}x{{ slots }}x{{ head_dim }}x{{ cache_type }}>
 !pos_memref = memref<{{ batch }}xi64>

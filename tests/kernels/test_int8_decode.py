@@ -11,6 +11,7 @@ must hold its dot-product instruction.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -219,8 +220,6 @@ def test_supports_only_whole_vector_shapes():
 def test_each_row_asks_for_every_line_of_a_row_ahead(rows):
     """The prefetch the codes' stream relies on (docs/quantization.md): every cache line of the codes,
     scales and mins of a row ahead, clamped to the last row."""
-    import re
-
     shape = vk.Int8DotShape("q5", 32, "f16", True, 640, 320, rows=rows)  # Gemma's projections: 400 code bytes a row
     text = vk.int8_dot_executable(shape)
     prefetches = re.findall(r"memref.prefetch %\w+\[%\w+, %\w+\], read, locality<3>, data : memref<(\d+)x(\d+)x(\w+)>", text)
