@@ -54,6 +54,10 @@ class Arm64Python:
             raise RuntimeError(f"aarch64 script exited with {done.returncode}:\n{done.stdout}\n{done.stderr}")
         return done
 
+    def close(self) -> None:
+        """Remove the folder the scripts are imported from."""
+        shutil.rmtree(self._imports, ignore_errors=True)
+
 
 def main() -> int:
     """`python tests/kernels/qemu_arm64.py SCRIPT ARGS...`: run a script on aarch64 (for a person trying it)."""
@@ -61,7 +65,10 @@ def main() -> int:
     if isinstance(found, str):
         print(found, file=sys.stderr)
         return 2
-    done = found.run(Path(sys.argv[1]).read_text(), *sys.argv[2:])
+    try:
+        done = found.run(Path(sys.argv[1]).read_text(), *sys.argv[2:])
+    finally:
+        found.close()
     print(done.stdout, end="")
     return 0
 

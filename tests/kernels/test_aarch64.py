@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -61,11 +62,12 @@ for job in json.load(open(sys.argv[1])):
 
 
 @pytest.fixture(scope="module")
-def arm64() -> Arm64Python:
+def arm64() -> Iterator[Arm64Python]:
     found = Arm64Python.find()
     if isinstance(found, str):
         pytest.skip(found)
-    return found
+    yield found
+    found.close()
 
 
 def _compile(loaded, out: Path, cpu: str, with_host: bool, **options) -> Path:
