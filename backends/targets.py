@@ -117,6 +117,11 @@ def llvm_cpu_features(cpu: str, triple: str | None = None) -> str:
     return found.group(1) if found else ""
 
 
+def _scalable(features: str) -> bool:
+    """Whether an LLVM feature string turns on an aarch64 scalable extension (SVE, SVE2, SME)."""
+    return any(f.lstrip("+").startswith(("sve", "sme")) and not f.startswith("-") for f in features.split(","))
+
+
 def cpu_target(cpu: str = "host", triple: str | None = None) -> Target:
     """llvm-cpu for this machine (host), any CPU of the arch (generic), or a named LLVM CPU.
 
@@ -142,12 +147,26 @@ def cpu_target(cpu: str = "host", triple: str | None = None) -> Target:
         if triple and arch != host_arch():
             raise TargetError("--cpu host cannot be combined with a cross-compile --triple; name the CPU "
                               "(e.g. --cpu generic or --cpu cortex-a76)")
-        flags.append("--iree-llvmcpu-target-cpu=host")
         cpu_flags = _host_isa_flags()
+        features = llvm_cpu_features("host") if arch == "aarch64" else ""
+        if _scalable(features):  # an SVE host: as for a named SVE CPU below
+            features = ",".join(f for f in features.split(",") if not _scalable(f))
+            flags += ["--iree-llvmcpu-target-cpu=generic", f"--iree-llvmcpu-target-cpu-features={features}"]
+        else:
+            flags.append("--iree-llvmcpu-target-cpu=host")
     elif cpu != "generic":
-        flags.append(f"--iree-llvmcpu-target-cpu={cpu}")
-        if arch in ARCH_ISA_FLAGS:
-            cpu_flags = isa_flags(llvm_cpu_features(cpu, triple))
+        features = llvm_cpu_features(cpu, triple) if arch in ARCH_ISA_FLAGS else ""
+        if arch == "aarch64" and _scalable(features):
+            # NEON (fixed-width) vectors on SVE cores too: foldline's kernels are NEON, and with SVE in the
+            # target IREE's vectorizer runs out of memory bounding the scalable masks of SmolLM2's
+            # dispatches (neoverse-v1). IREE reads SVE from the CPU name as well as from its features, so
+            # the CPU's features go in by name, less SVE and SME, on the generic CPU.
+            features = ",".join(f for f in features.split(",") if not _scalable(f))
+            flags += ["--iree-llvmcpu-target-cpu=generic", f"--iree-llvmcpu-target-cpu-features={features}"]
+        else:
+            flags.append(f"--iree-llvmcpu-target-cpu={cpu}")
+        if features:
+            cpu_flags = isa_flags(features)
     return Target("cpu", flags, f"llvm-cpu ({cpu}{', ' + triple if triple else ''})", arch, cpu_flags, cpu)
 
 

@@ -1,7 +1,7 @@
 """aarch64 executed, not only compiled: bundles and kernels for Arm CPUs run under qemu-user.
 
 The aarch64 side is this checkout's runtime on Debian's arm64 Python with the
-aarch64 iree-base-runtime wheel (tests/kernels/qemu_arm64.py; scripts/setup_arm64.sh
+aarch64 iree-base-runtime wheel (bench/aarch64_python.py; scripts/setup_arm64.sh
 installs it, and CI runs setup). Bundles for a dotprod CPU (cortex-a76: the
 int8-activation kernels in their NEON `sdot` form, kernels/arm/) and for
 `--cpu generic` (the float kernels any Armv8-A runs), and for an i8mm CPU
@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from foldline.bench.aarch64_python import Arm64Python
 from foldline.kernels.arm import NEON_DOTPROD, NEON_I8MM
 
 from kernels import test_int8_decode, test_int8_gemm, test_quant_compile
 from kernels.int8_reference import check_form_code
-from kernels.qemu_arm64 import Arm64Python
 
 pytestmark = pytest.mark.slow
 
@@ -159,6 +159,26 @@ def test_int8_bundle_on_arm_matches_x86_and_eager(case, arm_runs):
     err_arm, err_x86 = ((np.abs(a - eager).max(axis=1) / np.abs(eager).max(axis=1)).max() for a in (arm, x86))
     assert err_arm < 3e-2, f"int8 activations on aarch64: {err_arm:.2e} of the largest logit from eager"
     assert err_arm <= 1.25 * err_x86 + 1e-3, f"aarch64 {err_arm:.2e} from eager, x86 {err_x86:.2e}"
+
+
+def test_instruction_count_runs_the_bundle_on_aarch64(arm64, arm_runs, tmp_path):
+    """bench/arm_instructions.py's foldline side on the dotprod bundle: it counts a prefill and decodes
+    whose greedy tokens are x86's (each within int8 bounds of x86's best logit on the same path)."""
+    from foldline.bench.arm_instructions import build_plugin, count_foldline
+    from foldline.runtime import Model
+
+    run, prompt, new_tokens = arm_runs["llama-q4-dotprod"], PROMPT[:24], 3
+    counted = count_foldline(arm64, build_plugin(tmp_path), run["arm"], "cortex-a76", prompt, new_tokens,
+                             pages=True)
+    assert counted.per_prompt_token > 0 and counted.per_decoded_token > 0
+    assert len(counted.tokens) == new_tokens
+    assert sum(counted.decode_where.values()) == round(counted.per_decoded_token * new_tokens)
+    with Model.load(run["x86"]) as model:
+        session = model.session()
+        logits = session.prefill(prompt)
+        for token in counted.tokens:
+            assert logits[token] >= logits.max() - 2e-2 * np.abs(logits).max(), (token, int(logits.argmax()))
+            logits = session.decode(token)
 
 
 def test_generic_armv8_bundle_takes_the_float_kernels_and_matches_eager(arm_runs):

@@ -3,9 +3,11 @@
 scripts/setup_arm64.sh puts an aarch64 userland in .arm64/ (Debian's arm64
 Python unpacked into `sysroot/`, the aarch64 wheels of numpy, ml_dtypes and
 iree-base-runtime in `site/`); $FOLDLINE_ARM64_ROOT names another. The scripts
-import this checkout's foldline (runtime only: no torch on that side) and talk
-to the caller through files. qemu-user emulates the CPU (its `max` model has
-dotprod and i8mm), so this checks what an Arm machine computes, not its speed.
+import this foldline (runtime only: no torch on that side) and talk to the
+caller through files. qemu-user emulates the CPU (its `max` model has dotprod
+and i8mm), so this checks what an Arm machine computes, not its speed. The
+aarch64 tests (tests/kernels/test_aarch64.py) and the instruction counts of
+bench/arm_instructions.py run through it.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 ARM64_ROOT_ENV = "FOLDLINE_ARM64_ROOT"
-PACKAGE_DIR = Path(__file__).resolve().parents[2]  # this checkout: the foldline package root
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the foldline package root (the checkout, installed editable)
 DEFAULT_ROOT = PACKAGE_DIR / ".arm64"
 
 
@@ -41,14 +44,19 @@ class Arm64Python:
             return f"no aarch64 userland in {root} (run scripts/setup_arm64.sh)"
         return cls(root)
 
-    def run(self, script: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-        """Run `script` (Python source) on aarch64 with `args`; a failure raises with its output."""
+    def run(self, script: str, *args: str, timeout: float = 900, qemu_options: Sequence[str] = (),
+            paths: Sequence[Path] = (), env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """Run `script` (Python source) on aarch64 with `args`; a failure raises with its output.
+
+        qemu_options go to qemu-aarch64 (a `-plugin`); paths are importable beside foldline; env is added.
+        """
         path = self._imports / "script.py"
         path.write_text(script)
-        env = {**os.environ, "PYTHONPATH": f"{self._imports}{os.pathsep}{self.root / 'site'}",
+        search = [self._imports, *paths, self.root / "site"]
+        env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(map(str, search)),
                "PYTHONDONTWRITEBYTECODE": "1"}
         env.pop("PYTHONHOME", None)
-        cmd = ["qemu-aarch64", "-L", str(self.root / "sysroot"), str(self.python), str(path), *args]
+        cmd = ["qemu-aarch64", *qemu_options, "-L", str(self.root / "sysroot"), str(self.python), str(path), *args]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
             raise RuntimeError(f"aarch64 script exited with {done.returncode}:\n{done.stdout}\n{done.stderr}")
@@ -60,7 +68,7 @@ class Arm64Python:
 
 
 def main() -> int:
-    """`python tests/kernels/qemu_arm64.py SCRIPT ARGS...`: run a script on aarch64 (for a person trying it)."""
+    """`python -m foldline.bench.aarch64_python SCRIPT ARGS...`: run a script on aarch64 (for a person trying it)."""
     found = Arm64Python.find()
     if isinstance(found, str):
         print(found, file=sys.stderr)
