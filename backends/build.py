@@ -164,9 +164,12 @@ def _compile_and_store(loaded: LoadedModel, out_dir: str | Path, options: BuildO
     with loaded.reconfigured(dtype=dtype, kv_dtype=kv_dtype if kv_dtype != dtype else None), _fewer_collections():
         out = _compile(loaded, out_dir, options, progress)
     if cache is not None and key is not None:
-        cache.store(key, out, {"model": loaded.source, "name": loaded.config.name,
-                               "targets": [t.description for t in options.targets]},
-                    files=written_files(out, options.keep_mlir))
+        stored = cache.store(key, out, {"model": loaded.source, "name": loaded.config.name,
+                                        "targets": [t.description for t in options.targets]},
+                             files=written_files(out, options.keep_mlir))
+        if not stored:
+            progress(f"not cached: the disk of {cache.root} is nearly full (the cache leaves "
+                     f"{cache.min_free_bytes / (1 << 30):.1f} GB free; FOLDLINE_CACHE_MIN_FREE_GB)")
     return out
 
 

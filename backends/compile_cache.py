@@ -25,7 +25,10 @@ compile: the second waits on the first's lock (an advisory `flock` on
 the files the manifest lists, model.mlir when kept), never other files that lay
 in the output directory. The cache holds foldline's own outputs only and is
 bounded (FOLDLINE_CACHE_MAX_GB, default 20): the least recently used entries
-go first. `foldline cache ls|clear` lists and empties it.
+go first. It also leaves the disk FOLDLINE_CACHE_MIN_FREE_GB (default 2) free:
+older entries go to make room for a new one, and a bundle that would still
+cut into that floor is not stored (the compile's own output is unaffected).
+`foldline cache ls|clear` lists and empties it.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 SOURCE_FOLDERS = ("contract", "frontend", "passes", "kernels", "backends")
 SOURCE_FILES = ("dtypes.py",)
 DEFAULT_MAX_GB = 20.0
+DEFAULT_MIN_FREE_GB = 2.0
 ENTRY_FILE = "entry.json"
 BUNDLE_DIR = "bundle"
 
@@ -102,11 +106,18 @@ def _tree_size(path: Path) -> int:
 class CompileCache:
     """Bundles by key under `root` (default $FOLDLINE_CACHE/compiled), at most `max_bytes` in all."""
 
-    def __init__(self, root: Path | None = None, max_bytes: int | None = None):
+    def __init__(self, root: Path | None = None, max_bytes: int | None = None, min_free_bytes: int | None = None):
         self.root = Path(root) if root is not None else cache_dir() / "compiled"
         if max_bytes is None:
             max_bytes = int(float(os.environ.get("FOLDLINE_CACHE_MAX_GB", DEFAULT_MAX_GB)) * (1 << 30))
+        if min_free_bytes is None:
+            min_free_bytes = int(float(os.environ.get("FOLDLINE_CACHE_MIN_FREE_GB", DEFAULT_MIN_FREE_GB)) * (1 << 30))
         self.max_bytes = max_bytes
+        self.min_free_bytes = min_free_bytes
+
+    def free_bytes(self) -> int:
+        """Free space on the cache's disk."""
+        return shutil.disk_usage(self.root if self.root.exists() else self.root.parent).free
 
     def _entry_dir(self, key: str) -> Path:
         return self.root / key
@@ -145,12 +156,19 @@ class CompileCache:
         os.utime(entry / ENTRY_FILE)  # least-recently-used order
         return True
 
-    def store(self, key: str, bundle_dir: Path, info: dict[str, Any], files: Iterable[str]) -> None:
+    def store(self, key: str, bundle_dir: Path, info: dict[str, Any], files: Iterable[str]) -> bool:
         """Keep a copy of a freshly written bundle's `files` (names in bundle_dir: the bundle's own, never
-        whatever else lies beside them); atomic against concurrent writers, then bounded."""
+        whatever else lies beside them); atomic against concurrent writers, then bounded. False when the
+        disk has no room for it above the free-space floor, even with every older entry dropped."""
         if (self._entry_dir(key) / ENTRY_FILE).is_file():
-            return
+            return True
         self.root.mkdir(parents=True, exist_ok=True)
+        files = list(files)
+        size = sum((Path(bundle_dir) / name).stat().st_size for name in files)
+        reclaimable = sum(e.size for e in self.entries())
+        if self.free_bytes() + reclaimable < self.min_free_bytes + size:
+            return False  # no room even with every entry gone: keep the entries
+        self.evict(need=size)
         tmp = self.root / f".tmp-{uuid.uuid4().hex}"
         try:
             (tmp / BUNDLE_DIR).mkdir(parents=True)
@@ -164,6 +182,7 @@ class CompileCache:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         self.evict()
+        return True
 
     def entries(self) -> list[CacheEntry]:
         """Complete entries, most recently used first."""
@@ -181,11 +200,12 @@ class CompileCache:
             out.append(CacheEntry(d.name, d, info, _tree_size(d), meta.stat().st_mtime))
         return sorted(out, key=lambda e: e.last_used, reverse=True)
 
-    def evict(self) -> list[str]:
-        """Drop least recently used entries until the cache fits its bound; returns their keys."""
+    def evict(self, need: int = 0) -> list[str]:
+        """Drop least recently used entries until the cache fits its bound and the disk has the free-space
+        floor plus `need` bytes free; returns their keys."""
         entries, dropped = self.entries(), []
         total = sum(e.size for e in entries)
-        while entries and total > self.max_bytes:
+        while entries and (total > self.max_bytes or self.free_bytes() < self.min_free_bytes + need):
             e = entries.pop()
             shutil.rmtree(e.path, ignore_errors=True)
             total -= e.size

@@ -102,6 +102,26 @@ def test_the_bound_drops_least_recently_used_entries(tmp_path):
     assert cache.clear() > 0 and cache.entries() == []
 
 
+def test_the_cache_leaves_the_disk_its_free_space_floor(tmp_path, monkeypatch):
+    """On a nearly full disk older entries make room for a new one, and a bundle that would cut into the
+    floor even with every entry gone is not stored, the entries kept: the cache never fills the disk."""
+    from foldline.backends import compile_cache
+
+    cache = CompileCache(tmp_path / "cache", max_bytes=10**9, min_free_bytes=1000)
+    disk = 1000 + 2 * 5300 + 500  # the floor, two entries (each ~5.3 KB) and a little more
+    monkeypatch.setattr(cache, "free_bytes", lambda: disk - compile_cache._tree_size(cache.root))
+    for i in range(2):
+        assert cache.store(f"k{i}", _bundle(tmp_path / f"b{i}", "x" * 52), {}, files=BUNDLE_FILES)
+        os.utime(cache.root / f"k{i}" / "entry.json", (1000 + i, 1000 + i))
+    assert {e.key for e in cache.entries()} == {"k0", "k1"}
+    assert cache.store("k2", _bundle(tmp_path / "b2", "y" * 52), {}, files=BUNDLE_FILES)
+    assert {e.key for e in cache.entries()} == {"k1", "k2"}  # k0, the least recently used, made room
+    assert cache.free_bytes() >= cache.min_free_bytes
+    huge = _bundle(tmp_path / "b3", "z" * 200)  # ~20 KB: more than the disk has above the floor
+    assert not cache.store("k3", huge, {}, files=BUNDLE_FILES)
+    assert {e.key for e in cache.entries()} == {"k1", "k2"}  # kept: dropping them would not have made room
+
+
 def test_an_entry_holds_only_the_files_named(tmp_path):
     cache = CompileCache(tmp_path / "cache")
     src = _bundle(tmp_path / "b", "one")
