@@ -75,6 +75,18 @@ class Builder:
     def index(self, value: int) -> Value:
         return self.const(value, "index")
 
+    def shared_lanes(self, values: Sequence[int], t: str | ir.Type) -> Value:
+        """The function's one integer vector constant with these lanes (`dense<[...]>`), at its top."""
+        t = self._type(t).maybe_downcast()
+        key = (tuple(values), str(t))
+        if key not in self._shared:
+            width = t.element_type.width
+            lanes = [ir.IntegerAttr.get(t.element_type, (v + (1 << (width - 1))) % (1 << width) - (1 << (width - 1)))
+                     for v in values]  # as the signed value of the element's bits (128 as i8 is -128)
+            with ir.InsertionPoint.at_block_begin(self.entry):
+                self._shared[key] = arith.ConstantOp(t, ir.DenseElementsAttr.get(lanes, type=t)).result
+        return self._shared[key]
+
     def shared(self, value: float | int, t: str | ir.Type) -> Value:
         """The function's one constant of this value and type (made here, or at its top inside a loop)."""
         t = self._type(t)
@@ -171,6 +183,10 @@ class Builder:
     @staticmethod
     def cmpf_ogt(a: Value, b: Value) -> Value:
         return arith.CmpFOp(arith.CmpFPredicate.OGT, a, b).result
+
+    @staticmethod
+    def cmpi_ne(a: Value, b: Value) -> Value:
+        return arith.CmpIOp(arith.CmpIPredicate.ne, a, b).result
 
     @staticmethod
     def select(condition: Value, a: Value, b: Value) -> Value:

@@ -224,22 +224,36 @@ def _nibble_mask(shape: Int8DotShape) -> list[int]:
     return mask
 
 
-def fifth_bit_constants(b: Builder, codes: int) -> None:
+def fifth_bit_constants(b: Builder, codes: int, bit_vectors: bool) -> None:
     """Make the constants `fifth_bits` uses for runs of `codes` codes here, once per function."""
     b.shared(0, b.vector(codes, "i8"))
     b.shared(16, b.vector(codes, "i8"))
+    if not bit_vectors:
+        b.shared_lanes(_bit_of_code(codes), b.vector(codes, "i8"))
 
 
-def fifth_bits(b: Builder, packed: Value, codes: int) -> Value:
+def _bit_of_code(codes: int) -> list[int]:
+    """Lane c: the bit of its byte that holds code c's fifth bit (1 << c % 8)."""
+    return [1 << (c % 8) for c in range(codes)]
+
+
+def fifth_bits(b: Builder, packed: Value, codes: int, bit_vectors: bool) -> Value:
     """16 or 0 per code (vector<codes x i8>) from `packed` (vector<codes/8 x i8>), the q5 fifth bits of
-    `codes` consecutive codes, bit t of byte j belonging to code 8j + t (frontend/quant.py).
+    `codes` consecutive codes, bit t of byte j belonging to code 8j + t (frontend/quant.py). Or-ed into
+    the codes' nibbles this gives the 5-bit codes.
 
-    The bytes are read as a vector of codes bits, the order LLVM gives a bitcast to i1 elements; on
-    AVX-512 that is a mask register, and the select one masked move (`vpmovm2b`-like). Or-ed into the
-    codes' nibbles this gives the 5-bit codes.
+    Where the form has `bit_vectors` (x86) the bytes are read as a vector of codes bits, the order LLVM
+    gives a bitcast to i1 elements, and selected by them (with AVX-512 one masked move). On AArch64 LLVM
+    expands that bitcast bit by bit (2.9 instructions per weight for a q5 decode row, against 0.6 for
+    q8), so each byte is copied to its 8 codes' lanes (a shuffle: `tbl`), masked with its lane's bit and
+    compared with zero: a few vector instructions per 16 codes, the same 16 or 0.
     """
-    bits = b.vbitcast(packed, b.vector(codes, "i1"))
-    return b.select(bits, b.shared(16, b.vector(codes, "i8")), b.shared(0, b.vector(codes, "i8")))
+    zero, sixteen = b.shared(0, b.vector(codes, "i8")), b.shared(16, b.vector(codes, "i8"))
+    if bit_vectors:
+        return b.select(b.vbitcast(packed, b.vector(codes, "i1")), sixteen, zero)
+    spread = b.shuffle(packed, packed, [c // 8 for c in range(codes)])
+    bit = b.andi(spread, b.shared_lanes(_bit_of_code(codes), b.vector(codes, "i8")))
+    return b.select(b.cmpi_ne(bit, zero), sixteen, zero)
 
 
 @dataclass
@@ -404,7 +418,8 @@ def _step(b: Builder, s: Int8DotShape, o: _Operands, row: Value, at: _StepOffset
         packed = b.load(v32, o.codes, [row, at.h])
         q = b.shuffle(b.andi(packed, o.m15), b.shrui(packed, o.s4), _nibble_mask(s))
         if s.fmt == "q5":
-            fifth = fifth_bits(b, b.load(b.vector(8, "i8"), o.codes, [row, at.f]), CODES_PER_STEP)
+            fifth = fifth_bits(b, b.load(b.vector(8, "i8"), o.codes, [row, at.f]), CODES_PER_STEP,
+                               s.isa.bit_vectors)
             q = b.ori(q, fifth)
         d = s.isa.dot_unsigned(b, None, q, xs)
     elif _offset_codes(s):
@@ -487,7 +502,8 @@ def _rows(b: Builder, s: Int8DotShape, rows: list[_Operands], row: Value, offset
             packed = b.load(b.vector(32, "i8"), o.codes, [row, at.h])
             q = b.shuffle(b.andi(packed, o.m15), b.shrui(packed, o.s4), _nibble_mask(s))
             if s.fmt == "q5":
-                q = b.ori(q, fifth_bits(b, b.load(b.vector(8, "i8"), o.codes, [row, at.f]), CODES_PER_STEP))
+                fifth = b.load(b.vector(8, "i8"), o.codes, [row, at.f])
+                q = b.ori(q, fifth_bits(b, fifth, CODES_PER_STEP, s.isa.bit_vectors))
         else:
             q = b.load(v64, o.codes, [row, at.k])
             if _offset_codes(s):
@@ -570,7 +586,7 @@ def int8_dot_executable(s: Int8DotShape) -> str:
         zf = b.const(0.0, b.vector(16, "f32"))
         m15, s4 = b.const(15, b.vector(32, "i8")), b.const(4, b.vector(32, "i8"))
         if s.fmt == "q5":
-            fifth_bit_constants(b, CODES_PER_STEP)
+            fifth_bit_constants(b, CODES_PER_STEP, s.isa.bit_vectors)
         offset_bytes = b.const(-128, b.vector(64, "i8")) if _offset_codes(s) else None
         for o in operands:
             o.zf, o.m15, o.s4, o.offset_bytes = zf, m15, s4, offset_bytes

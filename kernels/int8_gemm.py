@@ -254,7 +254,7 @@ def gemm_prologue(b: Builder, s: Int8GemmShape, args: list[Value]) -> GemmOperan
     o = GemmOperands(c0, c1, xq, dx, cg, ofs, codes, scales, mins, y, n_tile, n0, w, b.index(s.group // 4),
                      b.index(s.chunk // s.group), b.index(s.groups))
     if s.fmt == "q5":
-        fifth_bit_constants(b, s.group)
+        fifth_bit_constants(b, s.group, s.isa.bit_vectors)
     return o
 
 
@@ -283,7 +283,8 @@ def unpack_codes(b: Builder, s: Int8GemmShape, o: GemmOperands, g0: Value) -> No
                 if s.fmt == "q5":  # the group's g codes in k order with their fifth bits (g/8 bytes after the nibbles)
                     f_base, n_f = b.index(s.k // 2), b.index(g // 8)
                     f_off = b.addi(f_base, b.muli(gi, n_f))
-                    fifth = fifth_bits(b, b.load(b.vector(g // 8, "i8"), o.codes, [cn, f_off]), g)
+                    fifth = fifth_bits(b, b.load(b.vector(g // 8, "i8"), o.codes, [cn, f_off]), g,
+                                       s.isa.bit_vectors)
                     q5 = b.ori(b.shuffle(lo, hi, list(range(g))), fifth)
                     b.store(b.vbitcast(q5, words), o.w, [t, q0])
                 else:

@@ -51,6 +51,13 @@ class Int8Isa(ABC):
         return self.form.cpu_flags
 
     @property
+    def bit_vectors(self) -> bool:
+        """Whether LLVM lowers a bitcast of bytes to a vector of i1, and a select by it, in a few vector
+        instructions for this form: on x86 it does (a mask register and one masked move with AVX-512; a
+        broadcast, an and and a compare with AVX2); on AArch64 it expands them lane by lane."""
+        return self.arch == "x86_64"
+
+    @property
     def unsigned_bytes_exact(self) -> bool:
         """Whether dot_unsigned is exact for any unsigned byte (0..255) against the activations, not
         only q4 codes: true of VNNI's four products per int32 lane, false where pairs meet in int16."""
