@@ -429,13 +429,29 @@ def _step(b: Builder, s: Int8DotShape, o: _Operands, row: Value, at: _StepOffset
         q = b.load(v64, o.codes, [row, at.k])
         d = s.isa.dot_signed(b, None, xs, q)
     vf = b.vector(16, "f32")
-    df = b.sitofp(d, vf)
+    df = None if s.isa.group_sums_first else b.sitofp(d, vf)
     sg = b.load(b.vector(per, s.scale_type), o.scales, [row, at.g])
     if s.scale_type == "f16":
         sg = b.extf(sg, b.vector(per, "f32"))
+    if s.isa.group_sums_first:
+        return _group_terms(b, s, d, sg, b.load(b.vector(per, "f32"), o.dxe, [at.g]), acc)
     dxv = b.load(vf, o.dxe, [at.l])
     sx = b.mulf(b.shuffle(sg, sg, _spread_mask(s)), dxv)
     return b.fma(df, sx, acc)
+
+
+def _group_terms(b: Builder, s: Int8DotShape, d: Value, sg: Value, dx: Value, acc: Value) -> Value:
+    """acc (vector<4xf32>) + a step's products with each group's int32 lanes added first: one 4-lane sum
+    a group, converted and multiplied by that group's weight scale times its activation scale (the
+    `group_sums_first` forms). d: vector<16xi32>; sg, dx: vector<groups of the step x f32>."""
+    lanes, v4 = s.group // 4, b.vector(4, "f32")
+    factors = b.mulf(sg, dx)
+    for j in range(CODES_PER_STEP // s.group):
+        part = b.shuffle(d, d, list(range(j * lanes, j * lanes + 4)))
+        for r in range(4, lanes, 4):
+            part = b.addi(part, b.shuffle(d, d, list(range(j * lanes + r, j * lanes + r + 4))))
+        acc = b.fma(b.sitofp(part, v4), b.broadcast(b.extract(factors, j), v4), acc)
+    return acc
 
 
 def _dot_with_group_sums(b: Builder, s: Int8DotShape, o: _Operands, per_group: Value, row: Value) -> Value:
@@ -511,7 +527,7 @@ def _rows(b: Builder, s: Int8DotShape, rows: list[_Operands], row: Value, offset
         sg = b.load(b.vector(per, s.scale_type), o.scales, [row, at.g])
         if s.scale_type == "f16":
             sg = b.extf(sg, b.vector(per, "f32"))
-        spread = b.shuffle(sg, sg, _spread_mask(s))
+        spread = None if s.isa.group_sums_first else b.shuffle(sg, sg, _spread_mask(s))
         for r, orow in enumerate(rows):
             xs = b.load(v64, orow.xq, [at.k])
             if s.fmt in ("q4", "q5") or _offset_codes(s):
@@ -519,6 +535,9 @@ def _rows(b: Builder, s: Int8DotShape, rows: list[_Operands], row: Value, offset
             else:
                 d = s.isa.dot_signed(b, None, xs, q)
             dx = b.load(b.vector(per, "f32"), orow.dxe, [at.g])
+            if s.isa.group_sums_first:
+                last[r][c] = _group_terms(b, s, d, sg, dx, last[r].get(c, o.zf))
+                continue
             sx = b.mulf(spread, b.shuffle(dx, dx, _spread_mask(s)))
             last[r][c] = b.fma(b.sitofp(d, vf), sx, last[r].get(c, o.zf))
     for orow, chains in zip(rows, last):
@@ -581,9 +600,9 @@ def int8_dot_executable(s: Int8DotShape) -> str:
         operands = [_Operands(c0, c1, x, w, codes, scales, mins, res, y) for x, res, y in zip(xs, residuals, ys)]
         workgroup = b.workgroup_id()
         for o in operands:
-            _quantize_activation(b, s, o, per_lane=s.rows == 1)
+            _quantize_activation(b, s, o, per_lane=s.rows == 1 and not s.isa.group_sums_first)
         s.isa.constants(b)
-        zf = b.const(0.0, b.vector(16, "f32"))
+        zf = b.const(0.0, b.vector(4 if s.isa.group_sums_first else 16, "f32"))
         m15, s4 = b.const(15, b.vector(32, "i8")), b.const(4, b.vector(32, "i8"))
         if s.fmt == "q5":
             fifth_bit_constants(b, CODES_PER_STEP, s.isa.bit_vectors)

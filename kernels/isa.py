@@ -58,6 +58,15 @@ class Int8Isa(ABC):
         return self.arch == "x86_64"
 
     @property
+    def group_sums_first(self) -> bool:
+        """Whether the decode kernel adds each group's int32 lanes before converting them (one 4-lane
+        register a group, scaled by one broadcast factor) rather than scaling all 16 lanes of a step.
+        AArch64: a step's 16 lanes are four NEON registers, so the lane-wise float work (convert, spread
+        scales, multiply, FMA) was most of a step's instructions. x86 keeps 16 lanes: one AVX-512
+        register, where the float work is a few instructions."""
+        return self.arch == "aarch64"
+
+    @property
     def unsigned_bytes_exact(self) -> bool:
         """Whether dot_unsigned is exact for any unsigned byte (0..255) against the activations, not
         only q4 codes: true of VNNI's four products per int32 lane, false where pairs meet in int16."""

@@ -324,3 +324,17 @@ def test_arm_q5_fifth_bits_cost_a_few_instructions(arm_kernels):
     q8, q5 = (vk.Int8DotShape(fmt, 32, "f16", fmt == "q5", 640, 320) for fmt in ("q8", "q5"))
     sizes = {s.fmt: _instructions(arm_kernels[_kernel_id("decode", NEON_DOTPROD, s)]["assembly"]) for s in (q8, q5)}
     assert sizes["q5"] <= 1.3 * sizes["q8"], sizes
+
+
+@pytest.mark.parametrize("fmt, most", [("q8", 32), ("q4", 40)])
+def test_arm_decode_step_sums_groups_before_scaling(fmt, most, tmp_path):
+    """On NEON a decode step adds each group's int32 lanes before the float work, one register a group
+    rather than four: instructions per 64-code step (the difference between K = 640 and K = 256 over
+    their 6 steps) at most `most` (27.8 for q8, 35.5 for q4; 48.3 and 53.7 scaling all 16 lanes)."""
+    sizes = []
+    for k in (256, 640):
+        shape = vk.Int8DotShape(fmt, 32, "f16", fmt == "q4", k, 32, isa=NEON_DOTPROD)
+        _, assembly = _compile_for_arm(test_int8_decode._module(shape), tmp_path / f"{k}", "cortex-a76")
+        sizes.append(_instructions(assembly))
+    per_step = (sizes[1] - sizes[0]) / ((640 - 256) // vk.CODES_PER_STEP)
+    assert per_step <= most, f"{per_step:.1f} instructions per step"
