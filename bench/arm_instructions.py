@@ -289,12 +289,17 @@ def main(argv: list[str] | None = None) -> int:
     from .engines import prompt_ids
     from .modes import source_model
 
-    arm64 = Arm64Python.find()
-    if isinstance(arm64, str):
-        raise SystemExit(arm64)
     if (args.llama_lib is None) != (args.llama_cpp_python is None):
         raise SystemExit("--llama-lib and --llama-cpp-python go together")
     manifest = Manifest.load(args.bundle)
+    arm_cpus = [m.cpu for m in manifest.modules.values() if m.arch == "aarch64"]
+    if args.cpu not in arm_cpus:
+        raise SystemExit(f"{args.bundle} has no aarch64 module for --cpu {args.cpu} (its aarch64 modules: "
+                         f"{', '.join(map(str, arm_cpus)) or 'none'}; compile one with --triple "
+                         f"aarch64-unknown-linux-gnu --cpu {args.cpu})")
+    arm64 = Arm64Python.find()
+    if isinstance(arm64, str):
+        raise SystemExit(arm64)
     ids = prompt_ids(manifest.vocab_size, args.prompt_len, args.seed)
     plugin = build_plugin(cache_dir() / "qemu-plugins")
     rows = []

@@ -19,6 +19,7 @@ from foldline.bench.arm_instructions import (
     build_plugin,
     count_llama_cpp,
     format_table,
+    main,
     read_marks,
     where,
 )
@@ -103,3 +104,12 @@ def test_llama_cpp_peer_counts_its_prefill_and_decode_only(arm64, plugin, tmp_pa
     assert 0.9 < ratio < 1.15, f"per decoded token {ratio:.3f}x per prompt token"
     table = format_table([[counted]], "cortex-a76", "stub")
     assert "| llama.cpp |" in table
+
+
+def test_a_bundle_without_the_aarch64_module_is_refused_by_name(bundle_factory):
+    """An x86 bundle (or another aarch64 CPU's) is refused before any emulation, naming what it has."""
+    bundle = bundle_factory("llama-tiny")
+    with pytest.raises(SystemExit) as refused:
+        main([str(bundle)])
+    message = str(refused.value)
+    assert "no aarch64 module for --cpu cortex-a76" in message and "its aarch64 modules: none" in message
