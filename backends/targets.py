@@ -117,9 +117,9 @@ def llvm_cpu_features(cpu: str, triple: str | None = None) -> str:
     return found.group(1) if found else ""
 
 
-def _scalable(features: str) -> bool:
-    """Whether an LLVM feature string turns on an aarch64 scalable extension (SVE, SVE2, SME)."""
-    return any(f.lstrip("+").startswith(("sve", "sme")) and not f.startswith("-") for f in features.split(","))
+def _fixed_width(features: str) -> str:
+    """An LLVM feature string less the aarch64 scalable extensions it turns on (SVE, SVE2, SME)."""
+    return ",".join(f for f in features.split(",") if not f.startswith(("+sve", "+sme")))
 
 
 def cpu_target(cpu: str = "host", triple: str | None = None) -> Target:
@@ -143,30 +143,27 @@ def cpu_target(cpu: str = "host", triple: str | None = None) -> Target:
         flags.append(f"--iree-llvmcpu-target-triple={triple}")
         arch = normalize_triple_arch(triple)
     cpu_flags: list[str] = []
+    features = ""  # LLVM's feature string for the CPU, where the flags need it
     if cpu == "host":
         if triple and arch != host_arch():
             raise TargetError("--cpu host cannot be combined with a cross-compile --triple; name the CPU "
                               "(e.g. --cpu generic or --cpu cortex-a76)")
         cpu_flags = _host_isa_flags()
-        features = llvm_cpu_features("host") if arch == "aarch64" else ""
-        if _scalable(features):  # an SVE host: as for a named SVE CPU below
-            features = ",".join(f for f in features.split(",") if not _scalable(f))
-            flags += ["--iree-llvmcpu-target-cpu=generic", f"--iree-llvmcpu-target-cpu-features={features}"]
-        else:
-            flags.append("--iree-llvmcpu-target-cpu=host")
-    elif cpu != "generic":
-        features = llvm_cpu_features(cpu, triple) if arch in ARCH_ISA_FLAGS else ""
-        if arch == "aarch64" and _scalable(features):
+        if arch == "aarch64":
+            features = llvm_cpu_features("host")
+    elif cpu != "generic" and arch in ARCH_ISA_FLAGS:
+        features = llvm_cpu_features(cpu, triple)
+        cpu_flags = isa_flags(_fixed_width(features))
+    if cpu != "generic":
+        if _fixed_width(features) != features:
             # NEON (fixed-width) vectors on SVE cores too: foldline's kernels are NEON, and with SVE in the
             # target IREE's vectorizer runs out of memory bounding the scalable masks of SmolLM2's
             # dispatches (neoverse-v1). IREE reads SVE from the CPU name as well as from its features, so
             # the CPU's features go in by name, less SVE and SME, on the generic CPU.
-            features = ",".join(f for f in features.split(",") if not _scalable(f))
-            flags += ["--iree-llvmcpu-target-cpu=generic", f"--iree-llvmcpu-target-cpu-features={features}"]
+            flags += ["--iree-llvmcpu-target-cpu=generic",
+                      f"--iree-llvmcpu-target-cpu-features={_fixed_width(features)}"]
         else:
             flags.append(f"--iree-llvmcpu-target-cpu={cpu}")
-        if features:
-            cpu_flags = isa_flags(features)
     return Target("cpu", flags, f"llvm-cpu ({cpu}{', ' + triple if triple else ''})", arch, cpu_flags, cpu)
 
 

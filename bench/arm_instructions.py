@@ -41,7 +41,7 @@ from .aarch64_python import Arm64Python
 
 PLUGIN_SOURCE = Path(__file__).with_name("qemu_insn_count.c")
 MARK_FD = 987654  # the descriptor bench/qemu_insn_count.c watches (MARK_FD there)
-PHASES = ("prefill", "decode")
+PHASES = {"prefill": "per_prompt_token", "decode": "per_decoded_token"}  # each phase's field of Counted
 
 _GUEST_LOOP = f'''
 import json, os, sys
@@ -239,7 +239,7 @@ def format_table(rows: list[list[Counted]], cpu: str, llama_build: str) -> str:
     for engine, runs in by_engine.items():
         cells = []
         for phase in PHASES:
-            values = [getattr(c, f"per_{'prompt' if phase == 'prefill' else 'decoded'}_token") / 1e6 for c in runs]
+            values = [getattr(c, PHASES[phase]) / 1e6 for c in runs]
             medians[(engine, phase)] = statistics.median(values)
             cells.append(f"{medians[(engine, phase)]:.2f} ({min(values):.2f}-{max(values):.2f})")
         lines.append(f"| {engine} | {cells[0]} | {cells[1]} |")

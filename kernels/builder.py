@@ -60,10 +60,14 @@ class Builder:
         return cls.element(t) if isinstance(t, str) else t
 
     # constants
-    def const(self, value: float | int, t: str | ir.Type) -> Value:
-        """An `arith.constant` here: a scalar, or every lane of a vector type (`dense<value>`)."""
+    def const(self, value: float | int | tuple[int, ...], t: str | ir.Type) -> Value:
+        """An `arith.constant` here: a scalar, every lane of a vector type (`dense<value>`), or, given a tuple,
+        an integer vector's lanes one by one (`dense<[...]>`)."""
         t = self._type(t).maybe_downcast()
         element = t.element_type if isinstance(t, ir.VectorType) else t
+        if isinstance(value, tuple):
+            lanes = [ir.IntegerAttr.get(element, int(v)) for v in value]
+            return arith.ConstantOp(t, ir.DenseElementsAttr.get(lanes, type=t)).result
         if isinstance(element, ir.FloatType):
             attr = ir.FloatAttr.get(element, float(value))
         else:
@@ -75,19 +79,7 @@ class Builder:
     def index(self, value: int) -> Value:
         return self.const(value, "index")
 
-    def shared_lanes(self, values: Sequence[int], t: str | ir.Type) -> Value:
-        """The function's one integer vector constant with these lanes (`dense<[...]>`), at its top."""
-        t = self._type(t).maybe_downcast()
-        key = (tuple(values), str(t))
-        if key not in self._shared:
-            width = t.element_type.width
-            lanes = [ir.IntegerAttr.get(t.element_type, (v + (1 << (width - 1))) % (1 << width) - (1 << (width - 1)))
-                     for v in values]  # as the signed value of the element's bits (128 as i8 is -128)
-            with ir.InsertionPoint.at_block_begin(self.entry):
-                self._shared[key] = arith.ConstantOp(t, ir.DenseElementsAttr.get(lanes, type=t)).result
-        return self._shared[key]
-
-    def shared(self, value: float | int, t: str | ir.Type) -> Value:
+    def shared(self, value: float | int | tuple[int, ...], t: str | ir.Type) -> Value:
         """The function's one constant of this value and type (made here, or at its top inside a loop)."""
         t = self._type(t)
         key = (repr(value), str(t))

@@ -229,12 +229,13 @@ def fifth_bit_constants(b: Builder, codes: int, bit_vectors: bool) -> None:
     b.shared(0, b.vector(codes, "i8"))
     b.shared(16, b.vector(codes, "i8"))
     if not bit_vectors:
-        b.shared_lanes(_bit_of_code(codes), b.vector(codes, "i8"))
+        b.shared(_bit_of_code(codes), b.vector(codes, "i8"))
 
 
-def _bit_of_code(codes: int) -> list[int]:
-    """Lane c: the bit of its byte that holds code c's fifth bit (1 << c % 8)."""
-    return [1 << (c % 8) for c in range(codes)]
+def _bit_of_code(codes: int) -> tuple[int, ...]:
+    """Lane c: the bit of its byte that holds code c's fifth bit (1 << c % 8), as a signed byte (bit 7 is
+    -128)."""
+    return tuple(1 << (c % 8) if c % 8 < 7 else -128 for c in range(codes))
 
 
 def fifth_bits(b: Builder, packed: Value, codes: int, bit_vectors: bool) -> Value:
@@ -252,7 +253,7 @@ def fifth_bits(b: Builder, packed: Value, codes: int, bit_vectors: bool) -> Valu
     if bit_vectors:
         return b.select(b.vbitcast(packed, b.vector(codes, "i1")), sixteen, zero)
     spread = b.shuffle(packed, packed, [c // 8 for c in range(codes)])
-    bit = b.andi(spread, b.shared_lanes(_bit_of_code(codes), b.vector(codes, "i8")))
+    bit = b.andi(spread, b.shared(_bit_of_code(codes), b.vector(codes, "i8")))
     return b.select(b.cmpi_ne(bit, zero), sixteen, zero)
 
 
@@ -429,7 +430,7 @@ def _step(b: Builder, s: Int8DotShape, o: _Operands, row: Value, at: _StepOffset
         q = b.load(v64, o.codes, [row, at.k])
         d = s.isa.dot_signed(b, None, xs, q)
     vf = b.vector(16, "f32")
-    df = None if s.isa.group_sums_first else b.sitofp(d, vf)
+    df = None if s.isa.group_sums_first else b.sitofp(d, vf)  # first, as the x86 kernels always had it
     sg = b.load(b.vector(per, s.scale_type), o.scales, [row, at.g])
     if s.scale_type == "f16":
         sg = b.extf(sg, b.vector(per, "f32"))
