@@ -34,7 +34,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from ..frontend import quant  # noqa: F401  (registers foldline::qlinear)
-from ..frontend.attention_ops import CACHE_ATTENTION, RING_DECODE_ATTENTION
+from ..frontend.attention_ops import (
+    CACHE_ATTENTION,
+    KV_CACHE_WRITE,
+    RING_DECODE_ATTENTION,
+    RING_WRITE_TOKEN,
+)
 from ..frontend.device_ops import TO_DEVICE
 from ..frontend.op_registry import DECOMPOSITIONS
 from ..frontend.quant import QLINEAR
@@ -47,6 +52,8 @@ KEPT_OPS = (QLINEAR, TO_DEVICE)
 # Kept in decode entry points for targets with a hand-written decode attention kernel
 # (kernels/attention.py) where it covers the shape; expanded elsewhere.
 DECODE_ATTENTION_OPS = (CACHE_ATTENTION, RING_DECODE_ATTENTION)
+# Kept with them where the kernel makes the step's cache writes itself (kernels/attention.kernel_writes).
+DECODE_WRITE_OPS = (KV_CACHE_WRITE, RING_WRITE_TOKEN)
 
 # Shape queries of symbolic values: the table lists them, but they decompose to themselves.
 SHAPE_QUERIES = (torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,

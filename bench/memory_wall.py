@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import re
 import shutil
 import subprocess
 import threading
@@ -76,30 +77,72 @@ def step_reads(manifest: Manifest, held: int) -> StepReads:
 @functools.cache
 def dispatches_per_step(vmfb: Path, batch: int = 1) -> tuple[int, bool] | None:
     """(dispatches the one-row decode function records, whether it branches); None without iree-dump-module."""
+    text = disassemble(vmfb)
+    return None if text is None else count_dispatches(text, row_entry_name("decode", 1, batch) + "$async")
+
+
+def disassemble(vmfb: Path) -> str | None:
+    """`iree-dump-module --output=disassembly` of a module (it ships with iree-base-runtime); None without it."""
     tool = shutil.which("iree-dump-module") or _beside_python("iree-dump-module")
     if tool is None:
         return None
-    text = subprocess.run([tool, "--output=disassembly", str(vmfb)], capture_output=True, text=True,
+    return subprocess.run([tool, "--output=disassembly", str(vmfb)], capture_output=True, text=True,
                           check=True).stdout
-    return count_dispatches(text, row_entry_name("decode", 1, batch) + "$async")
 
 
 def count_dispatches(disassembly: str, function: str) -> tuple[int, bool]:
-    """Dispatch calls in `function`'s body of an `iree-dump-module --output=disassembly` text, and whether
-    the body branches (then the count is an upper bound)."""
-    body, inside = [], False
+    """Dispatch calls a call of `function` makes, from an `iree-dump-module --output=disassembly` text, and
+    whether they branch (then the count is an upper bound).
+
+    A step with no shape that depends on its inputs is recorded once: IREE builds its command buffer
+    in the module's initializer and the function replays it (`hal.device.queue.execute.indirect`
+    of a global); its dispatches are then those of the function that recorded it.
+    """
+    bodies = _function_bodies(disassembly)
+    if function not in bodies:
+        raise ValueError(f"no function {function!r} in the module's disassembly")
+    counted = [bodies[function]]
+    for line in bodies[function]:
+        replayed = _REPLAYED.match(line)
+        if replayed:
+            counted.append(bodies[_recorder(bodies, replayed.group(1))])
+    calls = sum(" @hal.command_buffer.dispatch" in line for body in counted for line in body)
+    branches = any(line.startswith(("vm.br ", "vm.cond_br ")) for body in counted for line in body)
+    return calls, branches
+
+
+_REPLAYED = re.compile(r"%r\d+ = vm\.global\.load\.ref \.refs\[(\d+)\] : !hal\.command_buffer")
+_CALL = re.compile(r"%r(\d+) = vm\.call @module:(\d+)\(")
+
+
+def _function_bodies(disassembly: str) -> dict[str, list[str]]:
+    """Each `vm.func`'s stripped body lines, by name, in the module's order (a function's ordinal)."""
+    bodies: dict[str, list[str]] = {}
+    body: list[str] | None = None
     for line in disassembly.splitlines():
         if line.startswith("vm.func @"):
-            inside = line.startswith(f"vm.func @{function}(")
+            body = bodies.setdefault(line[len("vm.func @"):].split("(", 1)[0], [])
         elif line.startswith("}"):
-            inside = False
-        elif inside:
+            body = None
+        elif body is not None:
             body.append(line.strip())
-    if not body:
-        raise ValueError(f"no function {function!r} in the module's disassembly")
-    calls = sum(" @hal.command_buffer.dispatch" in line for line in body)
-    branches = any(line.startswith(("vm.br ", "vm.cond_br ")) for line in body)
-    return calls, branches
+    return bodies
+
+
+def _recorder(bodies: dict[str, list[str]], slot: str) -> str:
+    """The function whose result the initializer stores in command buffer global `slot`."""
+    store = re.compile(rf"vm\.global\.store\.ref %[rR](\d+), \.refs\[{slot}\] : !hal\.command_buffer")
+    names = list(bodies)
+    for body in bodies.values():
+        for i, line in enumerate(body):
+            stored = store.match(line)
+            if not stored:
+                continue
+            for earlier in reversed(body[:i]):
+                call = _CALL.match(earlier)
+                if call and call.group(1) == stored.group(1):
+                    return names[int(call.group(2))]
+    raise ValueError(f"no function records the command buffer in global {slot}")
 
 
 def _beside_python(name: str) -> str | None:

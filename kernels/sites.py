@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from iree.compiler import ir
 
@@ -91,7 +91,9 @@ class KernelCall:
 
     at: where the call goes (every operand is defined before it); operands: made there
     (builtin tensors); replaces: the ops whose first result the call stands for, erased
-    after it (the site itself last); code: the executables and util.func the callee needs,
+    after it (the site itself last); more_results: further results of the call (type text) and the
+    op whose first result each stands for, erased after `replaces` (an update the kernel makes
+    itself); code: the executables and util.func the callee needs,
     added to the module once per symbol; kind: the kernel the site got, counted for the
     manifest ("qlinear decode int8-avx2", "attention decode", ...).
     """
@@ -103,6 +105,7 @@ class KernelCall:
     replaces: list[ir.Operation]
     code: Callable[[], list[str]]
     kind: str
+    more_results: list[tuple[str, ir.Operation]] = field(default_factory=list)
 
 
 def rewrite_sites(mlir: str, names: tuple[str, ...], plan: Callable[[ir.Operation], KernelCall]
@@ -121,14 +124,22 @@ def rewrite_sites(mlir: str, names: tuple[str, ...], plan: Callable[[ir.Operatio
         for op in torch_operators(module, names):
             call = plan(op)
             with ir.InsertionPoint(call.at), op.location:
-                made = ir.Operation.create("util.call", results=[ir.Type.parse(call.result_type)],
+                types = [call.result_type, *(text for text, _ in call.more_results)]
+                made = ir.Operation.create("util.call", results=[ir.Type.parse(text) for text in types],
                                            operands=call.operands(),
                                            attributes={"callee": ir.FlatSymbolRefAttr.get(call.callee)})
-                back = ir.Operation.create("torch_c.from_builtin_tensor", results=[op.results[0].type],
-                                           operands=[made.result])
-            for replaced in call.replaces:
-                replaced.results[0].replace_all_uses_with(back.result)
-                replaced.erase()
+                stands_for = [(made.results[0], op.results[0].type, call.replaces),
+                              *((made.results[i + 1], old.results[0].type, [old])
+                                for i, (_, old) in enumerate(call.more_results))]
+                backs = [(ir.Operation.create("torch_c.from_builtin_tensor", results=[torch_type],
+                                              operands=[result]).result, olds)
+                         for result, torch_type, olds in stands_for]
+            for back, olds in backs:
+                for replaced in olds:
+                    replaced.results[0].replace_all_uses_with(back)
+            for _, olds in backs:
+                for replaced in olds:
+                    replaced.erase()
             code.setdefault(call.callee, call.code)
             kinds[call.kind] += 1
         _add_once(module, (text for make in code.values() for text in make()))

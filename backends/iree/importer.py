@@ -21,10 +21,10 @@ from torch.export import ExportedProgram
 
 from ...frontend.deferred_weights import materialize
 from ...frontend.types import MLIR_ELEMENTS
-from ...kernels.attention import covers
+from ...kernels.attention import covers, kernel_writes
 from ...passes.manager import TargetPasses
 from ...passes.place_devices import COPY_SUFFIX
-from ..lowering import DECODE_ATTENTION_OPS, KeepRule, Lowering, is_decode_entry
+from ..lowering import DECODE_ATTENTION_OPS, DECODE_WRITE_OPS, KeepRule, Lowering, is_decode_entry
 
 PARAM_SCOPE = "model"
 INLINE_LIMIT = 64  # tensors with at most this many elements stay inline constants
@@ -108,10 +108,17 @@ class _ParameterHooks(FxImporterHooks):
 
 
 def kernel_keep_rule(decode_attention_kernel: bool) -> KeepRule:
-    """Which attention nodes stay ops: a decode entry point's, where the CPU kernel covers the shape."""
+    """Which nodes stay ops: a decode entry point's attention, where the CPU kernel covers the shape, and
+    the step's two cache writes it reads, where the kernel makes them too (kernels/attention.kernel_writes)."""
     def keep(name: str, node: torch.fx.Node) -> bool:
-        return (decode_attention_kernel and is_decode_entry(name) and node.target in DECODE_ATTENTION_OPS
-                and covers(node))
+        if not (decode_attention_kernel and is_decode_entry(name)):
+            return False
+        if node.target in DECODE_ATTENTION_OPS:
+            return covers(node)
+        if node.target in DECODE_WRITE_OPS:
+            return any(node in (kernel_writes(user) or ()) for user in node.users
+                       if user.target in DECODE_ATTENTION_OPS)
+        return False
     return keep
 
 

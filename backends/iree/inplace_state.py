@@ -5,7 +5,10 @@ IREE's torch input conversion ends every function that mutates an argument with
     %t   = hal.tensor.import %arg               (at entry)
     %new = iree_linalg_ext.scatter ... outs(%t)  (the KV-cache write: in place on %t;
                                                   a decode step's ring write:
-                                                  tensor.insert_slice ... into %t[...])
+                                                  tensor.insert_slice ... into %t[...];
+                                                  a decode attention kernel that writes
+                                                  the step's token: flow.dispatch (..., %t)
+                                                  -> (..., %t), kernels/attention.py)
     %a   = hal.tensor.alias %new to %arg         (put the result in the caller's buffer)
     hal.tensor.barrier join(%a, ...)
 
@@ -17,7 +20,7 @@ of a decode step in a long-context bundle (docs/architecture.md, "Attention that
 reads the tokens held").
 
 Run between `--compile-to=input` and `--compile-from=input`, this rewrite drops
-exactly those aliases whose value is a scatter or slice update into the
+exactly those aliases whose value is a scatter, a slice update or a tied dispatch result into the
 import of the same argument, and passes the updated value to the barrier
 instead. Every other alias (a prefill chunk's ring write, GDN state: fresh
 results IREE places into the argument) stays. The module is edited through
@@ -36,6 +39,7 @@ from ...kernels.sites import defining_op
 from .input_ir import module_text
 
 SCATTER = "iree_linalg_ext.scatter"  # ins(updates, indices) outs(original): its result is `original` updated
+DISPATCH = "flow.dispatch"  # a kernel's dispatch: a result tied to an argument is that argument updated
 
 
 @dataclass
@@ -53,7 +57,19 @@ def _updated_in_place(value: ir.Value) -> ir.Value | None:
         return op.operands[len(op.operands) - 1]  # the one `outs` operand
     if op.name == tensor.InsertSliceOp.OPERATION_NAME:
         return op.opview.dest
+    if op.name == DISPATCH:
+        return _tied_operand(op, ir.OpResult(value).result_number)
     return None
+
+
+def _tied_operand(dispatch: ir.Operation, result: int) -> ir.Value | None:
+    """The argument a `flow.dispatch` result is tied to (the dispatch wrote it in place), or None."""
+    tied = [ir.IntegerAttr(a).value for a in ir.ArrayAttr(dispatch.attributes["tied_operands"])] \
+        if "tied_operands" in dispatch.attributes else []
+    if result >= len(tied) or tied[result] < 0:
+        return None
+    workload = ir.DenseI32ArrayAttr(dispatch.attributes["operandSegmentSizes"])[0]
+    return dispatch.operands[workload + tied[result]]
 
 
 def _elidable(alias: hal.TensorAliasOp) -> bool:

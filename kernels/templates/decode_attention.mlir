@@ -11,10 +11,16 @@
    (head_dim / lanes), blocks (first chunk, end chunk, the (query head, chunk) accumulators and the
    cache lines of each block of features the value pass takes together), line_offsets (the cache
    lines of a row), prefetch_keys (how far ahead a pass asks for slots), fma and f16 (the CPU's
-   float operations). #}
+   float operations), write (the step's own key and value, of new_type, converted to cache_type (a
+   narrowing when `narrows`), come in as two more bindings after the caches and each row's valid count
+   after pos; for a row with a valid token, the workgroup whose
+   share holds slot pos % slots stores them there before it reads: the caches are then read-write,
+   the call ties them to its results). #}
 !q_memref = memref<{{ batch }}x{{ q_heads }}x1x{{ head_dim }}x{{ q_type }}>
 !kv_memref = memref<{{ batch }}x{{ kv_heads }}x{{ slots }}x{{ head_dim }}x{{ cache_type }}>
 !pos_memref = memref<{{ batch }}xi64>
+!new_memref = memref<{{ batch }}x{{ kv_heads }}x1x{{ head_dim }}x{{ new_type }}>
+!new_vec = vector<{{ lanes }}x{{ new_type }}>
 !scratch_memref = memref<{{ batch * q_heads }}x{{ length }}xf32>
 !part_memref = memref<{{ splits }}x{{ batch }}x{{ q_heads }}x{{ head_dim }}xf32>
 !stat_memref = memref<{{ splits }}x{{ batch }}x{{ q_heads }}xf32>
@@ -56,13 +62,20 @@ stream.executable private @{{ name }}_exe {
     stream.return %n, %one, %one : index, index, index
   }
   builtin.module {
-    func.func @{{ name }}(%qb: !stream.binding, %kb: !stream.binding, %vb: !stream.binding, %pb: !stream.binding, %ob: !stream.binding, %mb: !stream.binding, %zb: !stream.binding, %sb: !stream.binding) {
+    func.func @{{ name }}(%qb: !stream.binding, %kb: !stream.binding, %vb: !stream.binding, {% if write %}%knb: !stream.binding, %vnb: !stream.binding, {% endif %}%pb: !stream.binding, {% if write %}%nvb: !stream.binding, {% endif %}%ob: !stream.binding, %mb: !stream.binding, %zb: !stream.binding, %sb: !stream.binding) {
       %c0 = arith.constant 0 : index
       %c1 = arith.constant 1 : index
       %q = stream.binding.subspan %qb[%c0] : !stream.binding -> !q_memref
       %k = stream.binding.subspan %kb[%c0] : !stream.binding -> !kv_memref
       %v = stream.binding.subspan %vb[%c0] : !stream.binding -> !kv_memref
+{% if write %}
+      %kn = stream.binding.subspan %knb[%c0] : !stream.binding -> !new_memref
+      %vn = stream.binding.subspan %vnb[%c0] : !stream.binding -> !new_memref
+{% endif %}
       %sp = stream.binding.subspan %pb[%c0] : !stream.binding -> !pos_memref
+{% if write %}
+      %nv = stream.binding.subspan %nvb[%c0] : !stream.binding -> !pos_memref
+{% endif %}
       %o = stream.binding.subspan %ob[%c0] : !stream.binding -> !part_memref
       %mo = stream.binding.subspan %mb[%c0] : !stream.binding -> !stat_memref
       %zo = stream.binding.subspan %zb[%c0] : !stream.binding -> !stat_memref
@@ -121,6 +134,33 @@ stream.executable private @{{ name }}_exe {
 {% for e in line_offsets %}
       %line{{ e }} = arith.constant {{ e }} : index
 {% endfor %}
+{% if write %}
+{# a row's valid token into slot pos % slots by the one workgroup of its key/value head whose share
+   holds that slot (every slot of [first, hi) is in one share, and the slot written is in it), before
+   any read: no other workgroup reads that slot of that head; a row with none keeps its caches #}
+      %nslots = arith.constant {{ slots }} : index
+      %slot = arith.remui %p, %nslots : index
+      %from_lo = arith.cmpi sge, %slot, %lo : index
+      %below_hi = arith.cmpi slt, %slot, %hi_s : index
+      %in_share = arith.andi %from_lo, %below_hi : i1
+      %valid64 = memref.load %nv[%b] : !pos_memref
+      %zero64 = arith.constant 0 : i64
+      %valid = arith.cmpi sgt, %valid64, %zero64 : i64
+      %writes = arith.andi %in_share, %valid : i1
+      scf.if %writes {
+{% for c in range(chunks) %}
+{% for x in ("k", "v") %}
+        %w{{ x }}n{{ c }} = vector.load %{{ x }}n[%b, %kvh, %c0, %d{{ c }}] : !new_memref, !new_vec
+{% if new_type == cache_type %}
+        vector.store %w{{ x }}n{{ c }}, %{{ x }}[%b, %kvh, %slot, %d{{ c }}] : !kv_memref, !kv_vec
+{% else %}
+        %w{{ x }}{{ c }} = arith.{{ "truncf" if narrows else "extf" }} %w{{ x }}n{{ c }} : !new_vec to !kv_vec
+        vector.store %w{{ x }}{{ c }}, %{{ x }}[%b, %kvh, %slot, %d{{ c }}] : !kv_memref, !kv_vec
+{% endif %}
+{% endfor %}
+{% endfor %}
+      }
+{% endif %}
       %ahead = arith.constant {{ prefetch_keys }} : index
       %last_slot = arith.constant {{ slots - 1 }} : index
 {% for j in heads %}

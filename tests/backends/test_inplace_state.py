@@ -18,6 +18,7 @@ _SCATTER_INTO = """iree_linalg_ext.scatter dimension_map = [0] unique_indices(fa
       iree_linalg_ext.yield %a : f32
     }} -> tensor<4x8xf32>"""
 _SLICE_INTO = "tensor.insert_slice %row into {dest}[%c2, 0] [1, 8] [1, 1] : tensor<1x8xf32> into tensor<4x8xf32>"
+_DISPATCH_INTO = "flow.dispatch @ex::@entry(%row, {dest}) : (tensor<1x8xf32>, tensor<4x8xf32>) -> {result}"
 
 
 def _function(name: str = "f", first: str = _SCATTER_INTO.format(dest="%0"),
@@ -89,6 +90,19 @@ def test_elide_drops_aliases_of_sole_in_place_slice_updates():
     edited, report = elide_inplace_aliases(_module(_function(first=_SLICE_INTO.format(dest="%0"))))
     assert (report.elided, report.kept) == (1, 2)
     assert _joined(edited) == [[("tensor.insert_slice",), *_KEPT]]
+
+
+def test_elide_drops_aliases_of_kernels_that_update_in_place():
+    """A decode attention kernel that writes the step's token (kernels/attention.py) returns the cache as a
+    result tied to its argument: in place like a scatter. An untied result is a fresh tensor: kept."""
+    tied = _DISPATCH_INTO.format(dest="%0", result="%0")
+    edited, report = elide_inplace_aliases(_module(_function(first=tied)))
+    assert (report.elided, report.kept) == (1, 2)
+    assert _joined(edited) == [[("flow.dispatch",), *_KEPT]]
+    fresh = _DISPATCH_INTO.format(dest="%0", result="tensor<4x8xf32>")
+    edited, report = elide_inplace_aliases(_module(_function(first=fresh)))
+    assert (report.elided, report.kept) == (0, 3)
+    assert _joined(edited) == [[("hal.tensor.alias", "flow.dispatch", 0), *_KEPT]]
 
 
 def test_elide_is_scoped_to_each_function():

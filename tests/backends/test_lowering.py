@@ -109,13 +109,19 @@ def test_the_cpu_kernel_keeps_decode_attention_it_covers(exported_unit):
     low = lowering.Lowering()
     keep = kernel_keep_rule(decode_attention_kernel=True)
     for name, program in unit.programs.items():
-        kept = [n for n in low.program(name, program, keep).graph.nodes if n.target in ATTENTION_OPS]
+        nodes = list(low.program(name, program, keep).graph.nodes)
+        kept = [n for n in nodes if n.target in ATTENTION_OPS]
+        writes = [n for n in nodes if n.target in lowering.DECODE_WRITE_OPS]
         if name == "decode":
             assert len(kept) == cfg.num_layers and all(n.target in lowering.DECODE_ATTENTION_OPS for n in kept), name
+            # and the two cache writes each reads, which the kernel makes itself (the ring's and the full cache's)
+            assert len(writes) == 2 * cfg.num_layers and {n.target for n in writes} == set(lowering.DECODE_WRITE_OPS)
+            assert all(w in kept_node.args[1:3] for kept_node in kept for w in kept_node.all_input_nodes
+                       if w.target in lowering.DECODE_WRITE_OPS)
         else:
-            assert kept == [], name
+            assert kept == [] and writes == [], name
     gpu = low.program("decode", unit.programs["decode"], kernel_keep_rule(decode_attention_kernel=False))
-    assert not any(n.target in ATTENTION_OPS for n in gpu.graph.nodes)
+    assert not any(n.target in ATTENTION_OPS + lowering.DECODE_WRITE_OPS for n in gpu.graph.nodes)
 
 
 def test_a_head_dim_no_kernel_covers_is_decomposed(exported_unit):
@@ -123,7 +129,7 @@ def test_a_head_dim_no_kernel_covers_is_decomposed(exported_unit):
     cfg = dataclasses.replace(get_preset("gemma3-tiny"), head_dim=24)
     unit = _unit(exported_unit, cfg, 1)
     decode = lowering.Lowering().program("decode", unit.programs["decode"], kernel_keep_rule(decode_attention_kernel=True))
-    assert not any(n.target in ATTENTION_OPS for n in decode.graph.nodes)
+    assert not any(n.target in ATTENTION_OPS + lowering.DECODE_WRITE_OPS for n in decode.graph.nodes)
 
 
 def test_expand_ops_traces_each_signature_once(exported_unit):

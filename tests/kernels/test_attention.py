@@ -138,6 +138,123 @@ def test_a_rows_output_is_the_same_to_the_bit_in_any_batch():
         assert np.array_equal(got[0].view(np.uint32), together[row].view(np.uint32)), f"row {row}"
 
 
+class _WriteAndAttend(torch.nn.Module):
+    """A decode step's cache writes and attention as the model writes them: each row's token into slot
+    pos mod slots, then the attention reading the written caches, which are returned too. One row
+    takes its slot from the host (pos_shape's second dimension), as the one-row decode entry point."""
+
+    def __init__(self, ring: bool, window: int, scale: float, kv_mapping: str):
+        super().__init__()
+        self.ring, self.window, self.scale, self.kv_mapping = ring, window, scale, kv_mapping
+
+    def forward(self, q, k, v, k_new, v_new, start_pos, n_valid, pos_shape=None):
+        ops = torch.ops.foldline
+        write = ops.ring_write_token if self.ring else ops.kv_cache_write
+        host = () if pos_shape is None else (pos_shape.shape[1],)
+        k2 = write(k, k_new, start_pos, n_valid, *host)
+        v2 = write(v, v_new, start_pos, n_valid, *host)
+        if self.ring:
+            out = ops.ring_decode_attention(q, k2, v2, start_pos, self.window, self.scale, self.kv_mapping, 0)
+        else:
+            out = ops.cache_attention(q, k2, v2, start_pos, self.window, self.scale, self.kv_mapping, k.shape[2])
+        return out, k2, v2
+
+
+WRITE_CASES = {
+    # SmolLM2's heads, split over 6 workgroups: the token lands in the last share; its K/V come in f32,
+    # and the kernel rounds them to the f16 cache as the write's .to() does
+    "global-f16": dict(ring=False, hq=9, hkv=3, d=64, slots=512, window=0, kv_mapping="blocked",
+                       dtype=torch.float16, new_dtype=torch.float32, positions=[[0], [5], [300], [511]]),
+    # a windowed layer over a full cache: the window's first key moves through the shares
+    "window-f32": dict(ring=False, hq=4, hkv=2, d=32, slots=256, window=40, kv_mapping="interleaved",
+                       dtype=torch.float32, positions=[[3], [100], [255]]),
+    # Gemma 3's local layers: a ring, written before and after it wraps (slot pos % 64)
+    "ring-f16-d256": dict(ring=True, hq=4, hkv=1, d=256, slots=64, window=64, kv_mapping="blocked",
+                          dtype=torch.float16, positions=[[0], [63], [64], [200]]),
+    "ring-bf16": dict(ring=True, hq=2, hkv=1, d=16, slots=32, window=32, kv_mapping="blocked",
+                      dtype=torch.bfloat16, positions=[[31], [33]]),
+    # a batched bundle's rows, each at its own position; a row with no token keeps its caches
+    "rows": dict(ring=False, hq=4, hkv=2, d=32, slots=96, window=0, kv_mapping="blocked",
+                 dtype=torch.float16, positions=[[3, 95, 40], [50, 0, 7]], valid=[[1, 1, 0], [0, 1, 1]]),
+    "ring-rows": dict(ring=True, hq=4, hkv=2, d=32, slots=32, window=32, kv_mapping="interleaved",
+                      dtype=torch.float16, new_dtype=torch.float32, positions=[[3, 70], [31, 33]],
+                      valid=[[1, 0], [1, 1]]),
+    # a CPU without F16C (x86-64-v2): the rounding to f16 is a library call, the read the integer form
+    "no-f16c": dict(ring=False, hq=4, hkv=2, d=32, slots=64, window=0, kv_mapping="blocked", cpu="x86-64-v2",
+                    dtype=torch.float16, new_dtype=torch.float32, positions=[[0], [63]]),
+    "ring-bf16-from-f32": dict(ring=True, hq=2, hkv=1, d=16, slots=32, window=32, kv_mapping="blocked",
+                               dtype=torch.bfloat16, new_dtype=torch.float32, positions=[[5], [40]]),
+}
+
+
+@pytest.mark.parametrize("name", list(WRITE_CASES))
+def test_the_kernel_writes_the_steps_token_and_reads_it(name):
+    """A decode attention whose caches were written at the step's position takes the writing kernel: one
+    dispatch pair stands for the two cache writes and the attention. Each row's output is the eager
+    form's, and the caches it returns are the eager writes', every slot to the bit; a row with no
+    valid token (n_valid 0) keeps its caches as they were."""
+    import iree.compiler as ireec
+    import iree.runtime as rt
+
+    from foldline.backends.targets import make_target
+    from foldline.frontend.export import position_shape
+    from foldline.kernels.attention import expand_decode_attention_ops
+    from foldline.kernels.mlir import FloatIsa
+
+    case = WRITE_CASES[name]
+    torch.manual_seed(2)
+    hq, hkv, d, slots, dtype = case["hq"], case["hkv"], case["d"], case["slots"], case["dtype"]
+    b = len(case["positions"][0])
+    module = _WriteAndAttend(case["ring"], case["window"], 0.125, case["kv_mapping"])
+    q = torch.randn(b, hq, 1, d)
+    k, v = (torch.randn(b, hkv, slots, d).to(dtype) for _ in range(2))
+    k_new, v_new = (torch.randn(b, hkv, 1, d).to(case.get("new_dtype", dtype)) for _ in range(2))
+    ones = torch.ones(b, dtype=torch.int64)
+    if b == 1:  # the host's position, a dynamic dimension traced at 2
+        example = (q, k, v, k_new, v_new, torch.tensor([2]), ones, position_shape(2))
+        dynamic = (None,) * 7 + ({1: torch.export.Dim("position", min=0, max=4 * slots)},)
+    else:
+        example, dynamic = (q, k, v, k_new, v_new, torch.tensor([2] * b), ones), None
+    with torch.no_grad():
+        program = torch.export.export(module, example, strict=False, dynamic_shapes=dynamic)
+    mlir, _ = importer.import_programs([("decode", program)], decode_attention_kernel=True)
+    assert "foldline.kv_cache_write" in mlir or "foldline.ring_write_token" in mlir  # kept for the kernel
+    target = make_target("cpu", cpu=case.get("cpu", "host"))
+    mlir, sites = expand_decode_attention_ops(mlir, FloatIsa.of(target.cpu_flags, "x86_64"))
+    assert sites == {"attention decode + cache write": 1}
+    assert "kv_cache_write" not in mlir and "ring_write_token" not in mlir and "slice_scatter" not in mlir
+    compiled = rt.load_vm_flatbuffer(ireec.compile_str(mlir, input_type="torch", extra_args=target.flags),
+                                     driver="local-task")
+
+    def as_numpy(x):
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if x.dtype == torch.bfloat16 else x.numpy()
+
+    for i, positions in enumerate(case["positions"]):
+        pos, valid = torch.tensor(positions), torch.tensor(case.get("valid", [[1] * b] * 9)[i])
+        host = (position_shape(positions[0]),) if b == 1 else ()
+        want = module(q, k, v, k_new, v_new, pos, valid, *host)
+        got = compiled.decode(*(as_numpy(x) for x in (q, k, v, k_new, v_new)), pos.numpy(), valid.numpy(),
+                              *(h.numpy() for h in host))
+        out = got[0].to_host().astype(np.float32)
+        for row in range(b):
+            if valid[row]:
+                scale = np.abs(want[0][row].numpy()).max()
+                assert np.abs(out[row] - want[0][row].numpy()).max() / scale < 1e-5, f"{name} at {positions}"
+        for cache, before, expected in zip(got[1:], (k, v), want[1:]):
+            for row in range(b):
+                wanted = as_numpy(expected[row] if valid[row] else before[row])
+                assert np.array_equal(cache.to_host()[row].view(np.uint8), wanted.view(np.uint8)), \
+                    f"{name} at {positions}, row {row}"
+
+
+def test_a_partial_read_keeps_its_writes_apart():
+    """The writing kernel reads its whole cache: a read shorter than the cache might not hold the slot
+    written, so such a site keeps its writes as ops of their own."""
+    one = DecodeAttentionShape(1, 4, 2, 32, 64, 64, 0, "blocked", "f16", 0.125, write=True)
+    assert supports(one) and supports(DecodeAttentionShape(**{**one.__dict__, "batch": 4}))
+    assert not supports(DecodeAttentionShape(**{**one.__dict__, "length": 32}))
+
+
 def test_shapes_the_kernel_does_not_take_are_refused():
     base = DecodeAttentionShape(1, 4, 2, 32, 64, 64, 0, "blocked", "f16", 0.125)
     assert supports(base)
