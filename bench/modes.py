@@ -110,8 +110,21 @@ def foldline_label(args: Namespace) -> str:
     return f"foldline ({args.device}{', ' + args.cpu if args.cpu else ''})"
 
 
-def also_label(bundle: str, device: str) -> str:
-    return f"foldline ({device}) {Path(bundle).name}"
+def also_label(bundle: str, device: str, cpu: str | None = None) -> str:
+    return f"foldline ({device}{', ' + cpu if cpu else ''}) {Path(bundle).name}"
+
+
+def also_cpu(bundle: str, other: Manifest, device: str, cpu: str | None) -> str | None:
+    """The --cpu module an --also bundle runs: the benched bundle's, so that both run one ISA's code
+    (left to the host's choice, a `--cpu x86-64-v3` run would set AVX2 code beside AVX-512 code)."""
+    if device != "cpu" or cpu is None:
+        return None
+    keys = other.module_keys("cpu")
+    if not any(cpu in (key, other.modules[key].cpu) for key in keys):
+        names = ", ".join(other.modules[key].cpu or key for key in keys)
+        raise BenchError(f"--also {bundle} has no CPU module for --cpu {cpu} (it has: {names}): the bundles of "
+                         "one run must run the same CPU's code")
+    return cpu
 
 
 def engine_runners(args: Namespace, manifest: Manifest, new_tokens: int) -> dict[str, Runner]:
@@ -124,7 +137,8 @@ def engine_runners(args: Namespace, manifest: Manifest, new_tokens: int) -> dict
         if other.vocab_size != vocab:
             raise BenchError(f"--also {bundle}: its vocabulary ({other.vocab_size}) is not the benched bundle's")
         device = also_device(other)
-        runners[also_label(bundle, device)] = _compiled_runner(str(bundle), device, None, new_tokens, seed)
+        cpu = also_cpu(bundle, other, device, args.cpu)
+        runners[also_label(bundle, device, cpu)] = _compiled_runner(str(bundle), device, cpu, new_tokens, seed)
     if args.llama_cpp:
         gguf = source_model(manifest, args.llama_cpp)
         runners["llama.cpp"] = lambda n, t: bench_llama_cpp(gguf, prompt_ids(vocab, n, seed), new_tokens, t,
@@ -223,8 +237,10 @@ def _add_accuracy(args: Namespace, manifest: Manifest, reference: accuracy.Refer
     scored: dict[str, accuracy.LogitsRunner] = {
         foldline_label(args): accuracy.bundle_logits(str(args.bundle), args.device, args.cpu)}
     for bundle in args.also or []:
-        device = also_device(Manifest.load(bundle))
-        scored[also_label(bundle, device)] = accuracy.bundle_logits(str(bundle), device, None)
+        other = Manifest.load(bundle)
+        device = also_device(other)
+        cpu = also_cpu(bundle, other, device, args.cpu)
+        scored[also_label(bundle, device, cpu)] = accuracy.bundle_logits(str(bundle), device, cpu)
     for label, folder in genai_labels(args.ort_genai).items():
         scored[label] = accuracy.genai_logits(folder, args.genai_python, args.peer_context or manifest.max_context)
     ran = next(iter(by_length.values()))  # an engine that was not installed is not scored either

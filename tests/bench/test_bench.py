@@ -18,6 +18,26 @@ def test_prompt_ids_are_deterministic_and_in_range():
     assert len(a) == 128 and min(a) >= 1000 and max(a) < 49152
 
 
+def test_an_also_bundle_runs_the_same_cpu_module_as_the_benched_one():
+    """`--cpu x86-64-v3 --also OTHER`: OTHER runs its AVX2 module too, not the one the host would pick;
+    a bundle without that module is refused by name, and a bundle on another device is not pinned."""
+    from types import SimpleNamespace
+
+    from foldline.bench.child import BenchError
+    from foldline.bench.modes import also_cpu, also_label
+
+    def bundle(*cpus):
+        modules = {f"cpu-{c}": SimpleNamespace(cpu=c) for c in cpus}
+        return SimpleNamespace(modules=modules, module_keys=lambda device: list(modules) if device == "cpu" else [])
+
+    assert also_cpu("old", bundle("znver4", "x86-64-v3"), "cpu", "x86-64-v3") == "x86-64-v3"
+    assert also_cpu("old", bundle("znver4"), "cpu", None) is None
+    assert also_cpu("old", bundle(), "onnxruntime", "x86-64-v3") is None
+    with pytest.raises(BenchError, match="--also old has no CPU module for --cpu x86-64-v3 \\(it has: znver4\\)"):
+        also_cpu("old", bundle("znver4"), "cpu", "x86-64-v3")
+    assert also_label("/tmp/old", "cpu", "x86-64-v3") == "foldline (cpu, x86-64-v3) old"
+
+
 def _figures(decode: float, rss: float = 300.0) -> dict:
     return {"prefill_tok_s": 2 * decode, "decode_tok_s": decode, "prefill_cpu_ms_tok": 5.0,
             "decode_cpu_ms_tok": 1000 / decode, "peak_rss_mib": rss, "load_s": 1.0}
