@@ -98,7 +98,7 @@ def count_dispatches(disassembly: str, function: str) -> tuple[int, bool]:
     in the module's initializer and the function replays it (`hal.device.queue.execute.indirect`
     of a global); its dispatches are then those of the function that recorded it.
     """
-    bodies = _function_bodies(disassembly)
+    bodies = function_bodies(disassembly)
     if function not in bodies:
         raise ValueError(f"no function {function!r} in the module's disassembly")
     counted = [bodies[function]]
@@ -115,7 +115,7 @@ _REPLAYED = re.compile(r"%r\d+ = vm\.global\.load\.ref \.refs\[(\d+)\] : !hal\.c
 _CALL = re.compile(r"%r(\d+) = vm\.call @module:(\d+)\(")
 
 
-def _function_bodies(disassembly: str) -> dict[str, list[str]]:
+def function_bodies(disassembly: str) -> dict[str, list[str]]:
     """Each `vm.func`'s stripped body lines, by name, in the module's order (a function's ordinal)."""
     bodies: dict[str, list[str]] = {}
     body: list[str] | None = None

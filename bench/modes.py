@@ -21,6 +21,7 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
+from ..contract.errors import BundleError
 from ..contract.manifest import Manifest
 from . import accuracy
 from .chat import bench_chat_llama_cpp, chat_script, chat_warmup, check_fits
@@ -119,11 +120,12 @@ def also_cpu(bundle: str, other: Manifest, device: str, cpu: str | None) -> str 
     (left to the host's choice, a `--cpu x86-64-v3` run would set AVX2 code beside AVX-512 code)."""
     if device != "cpu" or cpu is None:
         return None
-    keys = other.module_keys("cpu")
-    if not any(cpu in (key, other.modules[key].cpu) for key in keys):
-        names = ", ".join(other.modules[key].cpu or key for key in keys)
-        raise BenchError(f"--also {bundle} has no CPU module for --cpu {cpu} (it has: {names}): the bundles of "
-                         "one run must run the same CPU's code")
+    from ..runtime.cpu_select import select_cpu_module
+
+    try:
+        select_cpu_module(other, None, "", cpu)  # a pinned module is found by name, whatever the host
+    except BundleError as e:
+        raise BenchError(f"--also {bundle}: {e}; the bundles of one run must run the same CPU's code") from e
     return cpu
 
 

@@ -338,15 +338,16 @@ def slot_writes(op: ir.Operation, s: DecodeAttentionShape) -> SlotWrites | None:
         return None
     if not all(kept) or writes[0].operation == writes[1].operation:
         raise AttentionKernelError(f"{op.name}: a kept cache write feeds only one of the caches it reads")
-    if not supports(replace(s, write=True)):
-        raise AttentionKernelError(f"kept cache writes into a decode attention the writing kernel does not take: {s}")
-    new_types = {shape_and_type(w.operands[1]) for w in writes}
     for w in writes:
         if w.operands[2] != op.operands[3] or w.operands[3] != writes[0].operands[3]:
             raise AttentionKernelError("a kept cache write's position or valid count is not the attention's")
-    if len(new_types) != 1 or next(iter(new_types))[0] != (s.batch, s.kv_heads, 1, s.head_dim):
-        raise AttentionKernelError(f"kept cache writes of {sorted(new_types)} into {s}")
-    return SlotWrites(writes, _call_site(op, writes), next(iter(new_types))[1])
+    new = {shape_and_type(w.operands[1]) for w in writes}
+    if len(new) != 1 or next(iter(new))[0] != (s.batch, s.kv_heads, 1, s.head_dim):
+        raise AttentionKernelError(f"kept cache writes of {sorted(new)} into {s}")
+    new_type = next(iter(new))[1]
+    if not supports(replace(s, write=True, new_type=new_type)):
+        raise AttentionKernelError(f"kept cache writes into a decode attention the writing kernel does not take: {s}")
+    return SlotWrites(writes, _call_site(op, writes), new_type)
 
 
 def _call_site(op: ir.Operation, writes: tuple[ir.Operation, ...]) -> ir.Operation:

@@ -128,12 +128,12 @@ def rewrite_sites(mlir: str, names: tuple[str, ...], plan: Callable[[ir.Operatio
                 made = ir.Operation.create("util.call", results=[ir.Type.parse(text) for text in types],
                                            operands=call.operands(),
                                            attributes={"callee": ir.FlatSymbolRefAttr.get(call.callee)})
-                stands_for = [(made.results[0], op.results[0].type, call.replaces),
-                              *((made.results[i + 1], old.results[0].type, [old])
-                                for i, (_, old) in enumerate(call.more_results))]
+                # per result of the call: the ops it stands for, and their torch type
+                stands_for = [(call.replaces, op.results[0].type),
+                              *(([old], old.results[0].type) for _, old in call.more_results)]
                 backs = [(ir.Operation.create("torch_c.from_builtin_tensor", results=[torch_type],
                                               operands=[result]).result, olds)
-                         for result, torch_type, olds in stands_for]
+                         for result, (olds, torch_type) in zip(made.results, stands_for)]
             for back, olds in backs:
                 for replaced in olds:
                     replaced.results[0].replace_all_uses_with(back)

@@ -73,7 +73,8 @@ def _tied_operand(dispatch: ir.Operation, result: int) -> ir.Value | None:
 
 
 def _elidable(alias: hal.TensorAliasOp) -> bool:
-    """Whether `alias` puts a scatter or slice update back into the argument it already wrote in place."""
+    """Whether `alias` puts a scatter, slice update or kernel's tied result back into the argument it already
+    wrote in place."""
     target = _updated_in_place(alias.source)
     imported = defining_op(target) if target is not None else None
     if imported is None or imported.name != hal.TensorImportOp.OPERATION_NAME:

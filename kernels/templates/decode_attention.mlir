@@ -11,11 +11,11 @@
    (head_dim / lanes), blocks (first chunk, end chunk, the (query head, chunk) accumulators and the
    cache lines of each block of features the value pass takes together), line_offsets (the cache
    lines of a row), prefetch_keys (how far ahead a pass asks for slots), fma and f16 (the CPU's
-   float operations), write (the step's own key and value, of new_type, converted to cache_type (a
-   narrowing when `narrows`), come in as two more bindings after the caches and each row's valid count
-   after pos; for a row with a valid token, the workgroup whose
-   share holds slot pos % slots stores them there before it reads: the caches are then read-write,
-   the call ties them to its results). #}
+   float operations), write (the step's own keys and values, of new_type, come in as two more bindings
+   after the caches, and each row's valid count after pos; for a row with a valid token, the
+   workgroup whose share holds slot pos % slots converts them to cache_type (a narrowing where
+   `narrows`) and stores them there before it reads: the caches are read-write, and the call ties
+   them to its results). #}
 !q_memref = memref<{{ batch }}x{{ q_heads }}x1x{{ head_dim }}x{{ q_type }}>
 !kv_memref = memref<{{ batch }}x{{ kv_heads }}x{{ slots }}x{{ head_dim }}x{{ cache_type }}>
 !pos_memref = memref<{{ batch }}xi64>

@@ -116,8 +116,7 @@ def test_the_cpu_kernel_keeps_decode_attention_it_covers(exported_unit):
             assert len(kept) == cfg.num_layers and all(n.target in lowering.DECODE_ATTENTION_OPS for n in kept), name
             # and the two cache writes each reads, which the kernel makes itself (the ring's and the full cache's)
             assert len(writes) == 2 * cfg.num_layers and {n.target for n in writes} == set(lowering.DECODE_WRITE_OPS)
-            assert all(w in kept_node.args[1:3] for kept_node in kept for w in kept_node.all_input_nodes
-                       if w.target in lowering.DECODE_WRITE_OPS)
+            assert all(cache.target in lowering.DECODE_WRITE_OPS for node in kept for cache in node.args[1:3])
         else:
             assert kept == [] and writes == [], name
     gpu = low.program("decode", unit.programs["decode"], kernel_keep_rule(decode_attention_kernel=False))

@@ -28,12 +28,13 @@ def test_an_also_bundle_runs_the_same_cpu_module_as_the_benched_one():
 
     def bundle(*cpus):
         modules = {f"cpu-{c}": SimpleNamespace(cpu=c) for c in cpus}
-        return SimpleNamespace(modules=modules, module_keys=lambda device: list(modules) if device == "cpu" else [])
+        return SimpleNamespace(root="old", modules=modules,
+                               module_keys=lambda device: list(modules) if device == "cpu" else [])
 
     assert also_cpu("old", bundle("znver4", "x86-64-v3"), "cpu", "x86-64-v3") == "x86-64-v3"
     assert also_cpu("old", bundle("znver4"), "cpu", None) is None
     assert also_cpu("old", bundle(), "onnxruntime", "x86-64-v3") is None
-    with pytest.raises(BenchError, match="--also old has no CPU module for --cpu x86-64-v3 \\(it has: znver4\\)"):
+    with pytest.raises(BenchError, match="--also old: bundle old has no CPU module for --cpu x86-64-v3 \\(it has: znver4\\)"):
         also_cpu("old", bundle("znver4"), "cpu", "x86-64-v3")
     assert also_label("/tmp/old", "cpu", "x86-64-v3") == "foldline (cpu, x86-64-v3) old"
 

@@ -9,6 +9,7 @@ from foldline.bench.memory_wall import (
     count_dispatches,
     disassemble,
     dispatches_per_step,
+    function_bodies,
     host_read_gb_s,
     step_reads,
 )
@@ -108,8 +109,7 @@ def test_a_one_row_step_is_recorded_once_and_replayed(bundle_factory):
     manifest = Manifest.load(bundle_factory("llama-tiny"))
     for key, entry in manifest.modules.items():
         text = disassemble(manifest.root / entry.file)
-        decode = text[text.index("vm.func @decode$async("):]
-        decode = decode[:decode.index("\n}")]
+        decode = "\n".join(function_bodies(text)["decode$async"])
         assert "@hal.command_buffer.dispatch" not in decode and "queue.execute.indirect" in decode, key
         assert count_dispatches(text, "decode$async")[0] >= 2 * len(manifest.config["layer_types"]), key
 
