@@ -173,8 +173,21 @@ def supports(shape: Int8DotShape) -> bool:
 
 
 def _row_stack_bytes(shape: Int8DotShape) -> int:
-    """Stack bytes of one activation row in the few-row kernel: K int8 codes, dx and dx * sum xq per group."""
-    return shape.k + 8 * shape.groups
+    """Stack bytes of one activation row in the few-row kernel: K int8 codes, dx per group, dx * sum xq per
+    group (padded to whole accumulators) and, for q8 codes met as q + 128, the offset's lane sums (K/4 int32)."""
+    return (shape.k + 4 * shape.groups + 4 * _padded_groups(shape)
+            + (shape.k if _offset_codes(shape) else 0))
+
+
+def _acc_lanes(shape: Int8DotShape) -> int:
+    """float32 lanes of a row's accumulator: 16 (one AVX-512 register), 4 where group sums come first."""
+    return 4 if shape.isa.group_sums_first else 16
+
+
+def _padded_groups(shape: Int8DotShape) -> int:
+    """Groups rounded up to whole accumulators: the length of the dx * sum xq table, zeros past the groups."""
+    lanes = _acc_lanes(shape)
+    return -(-shape.groups // lanes) * lanes
 
 
 def dispatch_rows(shape: Int8DotShape, m: int) -> int:
@@ -191,9 +204,10 @@ def dispatch_rows(shape: Int8DotShape, m: int) -> int:
 def _offset_codes(s: Int8DotShape) -> bool:
     """q8 codes met as q + 128 (unsigned) where the form's unsigned product is exact for any byte.
 
-    sum_k (q + 128) x = sum_k q x + 128 sum_k x, and the second term is the row-independent
-    dx * sum xq of each group (cg) times 128 and the row's scale: one short dot per row takes it
-    out, as the mins' term does, where the signed form spent a second dot product per step.
+    sum_k (q + 128) x = sum_k q x + 128 sum_k x: each step's dot product starts from -128 times the
+    lane sums of its activations (computed once per activation row, `_offset_lanes`) in place of
+    zero, so its int32 lanes are exact sums of q x, where the signed form spent a second dot
+    product per step.
     """
     return s.fmt == "q8" and s.isa.unsigned_bytes_exact
 
@@ -304,7 +318,8 @@ class _Operands:
     y: Value
     xq: Value | None = None  # int8 activations in k order (stack)
     dxe: Value | None = None  # dx per lane (stack)
-    cg: Value | None = None  # dx * sum xq per group (stack)
+    cg: Value | None = None  # dx * sum xq per group, zeros to whole accumulators (stack)
+    neg_offset: Value | None = None  # -128 * each lane's sum of xq, the start of a q8 step's dot (stack)
     zf: Value | None = None  # a zero float accumulator
     m15: Value | None = None  # the low-nibble mask
     s4: Value | None = None  # the high nibble's shift
@@ -362,7 +377,8 @@ def _gated_group(b: Builder, s: Int8DotShape, o: _Operands, n_k: Value, off: Val
 
 def _quantize_activation(b: Builder, s: Int8DotShape, o: _Operands, per_lane: bool = True) -> None:
     """Fill o.xq (int8 activations, k order), o.dxe (dx per lane; per group where not per_lane, the
-    few-row kernel's smaller stack) and o.cg (dx * sum xq per group).
+    few-row kernel's smaller stack), o.cg (dx * sum xq per group, then zeros to `_padded_groups`) and,
+    for q8 codes met as q + 128, o.neg_offset (`_offset_lanes`).
 
     With a fused norm the row is normalized group by group on its way in; a gated row is
     turned into act(g) * u the same way.
@@ -372,7 +388,7 @@ def _quantize_activation(b: Builder, s: Int8DotShape, o: _Operands, per_lane: bo
     n_k = b.index(s.k) if s.gated else None
     o.xq = b.alloca(b.memref((s.k,), "i8"))
     o.dxe = b.alloca(b.memref((s.k // 4 if per_lane else s.groups,), "f32"))
-    o.cg = b.alloca(b.memref((s.groups,), "f32"))
+    o.cg = b.alloca(b.memref((_padded_groups(s),), "f32"))
     n_groups, n_g, n_lanes = b.index(s.groups), b.index(g), b.index(lanes)
     f0, f127 = b.const(0.0, "f32"), b.const(127.0, "f32")
 
@@ -395,6 +411,25 @@ def _quantize_activation(b: Builder, s: Int8DotShape, o: _Operands, per_lane: bo
         b.store_scalar(dsum, o.cg, [gi])
 
     b.loop(o.c0, n_groups, o.c1, group)
+    for pad in range(s.groups, _padded_groups(s)):
+        b.store_scalar(f0, o.cg, [b.index(pad)])
+    if _offset_codes(s):
+        _offset_lanes(b, s, o)
+
+
+def _offset_lanes(b: Builder, s: Int8DotShape, o: _Operands) -> None:
+    """o.neg_offset: -128 times each int32 lane's sum of the activation codes (4 per lane), the start of
+    each q8 step's dot product of q + 128 (`_offset_codes`). The ISA's own dot product of bytes of 128
+    with the codes makes the sums, exact as the steps' are."""
+    o.neg_offset = b.alloca(b.memref((s.k // 4,), "i32"))
+    v64, vi = b.vector(64, "i8"), b.vector(16, "i32")
+    unsigned_128, zero = b.const(-128, v64), b.const(0, vi)
+
+    def step(i: Value) -> None:
+        sums = s.isa.dot_unsigned(b, None, unsigned_128, b.load(v64, o.xq, [b.muli(i, b.index(CODES_PER_STEP))]))
+        b.store(b.subi(zero, sums), o.neg_offset, [b.muli(i, b.index(CODES_PER_STEP // 4))])
+
+    b.loop(o.c0, b.index(s.k // CODES_PER_STEP), o.c1, step)
 
 
 @dataclass
@@ -425,7 +460,8 @@ def _step(b: Builder, s: Int8DotShape, o: _Operands, row: Value, at: _StepOffset
         d = s.isa.dot_unsigned(b, None, q, xs)
     elif _offset_codes(s):
         q = b.load(v64, o.codes, [row, at.k])
-        d = s.isa.dot_unsigned(b, None, b.xori(q, o.offset_bytes), xs)  # q + 128, read unsigned
+        start = b.load(b.vector(16, "i32"), o.neg_offset, [at.l])  # q + 128, read unsigned, from -128 sum xq
+        d = s.isa.dot_unsigned(b, start, b.xori(q, o.offset_bytes), xs)
     else:
         q = b.load(v64, o.codes, [row, at.k])
         d = s.isa.dot_signed(b, None, xs, q)
@@ -455,15 +491,6 @@ def _group_terms(b: Builder, s: Int8DotShape, d: Value, sg: Value, dx: Value, ac
     return acc
 
 
-def _dot_with_group_sums(b: Builder, s: Int8DotShape, o: _Operands, per_group: Value, row: Value) -> Value:
-    """sum_g per_group[row, g] * cg[g] (cg: each group's dx * sum xq)."""
-    groups = b.load(b.vector(s.groups, s.scale_type), per_group, [row, o.c0])
-    if s.scale_type == "f16":
-        groups = b.extf(groups, b.vector(s.groups, "f32"))
-    sums = b.load(b.vector(s.groups, "f32"), o.cg, [o.c0])
-    return b.reduce("add", b.mulf(groups, sums))
-
-
 def _prefetch_ahead(b: Builder, s: Int8DotShape, o: _Operands, row: Value) -> None:
     """Ask for the codes and scales of the row PREFETCH_BYTES ahead (the last row at most), every
     cache line of them: the hardware's own prefetcher alone left each core's stream of rows waiting
@@ -486,7 +513,7 @@ def _row(b: Builder, s: Int8DotShape, o: _Operands, row: Value) -> None:
     for i in range(len(offsets)):
         c = i % CHAINS
         last[c] = _step(b, s, o, row, offsets[i], last.get(c, o.zf))
-    _finish_row(b, s, o, row, last)
+    _finish_rows(b, s, [o], row, [last])
 
 
 def _step_offsets(b: Builder, s: Int8DotShape) -> list[_StepOffsets]:
@@ -531,7 +558,9 @@ def _rows(b: Builder, s: Int8DotShape, rows: list[_Operands], row: Value, offset
         spread = None if s.isa.group_sums_first else b.shuffle(sg, sg, _spread_mask(s))
         for r, orow in enumerate(rows):
             xs = b.load(v64, orow.xq, [at.k])
-            if s.fmt in ("q4", "q5") or _offset_codes(s):
+            if _offset_codes(s):
+                d = s.isa.dot_unsigned(b, b.load(b.vector(16, "i32"), orow.neg_offset, [at.l]), q, xs)
+            elif s.fmt in ("q4", "q5"):
                 d = s.isa.dot_unsigned(b, None, q, xs)
             else:
                 d = s.isa.dot_signed(b, None, xs, q)
@@ -541,27 +570,80 @@ def _rows(b: Builder, s: Int8DotShape, rows: list[_Operands], row: Value, offset
                 continue
             sx = b.mulf(spread, b.shuffle(dx, dx, _spread_mask(s)))
             last[r][c] = b.fma(b.sitofp(d, vf), sx, last[r].get(c, o.zf))
-    for orow, chains in zip(rows, last):
-        _finish_row(b, s, orow, row, chains)
+    _finish_rows(b, s, rows, row, last)
 
 
-def _finish_row(b: Builder, s: Int8DotShape, o: _Operands, row: Value, last: dict[int, Value]) -> None:
-    """y[row] from the chains' accumulators: their sum, the mins' and offset's terms, the residual."""
-    total = last[0]
-    for c in range(1, min(CHAINS, len(last))):
-        total = b.addf(total, last[c])
-    out = b.reduce("add", total)
+def _finish_rows(b: Builder, s: Int8DotShape, rows: list[_Operands], row: Value,
+                 chains: list[dict[int, Value]]) -> None:
+    """y[r, row] for each activation row r from its chains' accumulators: their sum, the mins' term
+    added lane-wise, the lanes summed (`lane_sums`), the residual.
+
+    The mins' term sum_g m[n, g] * dx[g] * sum_k xq[g, k] is one product of the row's mins and the
+    activation's cg table per accumulator's width of groups (not a term of every step), added into
+    the accumulator before its lanes are summed. The one-row kernel is this with one row, so the
+    few-row kernel's every row gets its result to the bit.
+    """
+    o, lanes = rows[0], _acc_lanes(s)
+    vf = b.vector(lanes, "f32")
+    totals = []
+    for last in chains:
+        total = last[0]
+        for c in range(1, min(CHAINS, len(last))):
+            total = b.addf(total, last[c])
+        totals.append(total)
     if s.has_min:
-        # sum_g m[n, g] * dx[g] * sum_k xq[g, k]: one short dot per row, not a term of every step
-        # (docs/quantization.md, "The kernels")
-        out = b.addf(out, _dot_with_group_sums(b, s, o, o.mins, row))
-    if _offset_codes(s):
-        # - sum_g s[n, g] * 128 * dx[g] * sum_k xq[g, k]: the codes' offset, taken out once per row
-        offset = _dot_with_group_sums(b, s, o, o.scales, row)
-        out = b.subf(out, b.mulf(offset, b.const(128.0, "f32")))
-    if s.residual:  # r + y, the graph's add (IEEE addition commutes exactly)
-        out = b.addf(b.load_scalar(o.res, [row]), out)
-    b.store_scalar(out, o.y, [row])
+        for first in range(0, s.groups, lanes):
+            width = min(lanes, s.groups - first)
+            mins = b.load(b.vector(width, s.scale_type), o.mins, [row, b.index(first)])
+            if s.scale_type == "f16":
+                mins = b.extf(mins, b.vector(width, "f32"))
+            if width < lanes:  # lanes past the groups meet the table's zeros
+                mins = b.shuffle(mins, mins, [i if i < width else 0 for i in range(lanes)])
+            totals = [b.addf(t, b.mulf(mins, b.load(vf, orow.cg, [b.index(first)]))) for t, orow in zip(totals, rows)]
+    sums = lane_sums(b, totals)
+    for r, orow in enumerate(rows):
+        out = b.extract(sums, r)
+        if s.residual:  # r + y, the graph's add (IEEE addition commutes exactly)
+            out = b.addf(b.load_scalar(orow.res, [row]), out)
+        b.store_scalar(out, orow.y, [row])
+
+
+def lane_sums(b: Builder, vectors: list[Value], widest: int = 16) -> Value:
+    """The sum of each vector's lanes, as lane i of one vector<len(vectors)> (f32).
+
+    Every vector is summed by halving: lanes j and j + L/2 of its L added, then again, to one. The
+    vectors share each level's registers (two vectors' halves shuffled into one, up to `widest`
+    lanes), so summing eight 16-lane rows costs about what two cost one at a time, and each vector
+    meets the same additions in the same order however many are summed with it.
+    """
+    lanes = ir.VectorType(vectors[0].type).shape[0]
+    blocks = [(v, 1) for v in vectors]  # (value, vectors in it: L lanes each, one after another)
+
+    def halves(a: Value, ka: int, other: Value, kb: int, size: int) -> tuple[list[int], list[int]]:
+        half = size // 2
+        first = [v * size + j for v in range(ka) for j in range(half)]
+        base = ir.VectorType(a.type).shape[0]
+        first += [base + v * size + j for v in range(kb) for j in range(half)]
+        return first, [i + half for i in first]
+
+    while lanes > 1:
+        merged = []
+        i = 0
+        while i < len(blocks):
+            a, ka = blocks[i]
+            if i + 1 < len(blocks) and (ka + blocks[i + 1][1]) * lanes // 2 <= widest:
+                other, kb = blocks[i + 1]
+                i += 2
+            else:
+                other, kb = a, 0
+                i += 1
+            low, high = halves(a, ka, other, kb, lanes)
+            merged.append((b.addf(b.shuffle(a, other, low), b.shuffle(a, other, high)), ka + kb))
+        blocks, lanes = merged, lanes // 2
+    while len(blocks) > 1:  # one lane a vector: concatenate
+        (a, ka), (other, kb) = blocks[0], blocks[1]
+        blocks = [(b.shuffle(a, other, list(range(ka + kb))), ka + kb)] + blocks[2:]
+    return blocks[0][0]
 
 
 def int8_dot_executable(s: Int8DotShape) -> str:

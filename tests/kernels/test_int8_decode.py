@@ -159,6 +159,8 @@ ROW_SHAPES = [
     (vk.Int8DotShape("q8", 16, "f32", False, 2048, 640, gate="gelu_tanh"), 4),  # Q6_K, Gemma 3's down
     (vk.Int8DotShape("q4", 32, "f16", True, 64, 512, norm=vk.RowNorm(1e-5, None)), 4),  # one step a row
     (vk.Int8DotShape("q4", 32, "f16", True, 128, 64, residual=True, gate="silu"), 4),
+    (vk.Int8DotShape("q8", 32, "f16", False, 576, 256, norm=vk.RowNorm(1e-5, None)), 5),  # SmolLM2's head, odd rows
+    (vk.Int8DotShape("q8", 32, "f32", True, 1024, 64, residual=True), 8),  # q8 codes with mins, 64 groups a row
 ]
 
 
