@@ -132,12 +132,22 @@ class Int8DotShape:
         return self.k // self.group
 
     @property
+    def workgroups_below_large_n(self) -> int:
+        """Workgroups of a call below LARGE_N: WORKGROUPS for one activation row; for several, each
+        workgroup quantizes (and normalizes or gates) every row again, a quarter of an eight-row call's
+        work on SmolLM2's down projection with eight workgroups, so about 16 rows' quantizing per call
+        in all: 8, 4 and 2 workgroups for 2, up to 4 and up to 8 rows (two at least, one a thread)."""
+        if self.rows == 1:
+            return WORKGROUPS
+        return max(2, 2 * WORKGROUPS // (1 << (self.rows - 1).bit_length()))
+
+    @property
     def rows_per_workgroup(self) -> int:
-        """Rows per workgroup: N / WORKGROUPS below LARGE_N (supports() makes N a multiple of 16);
-        above, a power of two dividing N, halved until the count is even (two threads share it
-        evenly: 9 workgroups leave one thread idle for a ninth of the call)."""
+        """Rows per workgroup: N / workgroups_below_large_n below LARGE_N (supports() makes N a
+        multiple of 16); above, a power of two dividing N, halved until the count is even (two threads
+        share it evenly: 9 workgroups leave one thread idle for a ninth of the call)."""
         if self.n < LARGE_N:
-            return self.n // WORKGROUPS
+            return self.n // self.workgroups_below_large_n
         rows = ROWS_PER_WORKGROUP_LARGE
         while self.n % rows or (rows > MIN_ROWS_PER_WORKGROUP and (self.n // rows) % 2):
             rows //= 2

@@ -233,8 +233,15 @@ def test_each_row_asks_for_every_line_of_a_row_ahead(rows):
 
 def test_rows_per_workgroup_divide_n():
     for n in (16, 48, 576, 960, 3072, 49152, 262144, 8208):
-        rows = vk.Int8DotShape("q8", 32, "f16", False, 640, n).rows_per_workgroup
-        assert n % rows == 0
+        for activation_rows in range(1, vk.MAX_ROWS + 1):
+            rows = vk.Int8DotShape("q8", 32, "f16", False, 640, n, rows=activation_rows).rows_per_workgroup
+            assert n % rows == 0
+
+
+def test_several_rows_take_fewer_workgroups():
+    """Each workgroup quantizes every activation row again: a call of more rows is split in fewer parts."""
+    counts = [576 // vk.Int8DotShape("q4", 32, "f16", True, 1536, 576, rows=r).rows_per_workgroup for r in range(1, 9)]
+    assert counts == [8, 8, 4, 4, 2, 2, 2, 2]
 
 
 def test_activations_follow_the_target():
