@@ -51,7 +51,7 @@ from iree.compiler import ir
 
 from ..contract.block_formats import codes_dims
 from .builder import Builder, Value, stream_executable
-from .isa import Int8Isa
+from .isa import Int8Isa, zero_lanes
 from .mlir import CACHE_LINE, as_tensor, element_bytes, f32_bits, memref_type
 from .template import instantiate
 from .x86 import AVX512_VNNI
@@ -133,10 +133,10 @@ class Int8DotShape:
 
     @property
     def workgroups_below_large_n(self) -> int:
-        """Workgroups of a call below LARGE_N: WORKGROUPS for one activation row; for several, each
-        workgroup quantizes (and normalizes or gates) every row again, a quarter of an eight-row call's
-        work on SmolLM2's down projection with eight workgroups, so about 16 rows' quantizing per call
-        in all: 8, 4 and 2 workgroups for 2, up to 4 and up to 8 rows (two at least, one a thread)."""
+        """Workgroups of a call below LARGE_N: WORKGROUPS for one activation row. Each workgroup
+        quantizes (and normalizes or gates) every activation row again, so a call of several rows
+        keeps about 16 rows' quantizing in all: 8, 4 and 2 workgroups for 2, up to 4 and up to 8 rows
+        (two at least, one a thread; docs/quantization.md)."""
         if self.rows == 1:
             return WORKGROUPS
         return max(2, 2 * WORKGROUPS // (1 << (self.rows - 1).bit_length()))
@@ -432,14 +432,19 @@ def _offset_lanes(b: Builder, s: Int8DotShape, o: _Operands) -> None:
     each q8 step's dot product of q + 128 (`_offset_codes`). The ISA's own dot product of bytes of 128
     with the codes makes the sums, exact as the steps' are."""
     o.neg_offset = b.alloca(b.memref((s.k // 4,), "i32"))
-    v64, vi = b.vector(64, "i8"), b.vector(16, "i32")
-    unsigned_128, zero = b.const(-128, v64), b.const(0, vi)
+    v64 = b.vector(64, "i8")
 
     def step(i: Value) -> None:
-        sums = s.isa.dot_unsigned(b, None, unsigned_128, b.load(v64, o.xq, [b.muli(i, b.index(CODES_PER_STEP))]))
-        b.store(b.subi(zero, sums), o.neg_offset, [b.muli(i, b.index(CODES_PER_STEP // 4))])
+        sums = s.isa.dot_unsigned(b, None, _bytes_of_128(b), b.load(v64, o.xq, [b.muli(i, b.index(CODES_PER_STEP))]))
+        b.store(b.subi(zero_lanes(b), sums), o.neg_offset, [b.muli(i, b.index(CODES_PER_STEP // 4))])
 
     b.loop(o.c0, b.index(s.k // CODES_PER_STEP), o.c1, step)
+
+
+def _bytes_of_128(b: Builder) -> Value:
+    """The function's 64 bytes of -128: xor-ed into a q8 code it adds 128 (read unsigned), and read
+    unsigned it is 128."""
+    return b.shared(-128, b.vector(64, "i8"))
 
 
 @dataclass
@@ -457,34 +462,47 @@ class _StepOffsets:
 def _step(b: Builder, s: Int8DotShape, o: _Operands, row: Value, at: _StepOffsets, acc: Value) -> Value:
     """One step of a row: its 64 codes against activations [k, k + 64), added to acc (vector<16xf32>)."""
     per = CODES_PER_STEP // s.group  # groups per step
-    v64 = b.vector(64, "i8")
-    xs = b.load(v64, o.xq, [at.k])
-    if s.fmt in ("q4", "q5"):
-        v32 = b.vector(32, "i8")
-        packed = b.load(v32, o.codes, [row, at.h])
-        q = b.shuffle(b.andi(packed, o.m15), b.shrui(packed, o.s4), _nibble_mask(s))
-        if s.fmt == "q5":
-            fifth = fifth_bits(b, b.load(b.vector(8, "i8"), o.codes, [row, at.f]), CODES_PER_STEP,
-                               s.isa.bit_vectors)
-            q = b.ori(q, fifth)
-        d = s.isa.dot_unsigned(b, None, q, xs)
-    elif _offset_codes(s):
-        q = b.load(v64, o.codes, [row, at.k])
-        start = b.load(b.vector(16, "i32"), o.neg_offset, [at.l])  # q + 128, read unsigned, from -128 sum xq
-        d = s.isa.dot_unsigned(b, start, b.xori(q, o.offset_bytes), xs)
-    else:
-        q = b.load(v64, o.codes, [row, at.k])
-        d = s.isa.dot_signed(b, None, xs, q)
+    xs = b.load(b.vector(64, "i8"), o.xq, [at.k])
+    d = _code_dot(b, s, o, _step_codes(b, s, o, row, at), xs, at)
     vf = b.vector(16, "f32")
     df = None if s.isa.group_sums_first else b.sitofp(d, vf)  # first, as the x86 kernels always had it
-    sg = b.load(b.vector(per, s.scale_type), o.scales, [row, at.g])
-    if s.scale_type == "f16":
-        sg = b.extf(sg, b.vector(per, "f32"))
+    sg = _step_scales(b, s, o, row, at)
     if s.isa.group_sums_first:
         return _group_terms(b, s, d, sg, b.load(b.vector(per, "f32"), o.dxe, [at.g]), acc)
     dxv = b.load(vf, o.dxe, [at.l])
     sx = b.mulf(b.shuffle(sg, sg, _spread_mask(s)), dxv)
     return b.fma(df, sx, acc)
+
+
+def _step_codes(b: Builder, s: Int8DotShape, o: _Operands, row: Value, at: _StepOffsets) -> Value:
+    """Row `row`'s 64 codes of a step (vector<64xi8>, k order): q4 nibbles unpacked, q5's fifth bits
+    or-ed in, q8 codes as they are or plus 128 (`_offset_codes`)."""
+    if s.fmt in ("q4", "q5"):
+        packed = b.load(b.vector(32, "i8"), o.codes, [row, at.h])
+        q = b.shuffle(b.andi(packed, o.m15), b.shrui(packed, o.s4), _nibble_mask(s))
+        if s.fmt == "q5":
+            fifth = b.load(b.vector(8, "i8"), o.codes, [row, at.f])
+            q = b.ori(q, fifth_bits(b, fifth, CODES_PER_STEP, s.isa.bit_vectors))
+        return q
+    q = b.load(b.vector(64, "i8"), o.codes, [row, at.k])
+    return b.xori(q, o.offset_bytes) if _offset_codes(s) else q
+
+
+def _step_scales(b: Builder, s: Int8DotShape, o: _Operands, row: Value, at: _StepOffsets) -> Value:
+    """Row `row`'s weight scales of a step's groups, float32 (vector<64/g>)."""
+    per = CODES_PER_STEP // s.group
+    sg = b.load(b.vector(per, s.scale_type), o.scales, [row, at.g])
+    return b.extf(sg, b.vector(per, "f32")) if s.scale_type == "f16" else sg
+
+
+def _code_dot(b: Builder, s: Int8DotShape, o: _Operands, q: Value, xs: Value, at: _StepOffsets) -> Value:
+    """The step's int32 lane sums of the codes (`_step_codes`) times one activation row's xs: q + 128
+    from o's -128 sum xq, q4 / q5 codes unsigned, other q8 codes signed."""
+    if _offset_codes(s):
+        return s.isa.dot_unsigned(b, b.load(b.vector(16, "i32"), o.neg_offset, [at.l]), q, xs)
+    if s.fmt in ("q4", "q5"):
+        return s.isa.dot_unsigned(b, None, q, xs)
+    return s.isa.dot_signed(b, None, xs, q)
 
 
 def _group_terms(b: Builder, s: Int8DotShape, d: Value, sg: Value, dx: Value, acc: Value) -> Value:
@@ -552,28 +570,11 @@ def _rows(b: Builder, s: Int8DotShape, rows: list[_Operands], row: Value, offset
     last: list[dict[int, Value]] = [{} for _ in rows]
     for i, at in enumerate(offsets):
         c = i % CHAINS
-        if s.fmt in ("q4", "q5"):
-            packed = b.load(b.vector(32, "i8"), o.codes, [row, at.h])
-            q = b.shuffle(b.andi(packed, o.m15), b.shrui(packed, o.s4), _nibble_mask(s))
-            if s.fmt == "q5":
-                fifth = b.load(b.vector(8, "i8"), o.codes, [row, at.f])
-                q = b.ori(q, fifth_bits(b, fifth, CODES_PER_STEP, s.isa.bit_vectors))
-        else:
-            q = b.load(v64, o.codes, [row, at.k])
-            if _offset_codes(s):
-                q = b.xori(q, o.offset_bytes)
-        sg = b.load(b.vector(per, s.scale_type), o.scales, [row, at.g])
-        if s.scale_type == "f16":
-            sg = b.extf(sg, b.vector(per, "f32"))
+        q = _step_codes(b, s, o, row, at)
+        sg = _step_scales(b, s, o, row, at)
         spread = None if s.isa.group_sums_first else b.shuffle(sg, sg, _spread_mask(s))
         for r, orow in enumerate(rows):
-            xs = b.load(v64, orow.xq, [at.k])
-            if _offset_codes(s):
-                d = s.isa.dot_unsigned(b, b.load(b.vector(16, "i32"), orow.neg_offset, [at.l]), q, xs)
-            elif s.fmt in ("q4", "q5"):
-                d = s.isa.dot_unsigned(b, None, q, xs)
-            else:
-                d = s.isa.dot_signed(b, None, xs, q)
+            d = _code_dot(b, s, orow, q, b.load(v64, orow.xq, [at.k]), at)
             dx = b.load(b.vector(per, "f32"), orow.dxe, [at.g])
             if s.isa.group_sums_first:
                 last[r][c] = _group_terms(b, s, d, sg, dx, last[r].get(c, o.zf))
@@ -699,7 +700,7 @@ def int8_dot_executable(s: Int8DotShape) -> str:
         m15, s4 = b.const(15, b.vector(32, "i8")), b.const(4, b.vector(32, "i8"))
         if s.fmt == "q5":
             fifth_bit_constants(b, CODES_PER_STEP, s.isa.bit_vectors)
-        offset_bytes = b.const(-128, b.vector(64, "i8")) if _offset_codes(s) else None
+        offset_bytes = _bytes_of_128(b) if _offset_codes(s) else None
         for o in operands:
             o.zf, o.m15, o.s4, o.offset_bytes = zf, m15, s4, offset_bytes
         n_rows = b.index(rows)
