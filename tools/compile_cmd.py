@@ -51,7 +51,8 @@ def add_parser(sub) -> None:
                    help="context length the bundle supports (default: the model's trained context, at most 8192)")
     p.add_argument("--dtype", choices=["auto", "f32", "f16", "bf16"], default="auto",
                    help="compute dtype (default auto: f32 on every target; a bf16 or f16 checkpoint widens "
-                        "to f32 exactly); bf16 is refused for --target cpu, which cannot compile it")
+                        "to f32 exactly); bf16 is refused for --target cpu, which cannot compile it; f16 with "
+                        "--target onnx or onnx-genai gives the graphs CUDA's float16 attention kernels take")
     p.add_argument("--kv-dtype", choices=["auto", "f32", "f16", "bf16"], default="auto",
                    help="attention K/V cache element type (default auto: f16 beside quantized weights, "
                         "else the compute dtype); f16 and bf16 halve the caches")

@@ -173,7 +173,9 @@ class _Triple:
 
 
 def _one_row_float(q: Node, kv_mapping: str) -> bool:
-    return kv_mapping == "blocked" and q.meta["val"].shape[0] == 1 and q.meta["val"].dtype == torch.float32
+    """One row of float32 or float16 queries (GroupQueryAttention's CPU kernel takes both; CUDA's float16)."""
+    return (kv_mapping == "blocked" and q.meta["val"].shape[0] == 1
+            and q.meta["val"].dtype in (torch.float32, torch.float16))
 
 
 def _written_state(writes: tuple[Node, Node], target, start_pos: Node) -> bool:
@@ -234,9 +236,10 @@ def fuse_cache_attention(gm: GraphModule, max_positions: int, window_caches: boo
                                                                t.n_valid, t.scale, t.window, t.window_cache))
             else:
                 rq, rk, freq = rotated
-                key = (freq.numpy().tobytes(), rq.pos_scale)
+                dtype = t.k_cache.meta["val"].dtype  # the op's element type: the tables are made in it, once
+                key = (freq.numpy().tobytes(), rq.pos_scale, dtype)
                 if key not in tables:
-                    tables[key] = rope_tables(gm.graph, rq, max_positions, t.q)
+                    tables[key] = rope_tables(gm.graph, rq, max_positions, t.q, dtype)
                 cos, sin = tables[key]
                 fused = gm.graph.call_function(GQA_ROPE_ATTENTION,
                                                (normed_source(gm.graph, rq, t.q), normed_source(gm.graph, rk, t.q),
@@ -342,20 +345,24 @@ def translation():
         """The placeholder over q and k in BSH and v in BHSD; the output back in BHSD, padded rows zero.
         chunk: the static chunk length, or None where it varies from call to call (read off q's shape)."""
         dim = k_cache.shape[3]
-        half = k_cache.dtype == onnxscript.ir.DataType.FLOAT16
-        to_cache = (lambda x: op.Cast(x, to=f16)) if half else (lambda x: x)  # noqa: E731
+        # the op takes one element type: float32 compute over float16 caches meets them in float16
+        widen = k_cache.dtype == onnxscript.ir.DataType.FLOAT16 and v_new.dtype != onnxscript.ir.DataType.FLOAT16
+        to_cache = (lambda x: op.Cast(x, to=f16)) if widen else (lambda x: x)  # noqa: E731
         flat = op.Constant(value_ints=[0, 0 if chunk is None else chunk, -1])
         v_bsh = op.Reshape(op.Transpose(v_new, perm=[0, 2, 1, 3]), flat)
         end = op.Add(start_pos, n_valid)
         seqlens = op.Cast(op.Sub(end, op.Constant(value_int=1)), to=int32)
         length = (op.Constant(value_int=chunk) if chunk is not None
                   else op.Squeeze(op.Shape(q, start=1, end=2), op.Constant(value_ints=[0])))
-        # an upper bound of every row's end, at least the chunk (the op requires it of a full cache)
-        total = op.Cast(op.Max(op.ReduceMax(end, keepdims=0), length), to=int32)
+        # an upper bound of every row's end, at least the chunk (the op requires it of a full cache); one
+        # row's end as it is (CUDA registers no kernel for ReduceMax's opset 20 form: each would run on the CPU)
+        one_row = k_cache.shape[0] == 1
+        latest = op.Reshape(end, op.Constant(value_ints=[])) if one_row else op.ReduceMax(end, keepdims=0)
+        total = op.Cast(op.Max(latest, length), to=int32)
         out, k_next, v_next = placeholder(to_cache(q), to_cache(k_new), to_cache(v_bsh), k_cache, v_cache, seqlens,
-                                          total, op.Cast(n_valid, to=int32), *[to_cache(x) for x in extra],
+                                          total, op.Cast(n_valid, to=int32), *extra,
                                           num_heads=heads, kv_num_heads=int(k_cache.shape[1]), **attributes)
-        out = op.Cast(out, to=f32) if half else out
+        out = op.Cast(out, to=f32) if widen else out
         if chunk is None or chunk > 1:  # padded rows: unspecified by the op, zero here
             rows = op.Range(op.Constant(value_int=0), length, op.Constant(value_int=1))
             valid = op.Less(op.Unsqueeze(rows, op.Constant(value_ints=[0])), op.Unsqueeze(n_valid, op.Constant(value_ints=[1])))

@@ -60,7 +60,8 @@ def register_placeholder() -> None:
         inputs=[param("x", "T"), param("codes", "C"), param("scales", "S"),
                 param("mins", "S", param_option=OpSchema.FormalParameterOption.Optional)],
         outputs=[param("y", "T")],
-        type_constraints=[("T", ["tensor(float)"], ""), ("C", ["tensor(uint8)", "tensor(int8)"], ""),
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""),
+                          ("C", ["tensor(uint8)", "tensor(int8)"], ""),
                           ("S", ["tensor(float)", "tensor(float16)"], "")],
         attributes=[OpSchema.Attribute("fmt", OpSchema.AttrType.STRING, ""),
                     OpSchema.Attribute("group", OpSchema.AttrType.INT, "")],
@@ -118,12 +119,12 @@ def placeholder_translation():
 
 
 def fits(node: Node) -> bool:
-    """Whether a foldline::qlinear node becomes MatMulNBits: float32 activations, weights that are
-    program inputs (initializers once exported), and a group MatMulNBits takes (a power of two >= 16)."""
+    """Whether a foldline::qlinear node becomes MatMulNBits: float32 or float16 activations, weights that
+    are program inputs (initializers once exported), and a group MatMulNBits takes (a power of two >= 16)."""
     x, codes, scales, mins, _fmt, group = node.args
     weights_are_inputs = all(a is None or (isinstance(a, Node) and a.op == "placeholder") for a in (codes, scales, mins))
     x_val = x.meta.get("val") if isinstance(x, Node) else None
-    return (weights_are_inputs and x_val is not None and str(x_val.dtype) == "torch.float32"
+    return (weights_are_inputs and x_val is not None and str(x_val.dtype) in ("torch.float32", "torch.float16")
             and group >= 16 and group & (group - 1) == 0)
 
 
@@ -156,6 +157,12 @@ class _Rewrite:
         self.accuracy_level = accuracy_level
         self.new_inits: list[onnx.TensorProto] = []
         self.q8_blocks: dict[str, tuple[str, int, int]] = {}  # q8 codes -> (their MatMulNBits blocks, N, K)
+        self.types = {v.name: v.type.tensor_type.elem_type for v in (*self.graph.value_info, *self.graph.input)}
+
+    def float_type(self, name: str) -> type:
+        """The numpy type of a product's activations (float16 compute, else float32): MatMulNBits takes its
+        scales, and the offset's term its table, in the activations' type."""
+        return np.float16 if self.types.get(name) == onnx.TensorProto.FLOAT16 else np.float32
 
     def array(self, name: str, what: str) -> np.ndarray:
         if name not in self.inits:
@@ -185,11 +192,12 @@ class _Rewrite:
         b = _blocks(fmt, codes, group)
         n, blocks = b.shape[0], b.shape[1]
         base = node.output[0]
+        dtype = self.float_type(x)
         if shared and codes_name not in self.q8_blocks:
             self.q8_blocks[codes_name] = (f"{codes_name}.nbits", n, blocks * group)
         out = [helper.make_node(
             "MatMulNBits", [x, self.constant(f"{codes_name}.nbits", b), self.constant(f"{scales_name}.nbits",
-                                                                                      scales.reshape(-1))],
+                                                                                      scales.reshape(-1).astype(dtype))],
             [base + ".nbits"], name=base + ".nbits", domain=ORT_DOMAIN,
             K=blocks * group, N=n, bits=BITS[fmt], block_size=group, accuracy_level=self.accuracy_level)]
         offsets = _offsets(fmt, scales, mins)
@@ -199,7 +207,7 @@ class _Rewrite:
         # y += (x summed per group) @ offsets^T
         tail = self.constant(f"{base}.group_shape", np.array([blocks, group], np.int64))
         axes = self.constant(f"{base}.last_axis", np.array([-1], np.int64))
-        off_t = self.constant(f"{mins_name or scales_name}.offsets_t", offsets.T.astype(np.float32))
+        off_t = self.constant(f"{mins_name or scales_name}.offsets_t", offsets.T.astype(dtype))
         out += [
             helper.make_node("Shape", [x], [base + ".lead"], end=-1),
             helper.make_node("Concat", [base + ".lead", tail], [base + ".grouped_shape"], axis=0),
@@ -219,7 +227,10 @@ class _Rewrite:
         base = node.output[0]
         out = []
         head_scales = f"{scales_name}.nbits"
-        if codes_name in self.q8_blocks and any(t.name == head_scales for t in self.new_inits):
+        shared = next((t for t in self.new_inits if t.name == head_scales), None)
+        widen = False  # the rows come out in the scales' type: float16 scales of a float16 head, widened
+        if codes_name in self.q8_blocks and shared is not None:
+            widen = shared.data_type == onnx.TensorProto.FLOAT16
             blocks, n, k = self.q8_blocks[codes_name]
             rows, row_scales = f"{codes_name}.from_blocks", f"{scales_name}.from_blocks"
             out += [helper.make_node("Reshape", [blocks, self.constant(f"{rows}.shape", np.array([n, k], np.int64))],
@@ -232,8 +243,11 @@ class _Rewrite:
             scales = self.array(scales_name, "scales").astype(np.float32)
             rows = self.constant(f"{codes_name}.u8", (codes.astype(np.int16) + DEFAULT_ZERO["q8"]).astype(np.uint8))
             row_scales = self.constant(f"{scales_name}.f32", scales.reshape(codes.shape[0], -1))
-        out.append(helper.make_node("GatherBlockQuantized", [rows, ids, row_scales], [base], name=base,
+        gathered = base + ".f16" if widen else base
+        out.append(helper.make_node("GatherBlockQuantized", [rows, ids, row_scales], [gathered], name=gathered,
                                     domain=ORT_DOMAIN, gather_axis=0, quantize_axis=1, block_size=group, bits=8))
+        if widen:  # the lookup's rows are float32 in the graph (the placeholder's type)
+            out.append(helper.make_node("Cast", [gathered], [base], to=onnx.TensorProto.FLOAT, name=base))
         return out
 
 

@@ -27,7 +27,7 @@ from collections import defaultdict
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from .graph_rewrites import GraphSettings, register_graph_rewrite
 
@@ -48,9 +48,10 @@ class _Graph:
                 self.readers[name].append(n)
         self.initializers = {t.name: t for t in model.graph.initializer}
         self.outputs = {o.name for o in model.graph.output}
+        infos = [*model.graph.value_info, *model.graph.input, *model.graph.output]
         self.dims = {info.name: [d.dim_value or d.dim_param for d in info.type.tensor_type.shape.dim]
-                     for info in [*model.graph.value_info, *model.graph.input, *model.graph.output]
-                     if info.type.tensor_type.HasField("shape")}
+                     for info in infos if info.type.tensor_type.HasField("shape")}
+        self.types = {info.name: info.type.tensor_type.elem_type for info in infos}
 
     def made_by(self, name: str, op_type: str) -> onnx.NodeProto | None:
         node = self.producer.get(name)
@@ -129,6 +130,40 @@ def _reduces_last_axis(g: _Graph, node: onnx.NodeProto, x: str) -> bool:
     return axis == -1 or (rank is not None and axis == rank - 1)
 
 
+def _cast_to(node: onnx.NodeProto) -> int | None:
+    return next((a.i for a in node.attribute if a.name == "to"), None)
+
+
+def _in_float16(g: _Graph, x: str, out: str, nodes: list[onnx.NodeProto]) -> tuple[str, str, list] | None:
+    """(x16, out16, the two casts) where the norm computes in float32 between casts from and back to
+    float16 (float16 compute; frontend/layers.RMSNorm): x = Cast(x16), read by the norm alone, and `out`
+    read by one Cast to float16. The fused node then takes x16 and makes out16 itself, computing in
+    float32 inside (RMSNormalization's stash_type, SkipSimplifiedLayerNormalization's float kernel)."""
+    widen = g.made_by(x, "Cast")
+    if widen is None or _cast_to(widen) != TensorProto.FLOAT or g.types.get(widen.input[0]) != TensorProto.FLOAT16:
+        return None
+    if x in g.outputs or not all(any(r is n for n in nodes) for r in g.readers[x]):
+        return None
+    readers = g.readers[out]
+    if out in g.outputs or len(readers) != 1:
+        return None
+    narrow = readers[0]
+    if narrow.op_type != "Cast" or _cast_to(narrow) != TensorProto.FLOAT16:
+        return None
+    return widen.input[0], narrow.output[0], [widen, narrow]
+
+
+def _unconverted(g: _Graph, x: str, nodes: list[onnx.NodeProto]) -> tuple[str, list] | None:
+    """(x0, [cast]) where x is a Cast of x0 to the type x0 already has, read by the norm alone (float16
+    compute over a float32 residual stream: RMSNorm's x.float()); the norm then reads x0 itself."""
+    cast = g.made_by(x, "Cast")
+    if cast is None or _cast_to(cast) != g.types.get(cast.input[0]) or _cast_to(cast) is None:
+        return None
+    if x in g.outputs or not all(any(r is n for n in nodes) for r in g.readers[x]):
+        return None
+    return cast.input[0], [cast]
+
+
 def _residual(g: _Graph, x: str) -> onnx.NodeProto | None:
     """The Add that makes `x` from two tensors of x's shape (a residual sum), else None."""
     add = g.made_by(x, "Add")
@@ -154,6 +189,19 @@ def fuse_rms_norms(model: onnx.ModelProto, opset: int = RMS_NORM_OPSET) -> int:
             continue
         x, gamma, eps, nodes = found
         out = node.output[0]
+        new_nodes = []
+        half = _in_float16(g, x, out, nodes)
+        if half is not None:  # the norm's own casts leave with it; gamma is taken in float16
+            x, out, casts = half
+            nodes = [*nodes, *casts]
+            gamma16 = f"{out}.gamma16"
+            new_nodes.append(helper.make_node("Cast", [gamma], [gamma16], to=TensorProto.FLOAT16, name=gamma16))
+            gamma = gamma16
+        else:
+            same = _unconverted(g, x, nodes)
+            if same is not None:
+                x, cast = same
+                nodes = [*nodes, *cast]
         add = _residual(g, x)
         if add is None and opset < RMS_NORM_OPSET:
             continue
@@ -166,7 +214,7 @@ def fuse_rms_norms(model: onnx.ModelProto, opset: int = RMS_NORM_OPSET) -> int:
                                      name=f"{out}.rms_norm")
             plain += 1
         dropped.update(id(n) for n in nodes)
-        replaced[id(node)] = [fused]
+        replaced[id(node)] = [*new_nodes, fused]
     if not replaced:
         return 0
     kept = []

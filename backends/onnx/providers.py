@@ -61,10 +61,14 @@ class OpKernels:
 
     inputs: tuple[str, ...]
     kernels: tuple[Kernel, ...]
+    variadic: bool = False  # the last input repeats (Concat, Max, Sum)
 
     def constraint(self, index: int) -> str | None:
-        """Input `index`'s constraint (the last one's for the extra inputs of a variadic op)."""
-        return self.inputs[min(index, len(self.inputs) - 1)] if self.inputs else None
+        """Input `index`'s constraint: the last one's for the extra inputs of a variadic op; None (any type)
+        for an input the table does not list, which a newer schema of the op added after it."""
+        if index < len(self.inputs):
+            return self.inputs[index]
+        return self.inputs[-1] if self.variadic and self.inputs else None
 
 
 def parse_versions(text: str) -> tuple[int, int | None]:
@@ -89,9 +93,16 @@ def kernel_table() -> dict[str, dict[tuple[str, str], OpKernels]]:
             domain, op = key.split("/", 1)
             kernels = tuple(Kernel(*parse_versions(k["versions"]), {c: frozenset(t) for c, t in k["types"].items()})
                             for k in entry["registrations"])
-            ops[(domain, op)] = OpKernels(tuple(entry["inputs"]), kernels)
+            ops[(domain, op)] = OpKernels(tuple(entry["inputs"]), kernels, _variadic(op, domain))
         table[short] = ops
     return table
+
+
+def _variadic(op: str, domain: str) -> bool:
+    """Whether the op's last input is variadic in onnx's schema (ONNX Runtime's own ops: taken as not)."""
+    schema = _schema(op, domain, onnx.defs.onnx_opset_version())
+    return bool(schema is not None and schema.inputs
+                and schema.inputs[-1].option == onnx.defs.OpSchema.FormalParameterOption.Variadic)
 
 
 def _element_types(model: onnx.ModelProto) -> dict[str, str]:

@@ -52,8 +52,18 @@ def _shape(node: Node) -> tuple[int, ...]:
     return tuple(node.meta["val"].shape)
 
 
+def _widened(node):
+    """The tensor `node` converts to another float type (rotary's float32 arithmetic on float16 heads and
+    back), else `node` itself."""
+    if _call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"}:
+        return node.args[0]
+    return node
+
+
 def match_rotated(node: Node) -> Rotated | None:
-    """`node` as rotary(norm?(heads(projection))) of frontend/layers.py, else None."""
+    """`node` as rotary(norm?(heads(projection))) of frontend/layers.py, else None; in float16 compute, with
+    the rotation's conversions to float32 and back around it."""
+    node = _widened(node)
     if not _call(node, aten.view.default, aten.reshape.default) or not _call(node.args[0], aten.add.Tensor):
         return None
     total = node.args[0]
@@ -66,7 +76,7 @@ def match_rotated(node: Node) -> Rotated | None:
         return None
     if not _call(pairs, aten.view.default, aten.reshape.default):
         return None
-    heads = pairs.args[0]
+    heads = _widened(pairs.args[0])
     if _shape(heads) != _shape(node):
         return None
     angles = cos_angle.args[0]
@@ -127,9 +137,11 @@ def _frequencies(angles: Node, half: int) -> tuple[Node, float] | None:
 
 
 def _per_head_norm(x: Node) -> tuple[Node | None, float | None, Node]:
-    """(weight, eps, its input) if x = x0 * rsqrt(mean(x0^2, -1) + eps) * weight, else (None, None, x)."""
+    """(weight, eps, its input) if x = x0 * rsqrt(mean(x0^2, -1) + eps) * weight, else (None, None, x);
+    in float16 compute, computed in float32 between conversions (frontend/layers.RMSNorm)."""
+    unnormed, x = x, _widened(x)
     if not _call(x, aten.mul.Tensor):
-        return None, None, x
+        return None, None, unnormed
     for normed, weight in (x.args, reversed(x.args)):
         if not (_call(normed, aten.mul.Tensor) and isinstance(weight, Node)):
             continue
@@ -141,8 +153,8 @@ def _per_head_norm(x: Node) -> tuple[Node | None, float | None, Node]:
                 continue
             power = mean.args[0]
             if _call(power, aten.pow.Tensor_Scalar) and power.args[0] is x0 and power.args[1] == 2:
-                return weight, eps, x0
-    return None, None, x
+                return weight, eps, _widened(x0)
+    return None, None, unnormed
 
 
 def _head_split_source(node: Node, heads_shape: tuple[int, ...]) -> Node | None:
@@ -157,15 +169,20 @@ def _head_split_source(node: Node, heads_shape: tuple[int, ...]) -> Node | None:
     return source if _shape(source) == (b, c, h * d) else None
 
 
-def rope_tables(graph: Graph, rotated: Rotated, positions: int, fake_of: Node) -> tuple[Node, Node]:
-    """cos and sin tables [positions, head_dim / 2] of `rotated`'s rotation, as graph nodes
-    (before the current insertion point); `fake_of`'s fake mode makes their metadata."""
+def rope_tables(graph: Graph, rotated: Rotated, positions: int, fake_of: Node,
+                dtype: torch.dtype = torch.float32) -> tuple[Node, Node]:
+    """cos and sin tables [positions, head_dim / 2] of `rotated`'s rotation in `dtype` (computed in
+    float32), as graph nodes (before the current insertion point); `fake_of`'s fake mode makes their
+    metadata."""
     add = _adder(graph, fake_of)
     steps = add(aten.arange.default, (positions,), {"dtype": torch.float32, "device": torch.device("cpu")})
     scaled = add(aten.div.Tensor, (steps, rotated.pos_scale))
     angles = add(aten.mul.Tensor, (add(aten.unsqueeze.default, (scaled, 1)),
                                    add(aten.unsqueeze.default, (rotated.inv_freq, 0))))
-    return add(aten.cos.default, (angles,)), add(aten.sin.default, (angles,))
+    tables = add(aten.cos.default, (angles,)), add(aten.sin.default, (angles,))
+    if dtype == torch.float32:
+        return tables
+    return tuple(add(aten._to_copy.default, (table,), {"dtype": dtype}) for table in tables)
 
 
 def normed_source(graph: Graph, rotated: Rotated, fake_of: Node) -> Node:
@@ -178,10 +195,15 @@ def normed_source(graph: Graph, rotated: Rotated, fake_of: Node) -> Node:
     add = _adder(graph, fake_of)
     b, c, width = _shape(rotated.source)
     dim = _shape(rotated.norm_weight)[-1]
+    dtype = rotated.source.meta["val"].dtype
     heads = add(aten.view.default, (rotated.source, [b, c, width // dim, dim]))
+    if dtype != torch.float32:  # the norm computes in float32 (frontend/layers.RMSNorm)
+        heads = add(aten._to_copy.default, (heads,), {"dtype": torch.float32})
     mean = add(aten.mean.dim, (add(aten.pow.Tensor_Scalar, (heads, 2)), [-1], True))
     inv = add(aten.rsqrt.default, (add(aten.add.Tensor, (mean, rotated.norm_eps)),))
     normed = add(aten.mul.Tensor, (add(aten.mul.Tensor, (heads, inv)), rotated.norm_weight))
+    if dtype != torch.float32:
+        normed = add(aten._to_copy.default, (normed,), {"dtype": dtype})
     return add(aten.view.default, (normed, [b, c, width]))
 
 

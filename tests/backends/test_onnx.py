@@ -21,7 +21,7 @@ from onnx import helper
 
 from foldline.contract.errors import BundleError
 from foldline.runtime import Model
-from foldline.testing.parity import SCALED_TOL_FP32, run_parity
+from foldline.testing.parity import SCALED_TOL_F16, SCALED_TOL_FP32, run_parity
 
 pytestmark = pytest.mark.slow
 PROMPT = list(range(3, 43))  # three prefill chunks of 16, the last padded
@@ -43,7 +43,10 @@ def onnx_bundles(tmp_path_factory):
 
     def get(name: str):
         if name not in cache:
-            blocked = {"qwen35-tiny-q4": ("qwen35-tiny", "q4"), "llama-tiny-q8": ("llama-tiny", "q8")}
+            half = name.endswith("-f16")  # float16 compute and caches (CUDA's GroupQueryAttention takes float16)
+            name_f32 = name.removesuffix("-f16")
+            blocked = {"qwen35-tiny-q4": ("qwen35-tiny", "q4"), "llama-tiny-q8": ("llama-tiny", "q8"),
+                       "llama-tiny-q4": ("llama-tiny", "q4")}
             passes = None
             if name == "gemma3-tiny-full-windows":  # window layers as full caches: GroupQueryAttention's local window
                 loaded = load_model("gemma3-tiny")
@@ -51,11 +54,12 @@ def onnx_bundles(tmp_path_factory):
             elif name in ("gemma3-tiny-batch2", "gemma3-tiny-opset20"):  # batch2: rings, attended decomposed
                 loaded = load_model("gemma3-tiny")
             else:
-                loaded = _blocked(*blocked[name]) if name in blocked else load_model(name)
+                loaded = _blocked(*blocked[name_f32]) if name_f32 in blocked else load_model(name_f32)
             batch = 2 if name == "gemma3-tiny-batch2" else 1
             out = tmp_path_factory.mktemp(name) / "bundle"
-            options = BuildOptions(targets=[make_target("onnx")], kv_dtype="float32", activations="f32", passes=passes,
-                                   batch=batch, onnx_opset=20 if name.endswith("opset20") else 23)
+            dtypes = {"dtype": "float16", "kv_dtype": "float16"} if half else {"kv_dtype": "float32"}
+            options = BuildOptions(targets=[make_target("onnx")], activations="f32", passes=passes, batch=batch,
+                                   onnx_opset=20 if name.endswith("opset20") else 23, **dtypes)
             compile_model(loaded, out, options, progress=lambda _m: None, cache=CompileCache())
             cache[name] = (loaded.module, out)
         return cache[name]
@@ -73,6 +77,39 @@ def test_onnxruntime_matches_eager(name, onnx_bundles):
     assert report.steps == STEPS + 1
     assert report.tokens_agree, report.summary()
     assert report.worst_scaled_error <= SCALED_TOL_FP32, report.summary()
+
+
+@pytest.mark.parametrize("name", ["gemma3-tiny-f16", "llama-tiny-q4-f16"])
+def test_float16_graphs_match_eager_and_give_cuda_its_kernels(name, onnx_bundles):
+    """`--dtype f16`: the graphs compute in float16 over float16 caches, as CUDA's GroupQueryAttention
+    requires. Against the float32 eager reference within float16's rounding (a few units of 2^-11 of the
+    terms); each attention is one GroupQueryAttention rotating q and k itself (Gemma's rings and per-head
+    norms too), each q4 product one MatMulNBits with float16 scales, and against ONNX Runtime's CUDA
+    kernel table neither op falls back, where the float32 export's attention does."""
+    from foldline.backends.onnx.providers import module_gaps
+
+    module, bundle = onnx_bundles(name)
+    model = Model.load(bundle, device="onnxruntime")
+    assert {b.dtype for b in model.manifest.state} == {"float16"}
+    report = run_parity(module, model, PROMPT, steps=STEPS)
+    assert report.tokens_agree, report.summary()
+    assert report.worst_scaled_error <= SCALED_TOL_F16, report.summary()
+
+    graphs = [onnx.load(str(g), load_external_data=False) for g in sorted(bundle.glob("*.onnx"))]
+    layers = len(module.cfg.layer_types)
+    for graph in graphs:
+        attention = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention"]
+        assert len(attention) == layers
+        assert all(helper.get_attribute_value(a) == 1 for n in attention for a in n.attribute if a.name == "do_rotary")
+        products = [n for n in graph.graph.node if n.op_type == "MatMulNBits"]
+        scales = {t.name: t.data_type for t in graph.graph.initializer}
+        assert all(scales[n.input[2]] == onnx.TensorProto.FLOAT16 for n in products)
+        if name.startswith("llama-tiny-q4"):
+            assert len(products) >= 4 * layers  # qkv, o, gate/up, down a layer
+    cuda = module_gaps(graphs)["cuda"]
+    assert not {gap for gap in cuda if gap.startswith(("GroupQueryAttention", "MatMulNBits"))}, cuda
+    f32_graphs = [onnx.load(str(g), load_external_data=False) for g in sorted(onnx_bundles(name[:-4])[1].glob("*.onnx"))]
+    assert any(gap.startswith("GroupQueryAttention") for gap in module_gaps(f32_graphs)["cuda"])
 
 
 def test_the_graphs_are_standard_onnx_over_one_weights_file(onnx_bundles):

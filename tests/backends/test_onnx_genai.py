@@ -17,7 +17,13 @@ import onnx
 import pytest
 
 from foldline.runtime import Model
-from foldline.testing.parity import SCALED_TOL_FP32, EagerRunner, ParityReport, compare_logits
+from foldline.testing.parity import (
+    SCALED_TOL_F16,
+    SCALED_TOL_FP32,
+    EagerRunner,
+    ParityReport,
+    compare_logits,
+)
 
 og = pytest.importorskip("onnxruntime_genai")
 pytestmark = pytest.mark.slow
@@ -38,10 +44,12 @@ def genai_models(tmp_path_factory):
 
     def get(name: str):
         if name not in cache:
-            loaded = _blocked("llama-tiny", "q8") if name == "llama-tiny-q8" else load_model(name)
+            base = name.removesuffix("-f16")  # -f16: float16 compute and caches, as GenAI runs on CUDA
+            loaded = _blocked("llama-tiny", "q8") if base == "llama-tiny-q8" else load_model(base)
             out = tmp_path_factory.mktemp(name) / "genai"
             # f32 activations: the q8 blocks' products exact, so the fp32 bound holds
-            options = BuildOptions(targets=[make_target("onnx-genai")], activations="f32")
+            dtypes = {"dtype": "float16"} if name.endswith("-f16") else {}
+            options = BuildOptions(targets=[make_target("onnx-genai")], activations="f32", **dtypes)
             compile_model(loaded, out, options, progress=lambda _m: None)
             cache[name] = (loaded.module, out)
         return cache[name]
@@ -75,8 +83,11 @@ def foldline_greedy(model: Model, prompt: list[int], steps: int) -> list[int]:
     return tokens
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "gemma3-tiny", "llama-tiny-q8"])
+@pytest.mark.parametrize("name", ["llama-tiny", "gemma3-tiny", "llama-tiny-q8", "gemma3-tiny-f16",
+                                  "llama-tiny-q8-f16"])
 def test_genai_matches_eager(name, genai_models):
+    """float16 (`--dtype f16`) against the float32 reference within float16's bound: its caches float16,
+    the tied q8 table read through the head's float16 scales."""
     module, directory = genai_models(name)
     eager = EagerRunner(module, 16)
     generator = genai_generator(directory, len(PROMPT) + STEPS + 1)
@@ -95,7 +106,11 @@ def test_genai_matches_eager(name, genai_models):
         genai_logits = np.asarray(generator.get_logits()).reshape(-1)
     assert report.steps == STEPS + 1
     assert report.tokens_agree, report.summary()
-    assert report.worst_scaled_error <= SCALED_TOL_FP32, report.summary()
+    assert report.worst_scaled_error <= (SCALED_TOL_F16 if name.endswith("-f16") else SCALED_TOL_FP32), report.summary()
+    if name.endswith("-f16"):
+        graph = onnx.load(str(directory / "model.onnx"), load_external_data=False).graph
+        caches = [i for i in graph.input if i.name.startswith("past_key_values")]
+        assert caches and all(i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 for i in caches)
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gemma3-tiny"])

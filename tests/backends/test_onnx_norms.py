@@ -127,3 +127,44 @@ def test_the_registered_graph_rewrite_fuses_the_norms():
     np.testing.assert_allclose(_run(fused, feeds), _run(model, feeds), rtol=1e-5, atol=1e-5)
     with pytest.raises(GraphRewriteError, match="unknown ONNX graph rewrite rms-norm;"):
         run_graph_rewrites(fused, ["rms-norm"], GraphSettings("f32"))
+
+
+@pytest.mark.parametrize("residual", ["float16", "float32"])
+def test_float16_compute_fuses_the_norm_with_its_casts(residual):
+    """Float16 compute (`--dtype f16`) writes the norm in float32 between casts: a float16 residual sum is
+    widened (x.float()) and the norm's output narrowed back, or, over a float32 residual stream, x.float()
+    is a Cast to the type x has. Either way the sum, its casts and the norm become one
+    SkipSimplifiedLayerNormalization on the sum's own type, gamma taken in float16 where the sum is, and
+    the graph gives the unfused one's outputs within float16's rounding."""
+    half = residual == "float16"
+    wide, narrow = TensorProto.FLOAT, TensorProto.FLOAT16
+    kind = TensorProto.FLOAT16 if half else TensorProto.FLOAT
+    rng = np.random.default_rng(4)
+    nodes = [helper.make_node("Add", ["a", "b"], ["x"]),
+             helper.make_node("Cast", ["x"], ["xf"], to=wide)]
+    _norm(nodes, "xf", "g", "n")
+    nodes += [helper.make_node("Cast", ["n"], ["out"], to=narrow)]
+    info = lambda name, t: helper.make_tensor_value_info(name, t, SHAPE)  # noqa: E731
+    gamma = numpy_helper.from_array(rng.standard_normal(HIDDEN).astype(np.float32), "g")
+    graph = helper.make_graph(nodes, "norm16", [info("a", kind), info("b", kind)],
+                              [info("out", narrow), info("x", kind)], [gamma], value_info=[info("xf", wide)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    feeds = {n: rng.standard_normal(SHAPE).astype(np.float16 if half else np.float32) for n in ("a", "b")}
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = session.run(None, feeds)
+
+    assert fuse_rms_norms(model) == 1
+    onnx.checker.check_model(model, full_check=True)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("SkipSimplifiedLayerNormalization") == 1 and "Add" not in ops and "ReduceMean" not in ops
+    casts = [n for n in model.graph.node if n.op_type == "Cast"]
+    if half:  # both of the norm's casts gone; gamma taken in float16
+        assert [(c.input[0], c.attribute[0].i) for c in casts] == [("g", TensorProto.FLOAT16)]
+    else:  # the no-op widening gone; the narrowing to the float16 products kept
+        assert [(c.output[0], c.attribute[0].i) for c in casts] == [("out", TensorProto.FLOAT16)]
+    skip = next(n for n in model.graph.node if n.op_type == "SkipSimplifiedLayerNormalization")
+    assert list(skip.input[:2]) == ["a", "b"] and skip.output[3] == "x"
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(None, feeds)
+    np.testing.assert_allclose(got[0].astype(np.float32), expected[0].astype(np.float32), rtol=4e-3, atol=4e-3)
+    np.testing.assert_array_equal(got[1], expected[1])  # the residual sum itself

@@ -91,6 +91,24 @@ def test_a_kernel_is_chosen_by_every_input_type_not_the_first_alone():
     assert not provider_gaps(_graph([where], [mask, _float("x")]), "cuda")
 
 
+def test_an_input_past_the_tables_list_is_unconstrained_unless_the_op_repeats_its_last():
+    """GroupQueryAttention's query_seqlens (input 16) came after the table's 14 inputs: its int32 is not
+    held against the last listed constraint (the float KV scales), which made CUDA's float16 kernel look
+    absent. Concat's inputs repeat: each extra one is still checked against its constraint."""
+    half = [helper.make_tensor_value_info(n, TensorProto.FLOAT16, [1, 1, 64]) for n in ("q", "k")]
+    cache = [helper.make_tensor_value_info(n, TensorProto.FLOAT16, [1, 1, 8, 64]) for n in ("pk", "pv")]
+    counts = [helper.make_tensor_value_info(n, TensorProto.INT32, [1]) for n in ("s", "t", "qs")]
+    node = helper.make_node("GroupQueryAttention", ["q", "k", "k", "pk", "pv", "s", "t", *[""] * 9, "qs"],
+                            ["y", "pk_next", "pv_next"], domain="com.microsoft", num_heads=4, kv_num_heads=1)
+    assert not provider_gaps(_graph([node], [*half, *cache, *counts]), "cuda")
+    table = kernel_table()["cuda"]
+    assert table[("com.microsoft", "GroupQueryAttention")].constraint(16) is None
+    assert table[("ai.onnx", "Concat")].constraint(5) == table[("ai.onnx", "Concat")].constraint(0) == "T"
+    concat = helper.make_node("Concat", ["x", "x", "x", "s8"], ["y"], axis=0)
+    strings = helper.make_tensor_value_info("s8", TensorProto.STRING, [2, 4])
+    assert provider_gaps(_graph([concat], [_float("x"), strings]), "dml") == {"Concat (float)": 1}
+
+
 def test_a_session_naming_a_gpu_provider_is_told_what_falls_back():
     gaps = {"cuda": {"GroupQueryAttention (float)": 4, "RMSNormalization (float)": 10}, "dml": {}}
     notice = fallback_notice(gaps, ["CUDAExecutionProvider", "CPUExecutionProvider"])
