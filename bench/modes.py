@@ -379,8 +379,7 @@ def run_streams(args: Namespace, manifest: Manifest) -> int:
     new_tokens = args.new_tokens or 64
     host = check_host(args.busy_ok)
     results = bench_streams(str(args.bundle), args.device, streams, prompt_len, new_tokens, args.seed)
-    if host.busy:
-        print(host.flag())
+    _header(host, host.describe())
     print_streams(_model_name(manifest, args), results, prompt_len, new_tokens)
     _write_json(args, {"streams": results, "host_load": host.load, "host_busy": host.busy})
     return 0
@@ -410,8 +409,7 @@ def run_chat(args: Namespace, manifest: Manifest) -> int:
     with BenchProgress() as progress:
         results = run_rounds(runners, [user_tokens], [threads], args.rounds, args.seed, progress)
     engines = {n: combine_chat_rounds(results.runs[(n, user_tokens, threads)]) for n in results.engines()}
-    if host.busy:
-        print(host.flag())
+    _header(host, host.describe())
     print_chat(_model_name(manifest, args), engines, user_tokens, reply_tokens)
     print(format_orders(results.orders))
     for line in results.skipped.values():

@@ -139,6 +139,20 @@ def test_a_busy_host_is_refused_unless_asked_and_then_flagged(monkeypatch):
     assert not quiet.busy and quiet.flag() == ""
 
 
+def test_every_table_names_the_cpu_and_the_kernel_form_it_runs():
+    """The load line each table's header carries names the CPU and its best int8 kernel form (the ISA the
+    bundle's module is chosen for), so a table read later says where it was measured."""
+    from foldline.bench import host
+    from foldline.contract.isa.registry import kernel_forms
+    from foldline.runtime.device import host_arch, host_cpu_features
+
+    described = host.check_host(busy_ok=True).describe()
+    flags, arch = host_cpu_features() or set(), host_arch()
+    best = next((f.name for f in kernel_forms(arch) if f.runs_on(flags, arch)), "float kernels")
+    assert described.endswith(f"({best})") and " cores of " in described
+    assert [f for f in kernel_forms(arch) if f.name in described] == [f for f in kernel_forms(arch) if f.name == best]
+
+
 def test_plot_without_its_extra_names_the_extra(monkeypatch, capsys):
     from foldline.tools import cli
 
