@@ -157,7 +157,9 @@ class _Rewrite:
         self.accuracy_level = accuracy_level
         self.new_inits: list[onnx.TensorProto] = []
         self.q8_blocks: dict[str, tuple[str, int, int]] = {}  # q8 codes -> (their MatMulNBits blocks, N, K)
-        self.types = {v.name: v.type.tensor_type.elem_type for v in (*self.graph.value_info, *self.graph.input)}
+        infos = (*self.graph.value_info, *self.graph.input)
+        self.types = {v.name: v.type.tensor_type.elem_type for v in infos}
+        self.ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in infos if v.type.tensor_type.HasField("shape")}
 
     def float_type(self, name: str) -> type:
         """The numpy type of a product's activations (float16 compute, else float32): MatMulNBits takes its
@@ -205,13 +207,18 @@ class _Rewrite:
             out[0].output[0] = base
             return out
         # y += (x summed per group) @ offsets^T
-        tail = self.constant(f"{base}.group_shape", np.array([blocks, group], np.int64))
         axes = self.constant(f"{base}.last_axis", np.array([-1], np.int64))
         off_t = self.constant(f"{mins_name or scales_name}.offsets_t", offsets.T.astype(dtype))
+        rank = self.ranks.get(x)
+        if rank:  # x's leading dims kept by Reshape's 0s: no node computes the shape
+            grouped = self.constant(f"{base}.grouped_shape", np.array([0] * (rank - 1) + [blocks, group], np.int64))
+            out.append(helper.make_node("Reshape", [x, grouped], [base + ".grouped"]))
+        else:
+            tail = self.constant(f"{base}.group_shape", np.array([blocks, group], np.int64))
+            out += [helper.make_node("Shape", [x], [base + ".lead"], end=-1),
+                    helper.make_node("Concat", [base + ".lead", tail], [base + ".grouped_shape"], axis=0),
+                    helper.make_node("Reshape", [x, base + ".grouped_shape"], [base + ".grouped"])]
         out += [
-            helper.make_node("Shape", [x], [base + ".lead"], end=-1),
-            helper.make_node("Concat", [base + ".lead", tail], [base + ".grouped_shape"], axis=0),
-            helper.make_node("Reshape", [x, base + ".grouped_shape"], [base + ".grouped"]),
             helper.make_node("ReduceSum", [base + ".grouped", axes], [base + ".sums"], keepdims=0),
             helper.make_node("MatMul", [base + ".sums", off_t], [base + ".offset"]),
             helper.make_node("Add", [base + ".nbits", base + ".offset"], [base]),
