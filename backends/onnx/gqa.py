@@ -346,8 +346,8 @@ def translation():
         chunk: the static chunk length, or None where it varies from call to call (read off q's shape)."""
         dim = k_cache.shape[3]
         # the op takes one element type: float32 compute over float16 caches meets them in float16
-        widen = k_cache.dtype == onnxscript.ir.DataType.FLOAT16 and v_new.dtype != onnxscript.ir.DataType.FLOAT16
-        to_cache = (lambda x: op.Cast(x, to=f16)) if widen else (lambda x: x)  # noqa: E731
+        narrow = k_cache.dtype == onnxscript.ir.DataType.FLOAT16 and v_new.dtype != onnxscript.ir.DataType.FLOAT16
+        to_cache = (lambda x: op.Cast(x, to=f16)) if narrow else (lambda x: x)  # noqa: E731
         flat = op.Constant(value_ints=[0, 0 if chunk is None else chunk, -1])
         v_bsh = op.Reshape(op.Transpose(v_new, perm=[0, 2, 1, 3]), flat)
         end = op.Add(start_pos, n_valid)
@@ -362,7 +362,7 @@ def translation():
         out, k_next, v_next = placeholder(to_cache(q), to_cache(k_new), to_cache(v_bsh), k_cache, v_cache, seqlens,
                                           total, op.Cast(n_valid, to=int32), *extra,
                                           num_heads=heads, kv_num_heads=int(k_cache.shape[1]), **attributes)
-        out = op.Cast(out, to=f32) if widen else out
+        out = op.Cast(out, to=f32) if narrow else out
         if chunk is None or chunk > 1:  # padded rows: unspecified by the op, zero here
             rows = op.Range(op.Constant(value_int=0), length, op.Constant(value_int=1))
             valid = op.Less(op.Unsqueeze(rows, op.Constant(value_ints=[0])), op.Unsqueeze(n_valid, op.Constant(value_ints=[1])))

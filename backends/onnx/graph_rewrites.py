@@ -30,6 +30,13 @@ class GraphSettings:
     opset: int = MAX_OPSET  # the highest default-domain opset the graph may be raised to
 
 
+def declared_tensors(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:
+    """Each value's tensor type as the exporter declared it (value_info, inputs, outputs): its element type
+    and, where given, its shape. The rewrites read types and ranks off these rather than inferring them."""
+    return {info.name: info.type.tensor_type
+            for info in [*model.graph.value_info, *model.graph.input, *model.graph.output]}
+
+
 # (model, settings) -> how many sites it rewrote, the model edited in place
 RewriteFn = Callable[[onnx.ModelProto, GraphSettings], int]
 

@@ -36,7 +36,7 @@ from torch.fx import Node
 from ...contract.block_formats import row_length
 from ...errors import FoldlineError
 from ...frontend.quant import QuantizedTensor, unpack_q4
-from .graph_rewrites import GraphSettings, register_graph_rewrite
+from .graph_rewrites import GraphSettings, declared_tensors, register_graph_rewrite
 
 PLACEHOLDER_DOMAIN = "foldline"
 ORT_DOMAIN = "com.microsoft"
@@ -157,14 +157,18 @@ class _Rewrite:
         self.accuracy_level = accuracy_level
         self.new_inits: list[onnx.TensorProto] = []
         self.q8_blocks: dict[str, tuple[str, int, int]] = {}  # q8 codes -> (their MatMulNBits blocks, N, K)
-        infos = (*self.graph.value_info, *self.graph.input)
-        self.types = {v.name: v.type.tensor_type.elem_type for v in infos}
-        self.ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in infos if v.type.tensor_type.HasField("shape")}
+        self.declared = declared_tensors(model)
 
     def float_type(self, name: str) -> type:
         """The numpy type of a product's activations (float16 compute, else float32): MatMulNBits takes its
         scales, and the offset's term its table, in the activations' type."""
-        return np.float16 if self.types.get(name) == onnx.TensorProto.FLOAT16 else np.float32
+        declared = self.declared.get(name)
+        return np.float16 if declared is not None and declared.elem_type == onnx.TensorProto.FLOAT16 else np.float32
+
+    def rank(self, name: str) -> int | None:
+        """The rank the exporter declared for `name`, if it did."""
+        declared = self.declared.get(name)
+        return len(declared.shape.dim) if declared is not None and declared.HasField("shape") else None
 
     def array(self, name: str, what: str) -> np.ndarray:
         if name not in self.inits:
@@ -209,7 +213,7 @@ class _Rewrite:
         # y += (x summed per group) @ offsets^T
         axes = self.constant(f"{base}.last_axis", np.array([-1], np.int64))
         off_t = self.constant(f"{mins_name or scales_name}.offsets_t", offsets.T.astype(dtype))
-        rank = self.ranks.get(x)
+        rank = self.rank(x)
         if rank:  # x's leading dims kept by Reshape's 0s: no node computes the shape
             grouped = self.constant(f"{base}.grouped_shape", np.array([0] * (rank - 1) + [blocks, group], np.int64))
             out.append(helper.make_node("Reshape", [x, grouped], [base + ".grouped"]))

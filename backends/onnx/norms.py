@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graph_rewrites import GraphSettings, register_graph_rewrite
+from .graph_rewrites import GraphSettings, declared_tensors, register_graph_rewrite
 
 NORMS_GRAPH_REWRITE = "rms-norms"
 ORT_DOMAIN = "com.microsoft"
@@ -48,10 +48,10 @@ class _Graph:
                 self.readers[name].append(n)
         self.initializers = {t.name: t for t in model.graph.initializer}
         self.outputs = {o.name for o in model.graph.output}
-        infos = [*model.graph.value_info, *model.graph.input, *model.graph.output]
-        self.dims = {info.name: [d.dim_value or d.dim_param for d in info.type.tensor_type.shape.dim]
-                     for info in infos if info.type.tensor_type.HasField("shape")}
-        self.types = {info.name: info.type.tensor_type.elem_type for info in infos}
+        declared = declared_tensors(model)
+        self.dims = {name: [d.dim_value or d.dim_param for d in t.shape.dim]
+                     for name, t in declared.items() if t.HasField("shape")}
+        self.types = {name: t.elem_type for name, t in declared.items()}
 
     def made_by(self, name: str, op_type: str) -> onnx.NodeProto | None:
         node = self.producer.get(name)
@@ -134,15 +134,21 @@ def _cast_to(node: onnx.NodeProto) -> int | None:
     return next((a.i for a in node.attribute if a.name == "to"), None)
 
 
+def _cast_into_norm(g: _Graph, x: str, nodes: list[onnx.NodeProto]) -> onnx.NodeProto | None:
+    """The Cast that makes the norm's input x, where only the norm's nodes read x; else None."""
+    cast = g.made_by(x, "Cast")
+    if cast is None or x in g.outputs or not all(any(r is n for n in nodes) for r in g.readers[x]):
+        return None
+    return cast
+
+
 def _in_float16(g: _Graph, x: str, out: str, nodes: list[onnx.NodeProto]) -> tuple[str, str, list] | None:
     """(x16, out16, the two casts) where the norm computes in float32 between casts from and back to
     float16 (float16 compute; frontend/layers.RMSNorm): x = Cast(x16), read by the norm alone, and `out`
     read by one Cast to float16. The fused node then takes x16 and makes out16 itself, computing in
     float32 inside (RMSNormalization's stash_type, SkipSimplifiedLayerNormalization's float kernel)."""
-    widen = g.made_by(x, "Cast")
+    widen = _cast_into_norm(g, x, nodes)
     if widen is None or _cast_to(widen) != TensorProto.FLOAT or g.types.get(widen.input[0]) != TensorProto.FLOAT16:
-        return None
-    if x in g.outputs or not all(any(r is n for n in nodes) for r in g.readers[x]):
         return None
     readers = g.readers[out]
     if out in g.outputs or len(readers) != 1:
@@ -156,10 +162,8 @@ def _in_float16(g: _Graph, x: str, out: str, nodes: list[onnx.NodeProto]) -> tup
 def _unconverted(g: _Graph, x: str, nodes: list[onnx.NodeProto]) -> tuple[str, list] | None:
     """(x0, [cast]) where x is a Cast of x0 to the type x0 already has, read by the norm alone (float16
     compute over a float32 residual stream: RMSNorm's x.float()); the norm then reads x0 itself."""
-    cast = g.made_by(x, "Cast")
-    if cast is None or _cast_to(cast) != g.types.get(cast.input[0]) or _cast_to(cast) is None:
-        return None
-    if x in g.outputs or not all(any(r is n for n in nodes) for r in g.readers[x]):
+    cast = _cast_into_norm(g, x, nodes)
+    if cast is None or _cast_to(cast) is None or _cast_to(cast) != g.types.get(cast.input[0]):
         return None
     return cast.input[0], [cast]
 

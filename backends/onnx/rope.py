@@ -52,9 +52,9 @@ def _shape(node: Node) -> tuple[int, ...]:
     return tuple(node.meta["val"].shape)
 
 
-def _widened(node):
-    """The tensor `node` converts to another float type (rotary's float32 arithmetic on float16 heads and
-    back), else `node` itself."""
+def _before_conversion(node):
+    """The tensor `node` converts to another float type (float16 heads widened for rotary's or a norm's
+    float32 arithmetic, and the result narrowed back), else `node` itself."""
     if _call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"}:
         return node.args[0]
     return node
@@ -63,7 +63,7 @@ def _widened(node):
 def match_rotated(node: Node) -> Rotated | None:
     """`node` as rotary(norm?(heads(projection))) of frontend/layers.py, else None; in float16 compute, with
     the rotation's conversions to float32 and back around it."""
-    node = _widened(node)
+    node = _before_conversion(node)
     if not _call(node, aten.view.default, aten.reshape.default) or not _call(node.args[0], aten.add.Tensor):
         return None
     total = node.args[0]
@@ -76,7 +76,7 @@ def match_rotated(node: Node) -> Rotated | None:
         return None
     if not _call(pairs, aten.view.default, aten.reshape.default):
         return None
-    heads = _widened(pairs.args[0])
+    heads = _before_conversion(pairs.args[0])
     if _shape(heads) != _shape(node):
         return None
     angles = cos_angle.args[0]
@@ -139,7 +139,7 @@ def _frequencies(angles: Node, half: int) -> tuple[Node, float] | None:
 def _per_head_norm(x: Node) -> tuple[Node | None, float | None, Node]:
     """(weight, eps, its input) if x = x0 * rsqrt(mean(x0^2, -1) + eps) * weight, else (None, None, x);
     in float16 compute, computed in float32 between conversions (frontend/layers.RMSNorm)."""
-    unnormed, x = x, _widened(x)
+    unnormed, x = x, _before_conversion(x)
     if not _call(x, aten.mul.Tensor):
         return None, None, unnormed
     for normed, weight in (x.args, reversed(x.args)):
@@ -153,7 +153,7 @@ def _per_head_norm(x: Node) -> tuple[Node | None, float | None, Node]:
                 continue
             power = mean.args[0]
             if _call(power, aten.pow.Tensor_Scalar) and power.args[0] is x0 and power.args[1] == 2:
-                return weight, eps, _widened(x0)
+                return weight, eps, _before_conversion(x0)
     return None, None, unnormed
 
 
