@@ -44,6 +44,7 @@ from ...frontend.quant import QEMBEDDING, QLINEAR
 from ...passes.manager import CompileUnit, TargetPasses
 from ..lowering import KEPT_OPS, Lowering
 from ..targets import ONNX_DEVICE
+from .common_subexpressions import COMMON_SUBEXPRESSIONS_GRAPH_REWRITE
 from .gqa import (
     GQA_ATTENTION,
     GQA_GRAPH_REWRITE,
@@ -89,8 +90,10 @@ def step_inputs(function: str, rows: int) -> tuple[str, ...]:
 
 
 # The ONNX graph rewrites (graph_rewrites.py) each exported graph takes, in order: the placeholders
-# become ONNX Runtime's operators before the norms are matched around them.
-GRAPH_REWRITE_ORDER = (GQA_GRAPH_REWRITE, NBITS_GRAPH_REWRITE, NORMS_GRAPH_REWRITE)
+# become ONNX Runtime's operators before the norms are matched around them; the per-layer copies are
+# merged last, once nothing is matched by name any more.
+GRAPH_REWRITE_ORDER = (GQA_GRAPH_REWRITE, NBITS_GRAPH_REWRITE, NORMS_GRAPH_REWRITE,
+                       COMMON_SUBEXPRESSIONS_GRAPH_REWRITE)
 
 
 def _lowering() -> Lowering:

@@ -343,7 +343,8 @@ def translation():
     def attend(placeholder, q, k_new, v_new, k_cache, v_cache, start_pos, n_valid, chunk: int | None, heads: int,
                extra: list, **attributes):
         """The placeholder over q and k in BSH and v in BHSD; the output back in BHSD, padded rows zero.
-        chunk: the static chunk length, or None where it varies from call to call (read off q's shape)."""
+        chunk: the static chunk length, or None where it varies from call to call (the step function's, whose
+        n_valid is always its token count: genai.to_genai_graph computes it so)."""
         dim = k_cache.shape[3]
         # the op takes one element type: float32 compute over float16 caches meets them in float16
         narrow = k_cache.dtype == onnxscript.ir.DataType.FLOAT16 and v_new.dtype != onnxscript.ir.DataType.FLOAT16
@@ -352,19 +353,19 @@ def translation():
         v_bsh = op.Reshape(op.Transpose(v_new, perm=[0, 2, 1, 3]), flat)
         end = op.Add(start_pos, n_valid)
         seqlens = op.Cast(op.Sub(end, op.Constant(value_int=1)), to=int32)
-        length = (op.Constant(value_int=chunk) if chunk is not None
-                  else op.Squeeze(op.Shape(q, start=1, end=2), op.Constant(value_ints=[0])))
         # an upper bound of every row's end, at least the chunk (the op requires it of a full cache); one
         # row's end as it is (CUDA registers no kernel for ReduceMax's opset 20 form: each would run on the CPU)
         one_row = k_cache.shape[0] == 1
         latest = op.Reshape(end, op.Constant(value_ints=[])) if one_row else op.ReduceMax(end, keepdims=0)
-        total = op.Cast(op.Max(latest, length), to=int32)
+        # a length that varies is the step function's, whose n_valid is its token count (genai.py): its end is
+        # past its last row already, and it has no padded rows
+        total = op.Cast(latest if chunk is None else op.Max(latest, op.Constant(value_int=chunk)), to=int32)
         out, k_next, v_next = placeholder(to_cache(q), to_cache(k_new), to_cache(v_bsh), k_cache, v_cache, seqlens,
                                           total, op.Cast(n_valid, to=int32), *extra,
                                           num_heads=heads, kv_num_heads=int(k_cache.shape[1]), **attributes)
         out = op.Cast(out, to=f32) if narrow else out
-        if chunk is None or chunk > 1:  # padded rows: unspecified by the op, zero here
-            rows = op.Range(op.Constant(value_int=0), length, op.Constant(value_int=1))
+        if chunk is not None and chunk > 1:  # padded rows: unspecified by the op, zero here
+            rows = op.Range(op.Constant(value_int=0), op.Constant(value_int=chunk), op.Constant(value_int=1))
             valid = op.Less(op.Unsqueeze(rows, op.Constant(value_ints=[0])), op.Unsqueeze(n_valid, op.Constant(value_ints=[1])))
             out = op.Where(op.Unsqueeze(valid, op.Constant(value_ints=[2])), out, op.CastLike(op.Constant(value_float=0.0), out))
         out = op.Transpose(op.Reshape(out, op.Constant(value_ints=[0, 0 if chunk is None else chunk, heads, int(dim)])),

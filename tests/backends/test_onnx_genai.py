@@ -150,6 +150,17 @@ def test_the_directory_is_one_graph_named_as_genai_names_it(genai_models):
     assert max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) == 23
 
 
+def test_what_the_layers_share_is_computed_once(genai_models):
+    """Every GroupQueryAttention reads one seqlens_k and one total length, computed once from GenAI's inputs,
+    not a copy per layer; the step function has no padded rows, so no mask zeroes any."""
+    _module, directory = genai_models("gemma3-tiny")
+    graph = onnx.load(directory / "model.onnx", load_external_data=False).graph
+    attention = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(attention) == 8
+    assert len({n.input[5] for n in attention}) == 1 and len({n.input[6] for n in attention}) == 1
+    assert "Where" not in {n.op_type for n in graph.node}
+
+
 def test_q8_blocks_stay_matmulnbits_and_the_tied_table_is_read_from_the_heads(genai_models):
     """Products as MatMulNBits; the embedding tied to the q8 head one GatherBlockQuantized over the head's
     blocks (no copy of the table), 8 bits in groups of 32."""
