@@ -24,7 +24,14 @@ UNMERGED_OPS = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUnif
 
 
 def _attributes_key(node: onnx.NodeProto) -> tuple:
-    return tuple(sorted((a.name, a.SerializeToString(deterministic=True)) for a in node.attribute))
+    """A node's attributes as comparable bytes; a tensor attribute's own name (a Constant's) left out."""
+    key = []
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.TENSOR and attribute.t.name:
+            attribute = onnx.AttributeProto.FromString(attribute.SerializeToString())
+            attribute.t.name = ""
+        key.append((attribute.name, attribute.SerializeToString(deterministic=True)))
+    return tuple(sorted(key))
 
 
 def merge_common_subexpressions(model: onnx.ModelProto) -> int:

@@ -31,8 +31,8 @@ def _per_layer_copies():
     writes a value that depends on the step's inputs alone, then use it."""
     nodes = []
     for layer in range(2):
-        nodes += [helper.make_node("Constant", [], [f"shape{layer}"],
-                                   value=numpy_helper.from_array(np.array([3, 4], np.int64))),
+        nodes += [helper.make_node("Constant", [], [f"shape{layer}"],  # its tensor named as the layer's
+                                   value=numpy_helper.from_array(np.array([3, 4], np.int64), f"shape{layer}")),
                   helper.make_node("Reshape", ["x", f"shape{layer}"], [f"r{layer}"]),
                   helper.make_node("Relu", [f"r{layer}"], [f"y{layer}"]),
                   helper.make_node("Mul", [f"y{layer}", f"scale{layer}"], [f"out{layer}"])]
