@@ -64,6 +64,7 @@ from .nbits import (
     placeholder_translation,
 )
 from .norms import NORMS_GRAPH_REWRITE
+from .packed_qkv import PACKED_QKV_GRAPH_REWRITE
 from .providers import module_gaps
 
 DATA_FILE = "model.onnx.data"
@@ -90,9 +91,9 @@ def step_inputs(function: str, rows: int) -> tuple[str, ...]:
 
 
 # The ONNX graph rewrites (graph_rewrites.py) each exported graph takes, in order: the placeholders
-# become ONNX Runtime's operators before the norms are matched around them; the per-layer copies are
-# merged last, once nothing is matched by name any more.
-GRAPH_REWRITE_ORDER = (GQA_GRAPH_REWRITE, NBITS_GRAPH_REWRITE, NORMS_GRAPH_REWRITE,
+# become ONNX Runtime's operators (attention fed its packed q/k/v where it can be) before the norms are
+# matched around them; the per-layer copies are merged last, once nothing is matched by name any more.
+GRAPH_REWRITE_ORDER = (GQA_GRAPH_REWRITE, PACKED_QKV_GRAPH_REWRITE, NBITS_GRAPH_REWRITE, NORMS_GRAPH_REWRITE,
                        COMMON_SUBEXPRESSIONS_GRAPH_REWRITE)
 
 

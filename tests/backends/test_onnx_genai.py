@@ -163,7 +163,7 @@ def test_what_the_layers_share_is_computed_once(genai_models):
 
 def test_q8_blocks_stay_matmulnbits_and_the_tied_table_is_read_from_the_heads(genai_models):
     """Products as MatMulNBits; the embedding tied to the q8 head one GatherBlockQuantized over the head's
-    blocks (no copy of the table), 8 bits in groups of 32."""
+    blocks (no copy of the table), 8 bits in groups of 32; attention fed the q/k/v product packed."""
     _module, directory = genai_models("llama-tiny-q8")
     graph = onnx.load(directory / "model.onnx", load_external_data=False).graph
     ops = {n.op_type for n in graph.node}
@@ -177,6 +177,10 @@ def test_q8_blocks_stay_matmulnbits_and_the_tied_table_is_read_from_the_heads(ge
     reshape = next(n for n in graph.node if lookup.input[0] in n.output)
     assert reshape.op_type == "Reshape" and reshape.input[0] == head.input[1]
     assert not any("embed_tokens" in t.name and t.data_type == onnx.TensorProto.INT8 for t in graph.initializer)
+    # the fused q/k/v product feeds each attention whole, as GroupQueryAttention's packed query
+    attention = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert attention and all(n.input[1] == n.input[2] == "" for n in attention)
+    assert all(next(p for p in graph.node if n.input[0] in p.output).op_type == "MatMulNBits" for n in attention)
 
 
 def test_gated_delta_net_is_refused_before_any_work(tmp_path):
