@@ -33,7 +33,6 @@ class _Graph:
     """What the rewrite reads of a graph: producers, constants, declared shapes."""
 
     def __init__(self, model: onnx.ModelProto):
-        self.graph = model.graph
         self.producer = {o: n for n in model.graph.node for o in n.output if o}
         self.initializers = {t.name: t for t in model.graph.initializer}
         self.declared = declared_tensors(model)
