@@ -36,7 +36,7 @@ from torch.fx import Node
 from ...contract.block_formats import row_length
 from ...errors import FoldlineError
 from ...frontend.quant import QuantizedTensor, unpack_q4
-from .graph_rewrites import GraphSettings, declared_tensors, register_graph_rewrite
+from .graph_rewrites import GraphIndex, GraphSettings, register_graph_rewrite
 
 PLACEHOLDER_DOMAIN = "foldline"
 ORT_DOMAIN = "com.microsoft"
@@ -157,18 +157,12 @@ class _Rewrite:
         self.accuracy_level = accuracy_level
         self.new_inits: list[onnx.TensorProto] = []
         self.q8_blocks: dict[str, tuple[str, int, int]] = {}  # q8 codes -> (their MatMulNBits blocks, N, K)
-        self.declared = declared_tensors(model)
+        self.index = GraphIndex(model)
 
     def float_type(self, name: str) -> type:
         """The numpy type of a product's activations (float16 compute, else float32): MatMulNBits takes its
         scales, and the offset's term its table, in the activations' type."""
-        declared = self.declared.get(name)
-        return np.float16 if declared is not None and declared.elem_type == onnx.TensorProto.FLOAT16 else np.float32
-
-    def rank(self, name: str) -> int | None:
-        """The rank the exporter declared for `name`, if it did."""
-        declared = self.declared.get(name)
-        return len(declared.shape.dim) if declared is not None and declared.HasField("shape") else None
+        return np.float16 if self.index.types.get(name) == onnx.TensorProto.FLOAT16 else np.float32
 
     def array(self, name: str, what: str) -> np.ndarray:
         if name not in self.inits:
@@ -213,7 +207,7 @@ class _Rewrite:
         # y += (x summed per group) @ offsets^T
         axes = self.constant(f"{base}.last_axis", np.array([-1], np.int64))
         off_t = self.constant(f"{mins_name or scales_name}.offsets_t", offsets.T.astype(dtype))
-        rank = self.rank(x)
+        rank = self.index.rank(x)
         if rank:  # x's leading dims kept by Reshape's 0s: no node computes the shape
             grouped = self.constant(f"{base}.grouped_shape", np.array([0] * (rank - 1) + [blocks, group], np.int64))
             out.append(helper.make_node("Reshape", [x, grouped], [base + ".grouped"]))

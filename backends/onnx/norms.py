@@ -23,67 +23,17 @@ gamma may be any tensor of the hidden size (a Gemma norm's 1 + w too).
 
 from __future__ import annotations
 
-from collections import defaultdict
-
-import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
-from .graph_rewrites import GraphSettings, declared_tensors, register_graph_rewrite
+from .graph_rewrites import GraphIndex, GraphSettings, register_graph_rewrite
 
 NORMS_GRAPH_REWRITE = "rms-norms"
 ORT_DOMAIN = "com.microsoft"
 RMS_NORM_OPSET = 23  # the first opset with RMSNormalization
 
 
-class _Graph:
-    """Producers, readers and constants of an ONNX graph, for matching node patterns."""
-
-    def __init__(self, model: onnx.ModelProto):
-        self.model = model
-        self.producer = {out: n for n in model.graph.node for out in n.output}
-        self.readers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-        for n in model.graph.node:
-            for name in n.input:
-                self.readers[name].append(n)
-        self.initializers = {t.name: t for t in model.graph.initializer}
-        self.outputs = {o.name for o in model.graph.output}
-        declared = declared_tensors(model)
-        self.dims = {name: [d.dim_value or d.dim_param for d in t.shape.dim]
-                     for name, t in declared.items() if t.HasField("shape")}
-        self.types = {name: t.elem_type for name, t in declared.items()}
-
-    def made_by(self, name: str, op_type: str) -> onnx.NodeProto | None:
-        node = self.producer.get(name)
-        return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
-
-    def constant(self, name: str) -> np.ndarray | None:
-        """The values (flattened) of an initializer, a Constant node's output, or of one reshaped or
-        cast, as the exporter writes a reduction's axes; else None."""
-        if name in self.initializers:
-            return numpy_helper.to_array(self.initializers[name]).reshape(-1)
-        node = self.producer.get(name)
-        if node is None or node.domain not in ("", "ai.onnx"):
-            return None
-        if node.op_type == "Constant":
-            attr = node.attribute[0]
-            return numpy_helper.to_array(attr.t).reshape(-1) if attr.name == "value" else None
-        if node.op_type in ("Reshape", "Identity", "Squeeze", "Unsqueeze"):
-            return self.constant(node.input[0])
-        if node.op_type == "Cast":
-            value = self.constant(node.input[0])
-            return None if value is None else value.astype(helper.tensor_dtype_to_np_dtype(node.attribute[0].i))
-        return None
-
-    def only_read_by(self, name: str, node: onnx.NodeProto) -> bool:
-        return name not in self.outputs and all(r is node for r in self.readers[name])
-
-    def rank(self, name: str) -> int | None:
-        dims = self.dims.get(name)
-        return None if dims is None else len(dims)
-
-
-def _match(g: _Graph, scaled: onnx.NodeProto) -> tuple[str, str, float, list[onnx.NodeProto]] | None:
+def _match(g: GraphIndex, scaled: onnx.NodeProto) -> tuple[str, str, float, list[onnx.NodeProto]] | None:
     """(x, gamma, eps, the nodes of the norm) if `scaled` is Mul(Mul(x, 1 / sqrt(mean(x^2) + eps)), gamma)."""
     for normed_name, gamma in ((scaled.input[0], scaled.input[1]), (scaled.input[1], scaled.input[0])):
         normed = g.made_by(normed_name, "Mul")
@@ -97,7 +47,7 @@ def _match(g: _Graph, scaled: onnx.NodeProto) -> tuple[str, str, float, list[onn
     return None
 
 
-def _inverse_rms(g: _Graph, x: str, name: str, reader: onnx.NodeProto) -> tuple[float, list[onnx.NodeProto]] | None:
+def _inverse_rms(g: GraphIndex, x: str, name: str, reader: onnx.NodeProto) -> tuple[float, list[onnx.NodeProto]] | None:
     """(eps, nodes) if `name` is Reciprocal(Sqrt(Add(ReduceMean(Pow(x, 2), [-1], keepdims), eps)))."""
     nodes = []
     for op in ("Reciprocal", "Sqrt", "Add", "ReduceMean", "Pow"):
@@ -120,7 +70,7 @@ def _inverse_rms(g: _Graph, x: str, name: str, reader: onnx.NodeProto) -> tuple[
     return float(eps[0]), nodes
 
 
-def _reduces_last_axis(g: _Graph, node: onnx.NodeProto, x: str) -> bool:
+def _reduces_last_axis(g: GraphIndex, node: onnx.NodeProto, x: str) -> bool:
     keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
     axes = g.constant(node.input[1]) if len(node.input) > 1 else None
     if keepdims != 1 or axes is None or axes.size != 1:
@@ -134,7 +84,7 @@ def _cast_to(node: onnx.NodeProto) -> int | None:
     return next((a.i for a in node.attribute if a.name == "to"), None)
 
 
-def _cast_into_norm(g: _Graph, x: str, nodes: list[onnx.NodeProto]) -> onnx.NodeProto | None:
+def _cast_into_norm(g: GraphIndex, x: str, nodes: list[onnx.NodeProto]) -> onnx.NodeProto | None:
     """The Cast that makes the norm's input x, where only the norm's nodes read x; else None."""
     cast = g.made_by(x, "Cast")
     if cast is None or x in g.outputs or not all(any(r is n for n in nodes) for r in g.readers[x]):
@@ -142,7 +92,7 @@ def _cast_into_norm(g: _Graph, x: str, nodes: list[onnx.NodeProto]) -> onnx.Node
     return cast
 
 
-def _in_float16(g: _Graph, x: str, out: str, nodes: list[onnx.NodeProto]) -> tuple[str, str, list] | None:
+def _in_float16(g: GraphIndex, x: str, out: str, nodes: list[onnx.NodeProto]) -> tuple[str, str, list] | None:
     """(x16, out16, the two casts) where the norm computes in float32 between casts from and back to
     float16 (float16 compute; frontend/layers.RMSNorm): x = Cast(x16), read by the norm alone, and `out`
     read by one Cast to float16. The fused node then takes x16 and makes out16 itself, computing in
@@ -159,7 +109,7 @@ def _in_float16(g: _Graph, x: str, out: str, nodes: list[onnx.NodeProto]) -> tup
     return widen.input[0], narrow.output[0], [widen, narrow]
 
 
-def _unconverted(g: _Graph, x: str, nodes: list[onnx.NodeProto]) -> tuple[str, list] | None:
+def _unconverted(g: GraphIndex, x: str, nodes: list[onnx.NodeProto]) -> tuple[str, list] | None:
     """(x0, [cast]) where x is a Cast of x0 to the type x0 already has, read by the norm alone (float16
     compute over a float32 residual stream: RMSNorm's x.float()); the norm then reads x0 itself."""
     cast = _cast_into_norm(g, x, nodes)
@@ -168,7 +118,7 @@ def _unconverted(g: _Graph, x: str, nodes: list[onnx.NodeProto]) -> tuple[str, l
     return cast.input[0], [cast]
 
 
-def _residual(g: _Graph, x: str) -> onnx.NodeProto | None:
+def _residual(g: GraphIndex, x: str) -> onnx.NodeProto | None:
     """The Add that makes `x` from two tensors of x's shape (a residual sum), else None."""
     add = g.made_by(x, "Add")
     if add is None or any(g.constant(i) is not None for i in add.input):
@@ -181,7 +131,7 @@ def fuse_rms_norms(model: onnx.ModelProto, opset: int = RMS_NORM_OPSET) -> int:
     """Rewrite (in place) every RMS norm of `model` into one node; how many. Raises the default
     opset to 23 where a plain RMSNormalization is used, which takes an `opset` of 23: below it,
     only the norms after a residual add are fused."""
-    g = _Graph(model)
+    g = GraphIndex(model)
     replaced: dict[int, list[onnx.NodeProto]] = {}  # id of the norm's last node -> its new nodes
     dropped: set[int] = set()
     plain = 0

@@ -22,122 +22,74 @@ from collections import Counter
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
-from .graph_rewrites import GraphSettings, declared_tensors, register_graph_rewrite
+from .graph_rewrites import GraphIndex, GraphSettings, register_graph_rewrite
 
 PACKED_QKV_GRAPH_REWRITE = "packed-qkv"
 
 
-class _Graph:
-    """What the rewrite reads of a graph: producers, constants, declared shapes."""
-
-    def __init__(self, model: onnx.ModelProto):
-        self.producer = {o: n for n in model.graph.node for o in n.output if o}
-        self.initializers = {t.name: t for t in model.graph.initializer}
-        self.declared = declared_tensors(model)
-
-    def constant(self, name: str) -> np.ndarray | None:
-        """`name`'s value where it is an initializer, a Constant, or a constant's Cast, Reshape or Unsqueeze
-        (the exporter's steps from a scalar to a vector of int64); else None."""
-        if name in self.initializers:
-            return numpy_helper.to_array(self.initializers[name])
-        node = self.producer.get(name)
-        if node is None:
-            return None
-        if node.op_type == "Constant":
-            attribute = node.attribute[0]
-            value = onnx.helper.get_attribute_value(attribute)
-            if attribute.name == "value":
-                return numpy_helper.to_array(value)
-            kinds = {"value_int": np.int64, "value_ints": np.int64, "value_float": np.float32, "value_floats": np.float32}
-            return np.array(value, kinds[attribute.name]) if attribute.name in kinds else None
-        if node.op_type == "Cast":
-            value = self.constant(node.input[0])
-            to = next(a.i for a in node.attribute if a.name == "to")
-            return None if value is None else value.astype(onnx.helper.tensor_dtype_to_np_dtype(to))
-        if node.op_type in ("Reshape", "Unsqueeze") and len(node.input) == 2:
-            value, shape = self.constant(node.input[0]), self.constant(node.input[1])
-            if value is None or shape is None:
+def _slice_source(graph: GraphIndex, name: str) -> str | None:
+    """The slice output `name` equals element for element through its Reshape / Transpose trace, if any."""
+    trace = []
+    current = name
+    while (node := graph.producer.get(current)) is not None and node.op_type in ("Reshape", "Transpose"):
+        trace.append(node)
+        current = node.input[0]
+    if node is None or node.op_type != "Slice" or (shape := graph.shape(current)) is None:
+        return None
+    open_perm: list[int] | None = None  # a transpose waiting for the one that undoes it
+    for node in reversed(trace):  # from the slice forward, each node's output shape
+        if node.op_type == "Transpose":
+            perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), list(range(len(shape)))[::-1])
+            shape = tuple(shape[p] for p in perm)
+            if open_perm is None:
+                open_perm = perm
+            elif [open_perm[p] for p in perm] == list(range(len(perm))):
+                open_perm = None
+            else:
                 return None
-            if node.op_type == "Unsqueeze":
-                return np.expand_dims(value, tuple(int(a) for a in shape.ravel()))
-            if 0 in shape.ravel().tolist():
-                return None  # a 0 copies a dim (or, with allowzero, is one): not the exporter's scalar step
-            return value.reshape(shape.ravel().tolist())
+        elif open_perm is not None or (shape := _reshaped(graph, shape, node)) is None:
+            return None  # a reshape between two transposes, or a shape not known
+    return current if open_perm is None and shape == graph.shape(current) else None
+
+
+def _reshaped(graph: GraphIndex, shape: tuple, node: onnx.NodeProto) -> tuple | None:
+    """The output shape of Reshape `node` over an input of `shape` (its 0s and -1 resolved, symbols kept)."""
+    target = graph.constant(node.input[1])
+    if target is None:
+        return graph.shape(node.output[0])
+    dims = [shape[i] if t == 0 else int(t) for i, t in enumerate(target.tolist())]
+    if -1 not in dims:
+        return tuple(dims)
+    (number, symbols), (known, known_symbols) = _product(shape), _product(d for d in dims if d != -1)
+    if known == 0 or number % known or known_symbols - symbols:
         return None
+    number, symbols = number // known, symbols - known_symbols
+    if symbols.total() == 0:
+        return tuple(number if d == -1 else d for d in dims)
+    if symbols.total() == 1 and number == 1:
+        return tuple(next(iter(symbols)) if d == -1 else d for d in dims)
+    return None
 
-    def shape(self, name: str) -> tuple | None:
-        """The declared shape: each dim its value or its symbol; None where a dim or the shape is undeclared."""
-        declared = self.declared.get(name)
-        if declared is None or not declared.HasField("shape"):
-            return None
-        dims = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param if d.dim_param else None
-                     for d in declared.shape.dim)
-        return None if None in dims else dims
 
-    def slice_source(self, name: str) -> str | None:
-        """The slice output `name` equals element for element through its Reshape / Transpose trace, if any."""
-        trace = []
-        current = name
-        while (node := self.producer.get(current)) is not None and node.op_type in ("Reshape", "Transpose"):
-            trace.append(node)
-            current = node.input[0]
-        if node is None or node.op_type != "Slice" or (shape := self.shape(current)) is None:
-            return None
-        open_perm: list[int] | None = None  # a transpose waiting for the one that undoes it
-        for node in reversed(trace):  # from the slice forward, each node's output shape
-            if node.op_type == "Transpose":
-                perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), list(range(len(shape)))[::-1])
-                shape = tuple(shape[p] for p in perm)
-                if open_perm is None:
-                    open_perm = perm
-                elif [open_perm[p] for p in perm] == list(range(len(perm))):
-                    open_perm = None
-                else:
-                    return None
-            elif open_perm is not None or (shape := self.reshaped(shape, node)) is None:
-                return None  # a reshape between two transposes, or a shape not known
-        return current if open_perm is None and shape == self.shape(current) else None
-
-    def reshaped(self, shape: tuple, node: onnx.NodeProto) -> tuple | None:
-        """The output shape of Reshape `node` over an input of `shape` (its 0s and -1 resolved, symbols kept)."""
-        target = self.constant(node.input[1])
-        if target is None:
-            return self.shape(node.output[0])
-        dims = [shape[i] if t == 0 else int(t) for i, t in enumerate(target.ravel().tolist())]
-        if -1 not in dims:
-            return tuple(dims)
-        rest = [d for d in dims if d != -1]
-        left, size = _product(shape), _product(rest)
-        if left is None or size is None or size[0] == 0 or left[0] % size[0] or size[1] - left[1]:
-            return None
-        number, symbols = left[0] // size[0], left[1] - size[1]
-        if sum(symbols.values()) == 0:
-            return tuple(number if d == -1 else d for d in dims)
-        if sum(symbols.values()) == 1 and number == 1:
-            return tuple(next(iter(+symbols)) if d == -1 else d for d in dims)
+def _slice_range(graph: GraphIndex, name: str) -> tuple[str, int, int] | None:
+    """(the sliced tensor, start, end) of a unit-step Slice of `name`'s producer on the last axis."""
+    node = graph.producer[name]
+    source = node.input[0]
+    starts, ends, axes, steps = (graph.constant(i) if i else None for i in (list(node.input) + [""] * 5)[1:5])
+    shape = graph.shape(source)
+    if shape is None or not isinstance(shape[-1], int) or starts is None or ends is None:
         return None
-
-    def slice_range(self, name: str) -> tuple[str, int, int] | None:
-        """(the sliced tensor, start, end) of a unit-step Slice of `name`'s producer on the last axis."""
-        node = self.producer[name]
-        source = node.input[0]
-        values = [self.constant(i) if i else None for i in (list(node.input) + [""] * 5)[1:5]]
-        starts, ends, axes, steps = values
-        shape = self.shape(source)
-        if shape is None or not isinstance(shape[-1], int) or starts is None or ends is None:
-            return None
-        if axes is not None and [int(a) % len(shape) for a in axes.ravel()] != [len(shape) - 1]:
-            return None
-        if axes is None and len(shape) != 1 or steps is not None and steps.ravel().tolist() != [1]:
-            return None
-        width = shape[-1]
-        start, end = (int(np.clip(v.ravel()[0] + (width if v.ravel()[0] < 0 else 0), 0, width)) for v in (starts, ends))
-        return source, start, end
+    if axes is not None and [int(a) % len(shape) for a in axes] != [len(shape) - 1]:
+        return None
+    if axes is None and len(shape) != 1 or steps is not None and steps.tolist() != [1]:
+        return None
+    width = shape[-1]
+    start, end = (int(np.clip(v[0] + (width if v[0] < 0 else 0), 0, width)) for v in (starts, ends))
+    return source, start, end
 
 
-def _product(dims) -> tuple[int, Counter] | None:
+def _product(dims) -> tuple[int, Counter]:
     """A shape's element count as (number, the symbols multiplied in)."""
     number, symbols = 1, Counter()
     for d in dims:
@@ -151,15 +103,15 @@ def _product(dims) -> tuple[int, Counter] | None:
 def pack_qkv(model: onnx.ModelProto) -> int:
     """Feed each GroupQueryAttention whose q, k and v are the slices of one product that product (in place);
     the nodes left unused are removed. How many it packed."""
-    graph = _Graph(model)
+    graph = GraphIndex(model)
     packed = 0
     for node in model.graph.node:
         if node.op_type != "GroupQueryAttention" or len(node.input) < 3 or not all(node.input[:3]):
             continue
         ranges = []
         for name in node.input[:3]:
-            source = graph.slice_source(name)
-            ranges.append(None if source is None else graph.slice_range(source))
+            source = _slice_source(graph, name)
+            ranges.append(None if source is None else _slice_range(graph, source))
         if None in ranges or len({r[0] for r in ranges}) != 1:
             continue
         (fused, q0, q1), (_, k0, k1), (_, v0, v1) = ranges
