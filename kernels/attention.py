@@ -319,7 +319,7 @@ class SlotWrites:
     ops goes (after both writes and every operand, before any other reader of the written caches)."""
 
     writes: tuple[ir.Operation, ir.Operation]  # k, v: torch.operator foldline.kv_cache_write / ring_write_token
-    at: ir.Operation
+    at: ir.InsertionPoint
     new_type: str  # the element type of the key and value written (the kernel converts it to the cache's)
 
     @property
@@ -350,21 +350,26 @@ def slot_writes(op: ir.Operation, s: DecodeAttentionShape) -> SlotWrites | None:
     return SlotWrites(writes, _call_site(op, writes), new_type)
 
 
-def _call_site(op: ir.Operation, writes: tuple[ir.Operation, ...]) -> ir.Operation:
-    """The op before which a call standing for `op` and `writes` goes: after the writes and the values the
-    call takes, before any other reader of the writes' results (the state's copies)."""
+def _call_site(op: ir.Operation, writes: tuple[ir.Operation, ...]) -> ir.InsertionPoint:
+    """Where a call standing for `op` and `writes` goes: just after the last of the writes and the values
+    the call takes, before any other reader of the writes' results (the state's copies).
+
+    Ops are ordered with `is_before_in_block`, never by listing the block: a decode function holds tens of
+    thousands of ops, and a Python handle for each of them, per site, made the rewrite take most of a
+    compile (50 s of a rotated SmolLM2's)."""
     block = op.operation.block
-    ops = list(block.operations)
-    position = {o.operation: i for i, o in enumerate(ops)}
     used = [op.operands[0], op.operands[3], *(v for w in writes for v in w.operands[:4])]  # the call's operands
-    made = [writes[0], writes[1], *(defining_op(v) for v in used)]
-    if any(m is not None and m.operation not in position for m in made):
+    made = [m.operation for m in (writes[0], writes[1], *(defining_op(v) for v in used)) if m is not None]
+    if any(m.block != block for m in made):
         raise AttentionKernelError("a decode attention's operand is made in another block")
-    after = max(position[m.operation] for m in made if m is not None) + 1
+    last = made[0]
+    for m in made[1:]:
+        if last.is_before_in_block(m):
+            last = m
     readers = [use.owner.operation for w in writes for use in w.results[0].uses]
-    if any(r not in position or position[r] < after for r in readers if r != op.operation):
+    if any(r.block != block or not last.is_before_in_block(r) for r in readers if r != op.operation):
         raise AttentionKernelError("a written cache is read before the attention's call could stand for the write")
-    return ops[after]
+    return ir.InsertionPoint.after(last)
 
 
 def expand_decode_attention_ops(mlir: str, float_isa: FloatIsa = HARDWARE_FLOAT) -> tuple[str, Counter[str]]:
