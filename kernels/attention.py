@@ -355,8 +355,8 @@ def _call_site(op: ir.Operation, writes: tuple[ir.Operation, ...]) -> ir.Inserti
     the call takes, before any other reader of the writes' results (the state's copies).
 
     Ops are ordered with `is_before_in_block`, never by listing the block: a decode function holds tens of
-    thousands of ops, and a Python handle for each of them, per site, made the rewrite take most of a
-    compile (50 s of a rotated SmolLM2's)."""
+    thousands of ops, and a Python handle for each of them, per site, made this rewrite most of a compile
+    (docs/benchmarks.md, "Compile time")."""
     block = op.operation.block
     used = [op.operands[0], op.operands[3], *(v for w in writes for v in w.operands[:4])]  # the call's operands
     made = [m.operation for m in (writes[0], writes[1], *(defining_op(v) for v in used)) if m is not None]
@@ -398,7 +398,7 @@ def expand_decode_attention_ops(mlir: str, float_isa: FloatIsa = HARDWARE_FLOAT)
                     builtin_tensor(v_new, new), builtin_tensor(op.operands[3], pos),
                     builtin_tensor(writes.n_valid, pos)]
 
-        return KernelCall(at=op if writes is None else writes.at, callee=s.name, operands=operands,
+        return KernelCall(at=ir.InsertionPoint(op) if writes is None else writes.at, callee=s.name, operands=operands,
                           result_type=tensor_type(*t["q"]), replaces=[op],
                           more_results=[] if writes is None else [(kv, w) for w in writes.writes],
                           code=lambda: [decode_attention_executable(s, float_isa),

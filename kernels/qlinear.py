@@ -517,7 +517,7 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8: Int8Kernels = FLOAT_KER
             name, kind, code = spec.name, f"qlinear {phase} {FLOAT}", \
                 (lambda: [dequantize_matmul_mlir(spec, q4_bytes=cpu_tiles, isa=float_isa)])
         # The call goes where every operand is defined: at the residual add when it takes one.
-        return KernelCall(at=residual.add if residual else op, callee=name, operands=operands,
+        return KernelCall(at=ir.InsertionPoint(residual.add if residual else op), callee=name, operands=operands,
                           result_type=tensor_type((*rows, spec.n), "f32"),
                           replaces=[residual.add, op] if residual else [op], code=code, kind=kind)
 

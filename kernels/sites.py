@@ -89,7 +89,7 @@ def builtin_tensor(value: ir.Value, want: str) -> ir.Value:
 class KernelCall:
     """How one site becomes a call of a kernel's `util.func`.
 
-    at: where the call goes (every operand is defined before it): before this op, or at this insertion point; operands: made there
+    at: where the call goes (every operand is defined before it); operands: made there
     (builtin tensors); replaces: the ops whose first result the call stands for, erased
     after it (the site itself last); more_results: further results of the call (type text) and the
     op whose first result each stands for, erased after `replaces` (an update the kernel makes
@@ -98,7 +98,7 @@ class KernelCall:
     manifest ("qlinear decode int8-avx2", "attention decode", ...).
     """
 
-    at: ir.Operation | ir.InsertionPoint
+    at: ir.InsertionPoint
     callee: str
     operands: Callable[[], list[ir.Value]]
     result_type: str
@@ -123,8 +123,7 @@ def rewrite_sites(mlir: str, names: tuple[str, ...], plan: Callable[[ir.Operatio
         code: dict[str, Callable[[], list[str]]] = {}
         for op in torch_operators(module, names):
             call = plan(op)
-            point = call.at if isinstance(call.at, ir.InsertionPoint) else ir.InsertionPoint(call.at)
-            with point, op.location:
+            with call.at, op.location:
                 types = [call.result_type, *(text for text, _ in call.more_results)]
                 made = ir.Operation.create("util.call", results=[ir.Type.parse(text) for text in types],
                                            operands=call.operands(),
