@@ -87,11 +87,13 @@ def compile_torch_module(mlir: str, flags: list[str], stop_at: str | None = None
     return ireec.compile_str(edited, extra_args=[*flags, "--compile-from=input", *stop]), report
 
 
-def expand_kernels(mlir: str, target: Target, activations: str) -> tuple[str, Int8Kernels, Counter[str]]:
+def expand_kernels(mlir: str, target: Target, activations: str,
+                   batched: bool = False) -> tuple[str, Int8Kernels, Counter[str]]:
     """An imported module with the target's kernels in place (quantized products, CPU decode attention,
-    the fused form's online attention): what iree-compile is given; the int8 kernels and the sites of each."""
+    the fused form's online attention): what iree-compile is given; the int8 kernels and the sites of each.
+    batched: the module's decode runs several rows (policy.target_kernels)."""
     cpu = target.device == "cpu"
-    int8, float_isa = target_kernels(target, activations)
+    int8, float_isa = target_kernels(target, activations, batched)
     target_mlir, sites = expand_qlinear_ops(mlir, cpu_tiles=cpu, int8=int8, float_isa=float_isa)
     if cpu:
         target_mlir, decode_attention = expand_decode_attention_ops(target_mlir, float_isa)
@@ -320,13 +322,13 @@ def _compile_iree(targets: list[Target], activations: list[str], unit: CompileUn
     del params  # written to the archives
     unit.programs.clear()  # what iree-compile needs is in the MLIR text now
     modules.update(_compile_targets(targets, activations, imported, params_sha, out, clock, progress,
-                                    options.attention, placement))
+                                    options.attention, placement, options.batch > 1))
     return archives
 
 
 def _compile_targets(targets: list[Target], activations: list[str], imported: dict, params_sha: str, out: Path,
                      clock: StageClock, progress: Progress, attention: str,
-                     placement: Placement | None = None) -> dict[str, ModuleEntry]:
+                     placement: Placement | None = None, batched: bool = False) -> dict[str, ModuleEntry]:
     """Stage 4: each target's kernels expanded and its iree-compile run, several at once; the manifest's modules.
 
     With a placement over several devices, each module is compiled for that many devices of its backend.
@@ -339,7 +341,7 @@ def _compile_targets(targets: list[Target], activations: list[str], imported: di
     def build(job: tuple[Target, str, tuple[str, str]]) -> tuple[Int8Kernels, Counter[str], bytes, ElideReport, float]:
         target, acts, _ = job
         t1 = time.time()
-        target_mlir, int8, sites = expand_kernels(imported[import_kind(target, attention)][0], target, acts)
+        target_mlir, int8, sites = expand_kernels(imported[import_kind(target, attention)][0], target, acts, batched)
         if placement is not None:
             target_mlir, _moves = place_module(target_mlir, placement)
         vmfb, inplace = compile_torch_module(target_mlir, module_flags(target))

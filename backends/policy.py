@@ -7,6 +7,8 @@ answers as the compile without running it.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..dtypes import FLOAT_DTYPES, DTypeError
 from ..frontend.types import LoadedModel
 from ..kernels.isa import FLOAT_KERNELS, Int8Kernels
@@ -150,9 +152,16 @@ def import_kind(target: Target, attention: str) -> tuple[bool, bool]:
     return target.device == "cpu", attention_form(target.device, attention) == "fused"
 
 
-def target_kernels(target: Target, activations: str) -> tuple[Int8Kernels, FloatIsa]:
+def target_kernels(target: Target, activations: str, batched: bool = False) -> tuple[Int8Kernels, FloatIsa]:
     """The int8 kernels (none: float) and the float instruction set a target's quantized products are
-    expanded with, for its `activations` (target_activations)."""
+    expanded with, for its `activations` (target_activations).
+
+    A batched bundle's decode takes the channel-lane kernels where its form has them
+    (kernels/int8_channels.py): several rows cost little more than one, and every row count of the
+    bundle computes a row alike, so a row's result does not depend on the others.
+    """
     int8 = choose_kernels(target.cpu_flags, target.arch) if activations == "int8" else FLOAT_KERNELS
+    if batched and int8.decode is not None and not int8.decode.group_sums_first:
+        int8 = replace(int8, channel_lanes=True)
     float_isa = FloatIsa.of(target.cpu_flags, target.arch) if target.device == "cpu" else HARDWARE_FLOAT
     return int8, float_isa

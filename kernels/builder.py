@@ -103,6 +103,14 @@ class Builder:
         return arith.MulIOp(a, b).result
 
     @staticmethod
+    def divui(a: Value, b: Value) -> Value:
+        return arith.DivUIOp(a, b).result
+
+    @staticmethod
+    def remui(a: Value, b: Value) -> Value:
+        return arith.RemUIOp(a, b).result
+
+    @staticmethod
     def minsi(a: Value, b: Value) -> Value:
         return arith.MinSIOp(a, b).result
 
@@ -218,6 +226,12 @@ class Builder:
     @staticmethod
     def shuffle(a: Value, b: Value, mask: Sequence[int]) -> Value:
         return vector.ShuffleOp(a, b, list(mask)).result
+
+    @staticmethod
+    def gather(t: ir.Type, base: Value, indices: Sequence[Value], offsets: Value, mask: Value,
+               pass_thru: Value) -> Value:
+        """`vector.gather`: lane i reads base[indices + offsets[i]] (the last dimension) where mask[i]."""
+        return vector.GatherOp(t, base, list(indices), offsets, mask, pass_thru).result
 
     @staticmethod
     def broadcast(a: Value, t: ir.Type) -> Value:

@@ -13,15 +13,16 @@ in float:
 
 q4 and q5 codes are unsigned (0..15, 0..31) and meet the signed activation
 directly; q8 codes are signed: offset by 128 where the form's unsigned product is exact
-(`_offset_codes`), else met by each ISA's signed form. A q5 step reads
+(`offset_codes`), else met by each ISA's signed form. A q5 step reads
 the 32 nibble bytes of its 64 codes and their 8 bytes of fifth bits
 (`fifth_bits`): 40 bytes where the same codes as q8 take 64. The dot product's ops come
 from kernels/isa.py (the shape's `isa`): on CPUs without VNNI the same
 kernel runs each 64-code step as two 256-bit `vpmaddubsw` + `vpmaddwd`, and
 each form (kernels/x86/) says why it is exact in int32.
 
-A batched bundle's decode calls of k rows (k <= MAX_ROWS; `--activations int8`)
-take the same kernel with `rows` activation rows per dispatch: every row is
+A batched bundle's decode calls of k rows (k <= MAX_ROWS) take, on aarch64,
+the same kernel with `rows` activation rows per dispatch (x86 takes the
+channel-lane kernel, kernels/int8_channels.py, for every row count): every row is
 quantized as one row is, and each weight block is read and unpacked once for
 all rows, whose products, scaling and sums are the one-row kernel's, in its
 order (`_rows`), so each row's result is the one-row kernel's to the bit,
@@ -117,6 +118,9 @@ class Int8DotShape:
     isa: Int8Isa = AVX512_VNNI
     # Activation rows per dispatch (decode of a batched bundle): each weight block is read once for all.
     rows: int = 1
+    # Output channels in the vector lanes, a group's products summed exactly and scaled once
+    # (kernels/int8_channels.py), where the lanes otherwise hold four products of one row each.
+    channel_lanes: bool = False
 
     @property
     def gated(self) -> bool:
@@ -164,6 +168,7 @@ class Int8DotShape:
         if self.residual:
             fused += "_res"
         rows = f"_r{self.rows}" if self.rows > 1 else ""
+        rows += "_cl" if self.channel_lanes else ""
         return (f"foldline_i8dot_{self.fmt}g{self.group}{self.scale_type}{'m' if self.has_min else ''}"
                 f"_k{self.k}_n{self.n}{rows}{fused}")
 
@@ -184,9 +189,10 @@ def supports(shape: Int8DotShape) -> bool:
 
 def _row_stack_bytes(shape: Int8DotShape) -> int:
     """Stack bytes of one activation row in the few-row kernel: K int8 codes, dx per group, dx * sum xq per
-    group (padded to whole accumulators) and, for q8 codes met as q + 128, the offset's lane sums (K/4 int32)."""
-    return (shape.k + 4 * shape.groups + 4 * _padded_groups(shape)
-            + (shape.k if _offset_codes(shape) else 0))
+    group (padded to whole accumulators) and, for q8 codes met as q + 128, the offset's lane sums (K/4 int32)
+    and, with channel lanes, their sums per group."""
+    offsets = shape.k + (4 * shape.groups if shape.channel_lanes else 0) if offset_codes(shape) else 0
+    return shape.k + 4 * shape.groups + 4 * _padded_groups(shape) + offsets
 
 
 def _acc_lanes(shape: Int8DotShape) -> int:
@@ -211,7 +217,7 @@ def dispatch_rows(shape: Int8DotShape, m: int) -> int:
 
 
 
-def _offset_codes(s: Int8DotShape) -> bool:
+def offset_codes(s: Int8DotShape) -> bool:
     """q8 codes met as q + 128 (unsigned) where the form's unsigned product is exact for any byte.
 
     sum_k (q + 128) x = sum_k q x + 128 sum_k x: each step's dot product starts from -128 times the
@@ -314,7 +320,7 @@ def quantize_group(b: Builder, v: Value, f0: Value, f127: Value) -> QuantizedGro
 
 
 @dataclass
-class _Operands:
+class Operands:
     """The decode kernel's memrefs and the values every part of it reads."""
 
     c0: Value
@@ -333,10 +339,10 @@ class _Operands:
     zf: Value | None = None  # a zero float accumulator
     m15: Value | None = None  # the low-nibble mask
     s4: Value | None = None  # the high nibble's shift
-    offset_bytes: Value | None = None  # -128: q8 codes offset by 128 (`_offset_codes`)
+    offset_bytes: Value | None = None  # -128: q8 codes offset by 128 (`offset_codes`)
 
 
-def _row_norm(b: Builder, s: Int8DotShape, o: _Operands) -> Value:
+def _row_norm(b: Builder, s: Int8DotShape, o: Operands) -> Value:
     """rsqrt(mean(h^2) + eps) over the K values of the un-normalized row."""
     assert s.norm is not None
     vf = b.vector(16, "f32")
@@ -352,7 +358,7 @@ def _row_norm(b: Builder, s: Int8DotShape, o: _Operands) -> Value:
     return b.rsqrt(b.addf(mean, b.const(s.norm.eps, "f32")))
 
 
-def _normed_group(b: Builder, s: Int8DotShape, o: _Operands, rr: Value, off: Value) -> Value:
+def _normed_group(b: Builder, s: Int8DotShape, o: Operands, rr: Value, off: Value) -> Value:
     """Group `off` of h turned into (h * rr) * (w + offset), the graph's order of operations."""
     assert s.norm is not None
     vf = b.vector(s.group, "f32")
@@ -364,7 +370,7 @@ def _normed_group(b: Builder, s: Int8DotShape, o: _Operands, rr: Value, off: Val
     return b.mulf(scaled, weight)
 
 
-def _gated_group(b: Builder, s: Int8DotShape, o: _Operands, n_k: Value, off: Value) -> Value:
+def _gated_group(b: Builder, s: Int8DotShape, o: Operands, n_k: Value, off: Value) -> Value:
     """Group `off` of act(g) * u from the row [g, u].
 
     silu: g * (1 / (1 + exp(-g))), the operations IREE lowers torch's sigmoid and
@@ -385,7 +391,7 @@ def _gated_group(b: Builder, s: Int8DotShape, o: _Operands, n_k: Value, off: Val
     return b.mulf(activated, u)
 
 
-def _quantize_activation(b: Builder, s: Int8DotShape, o: _Operands, per_lane: bool = True) -> None:
+def quantize_activation(b: Builder, s: Int8DotShape, o: Operands, per_lane: bool = True) -> None:
     """Fill o.xq (int8 activations, k order), o.dxe (dx per lane; per group where not per_lane, the
     few-row kernel's smaller stack), o.cg (dx * sum xq per group, then zeros to `_padded_groups`) and,
     for q8 codes met as q + 128, o.neg_offset (`_offset_lanes`).
@@ -423,32 +429,32 @@ def _quantize_activation(b: Builder, s: Int8DotShape, o: _Operands, per_lane: bo
     b.loop(o.c0, n_groups, o.c1, group)
     for pad in range(s.groups, _padded_groups(s)):
         b.store_scalar(f0, o.cg, [b.index(pad)])
-    if _offset_codes(s):
+    if offset_codes(s):
         _offset_lanes(b, s, o)
 
 
-def _offset_lanes(b: Builder, s: Int8DotShape, o: _Operands) -> None:
+def _offset_lanes(b: Builder, s: Int8DotShape, o: Operands) -> None:
     """o.neg_offset: -128 times each int32 lane's sum of the activation codes (4 per lane), the start of
-    each q8 step's dot product of q + 128 (`_offset_codes`). The ISA's own dot product of bytes of 128
+    each q8 step's dot product of q + 128 (`offset_codes`). The ISA's own dot product of bytes of 128
     with the codes makes the sums, exact as the steps' are."""
     o.neg_offset = b.alloca(b.memref((s.k // 4,), "i32"))
     v64 = b.vector(64, "i8")
 
     def step(i: Value) -> None:
-        sums = s.isa.dot_unsigned(b, None, _bytes_of_128(b), b.load(v64, o.xq, [b.muli(i, b.index(CODES_PER_STEP))]))
+        sums = s.isa.dot_unsigned(b, None, bytes_of_128(b), b.load(v64, o.xq, [b.muli(i, b.index(CODES_PER_STEP))]))
         b.store(b.subi(zero_lanes(b), sums), o.neg_offset, [b.muli(i, b.index(CODES_PER_STEP // 4))])
 
     b.loop(o.c0, b.index(s.k // CODES_PER_STEP), o.c1, step)
 
 
-def _bytes_of_128(b: Builder) -> Value:
+def bytes_of_128(b: Builder) -> Value:
     """The function's 64 bytes of -128: xor-ed into a q8 code it adds 128 (read unsigned), and read
     unsigned it is 128."""
     return b.shared(-128, b.vector(64, "i8"))
 
 
 @dataclass
-class _StepOffsets:
+class StepOffsets:
     """Step i's index constants: its activations (k), lanes of dx (l), groups (g), nibble bytes (h),
     fifth-bit bytes (f)."""
 
@@ -458,12 +464,22 @@ class _StepOffsets:
     h: Value | None
     f: Value | None
 
+    @classmethod
+    def of_step(cls, b: Builder, s: Int8DotShape, i: Value) -> StepOffsets:
+        """The offsets of step `i` (an index value: a loop's induction variable)."""
+        def times(n: int) -> Value:
+            return b.muli(i, b.index(n))
 
-def _step(b: Builder, s: Int8DotShape, o: _Operands, row: Value, at: _StepOffsets, acc: Value) -> Value:
+        halves = times(CODES_PER_STEP // 2) if s.fmt in ("q4", "q5") else None
+        fifth = b.addi(b.index(s.k // 2), times(CODES_PER_STEP // 8)) if s.fmt == "q5" else None
+        return cls(times(CODES_PER_STEP), times(CODES_PER_STEP // 4), times(CODES_PER_STEP // s.group), halves, fifth)
+
+
+def _step(b: Builder, s: Int8DotShape, o: Operands, row: Value, at: StepOffsets, acc: Value) -> Value:
     """One step of a row: its 64 codes against activations [k, k + 64), added to acc (vector<16xf32>)."""
     per = CODES_PER_STEP // s.group  # groups per step
     xs = b.load(b.vector(64, "i8"), o.xq, [at.k])
-    d = _code_dot(b, s, o, _step_codes(b, s, o, row, at), xs, at)
+    d = code_dot(b, s, o, step_codes(b, s, o, row, at), xs, at)
     vf = b.vector(16, "f32")
     df = None if s.isa.group_sums_first else b.sitofp(d, vf)  # first, as the x86 kernels always had it
     sg = _step_scales(b, s, o, row, at)
@@ -474,9 +490,9 @@ def _step(b: Builder, s: Int8DotShape, o: _Operands, row: Value, at: _StepOffset
     return b.fma(df, sx, acc)
 
 
-def _step_codes(b: Builder, s: Int8DotShape, o: _Operands, row: Value, at: _StepOffsets) -> Value:
+def step_codes(b: Builder, s: Int8DotShape, o: Operands, row: Value, at: StepOffsets) -> Value:
     """Row `row`'s 64 codes of a step (vector<64xi8>, k order): q4 nibbles unpacked, q5's fifth bits
-    or-ed in, q8 codes as they are or plus 128 (`_offset_codes`)."""
+    or-ed in, q8 codes as they are or plus 128 (`offset_codes`)."""
     if s.fmt in ("q4", "q5"):
         packed = b.load(b.vector(32, "i8"), o.codes, [row, at.h])
         q = b.shuffle(b.andi(packed, o.m15), b.shrui(packed, o.s4), _nibble_mask(s))
@@ -485,20 +501,20 @@ def _step_codes(b: Builder, s: Int8DotShape, o: _Operands, row: Value, at: _Step
             q = b.ori(q, fifth_bits(b, fifth, CODES_PER_STEP, s.isa.bit_vectors))
         return q
     q = b.load(b.vector(64, "i8"), o.codes, [row, at.k])
-    return b.xori(q, o.offset_bytes) if _offset_codes(s) else q
+    return b.xori(q, o.offset_bytes) if offset_codes(s) else q
 
 
-def _step_scales(b: Builder, s: Int8DotShape, o: _Operands, row: Value, at: _StepOffsets) -> Value:
+def _step_scales(b: Builder, s: Int8DotShape, o: Operands, row: Value, at: StepOffsets) -> Value:
     """Row `row`'s weight scales of a step's groups, float32 (vector<64/g>)."""
     per = CODES_PER_STEP // s.group
     sg = b.load(b.vector(per, s.scale_type), o.scales, [row, at.g])
     return b.extf(sg, b.vector(per, "f32")) if s.scale_type == "f16" else sg
 
 
-def _code_dot(b: Builder, s: Int8DotShape, o: _Operands, q: Value, xs: Value, at: _StepOffsets) -> Value:
-    """The step's int32 lane sums of the codes (`_step_codes`) times one activation row's xs: q + 128
+def code_dot(b: Builder, s: Int8DotShape, o: Operands, q: Value, xs: Value, at: StepOffsets) -> Value:
+    """The step's int32 lane sums of the codes (`step_codes`) times one activation row's xs: q + 128
     from o's -128 sum xq, q4 / q5 codes unsigned, other q8 codes signed."""
-    if _offset_codes(s):
+    if offset_codes(s):
         return s.isa.dot_unsigned(b, b.load(b.vector(16, "i32"), o.neg_offset, [at.l]), q, xs)
     if s.fmt in ("q4", "q5"):
         return s.isa.dot_unsigned(b, None, q, xs)
@@ -519,7 +535,7 @@ def _group_terms(b: Builder, s: Int8DotShape, d: Value, sg: Value, dx: Value, ac
     return acc
 
 
-def _prefetch_ahead(b: Builder, s: Int8DotShape, o: _Operands, row: Value) -> None:
+def _prefetch_ahead(b: Builder, s: Int8DotShape, o: Operands, row: Value) -> None:
     """Ask for the codes and scales of the row PREFETCH_BYTES ahead (the last row at most), every
     cache line of them: the hardware's own prefetcher alone left each core's stream of rows waiting
     on memory."""
@@ -533,7 +549,7 @@ def _prefetch_ahead(b: Builder, s: Int8DotShape, o: _Operands, row: Value) -> No
             b.prefetch(table, [ahead, b.index(group)])
 
 
-def _row(b: Builder, s: Int8DotShape, o: _Operands, row: Value) -> None:
+def _row(b: Builder, s: Int8DotShape, o: Operands, row: Value) -> None:
     """y[row]: every step of the row unrolled, CHAINS independent accumulators."""
     _prefetch_ahead(b, s, o, row)
     offsets = _step_offsets(b, s)
@@ -544,7 +560,7 @@ def _row(b: Builder, s: Int8DotShape, o: _Operands, row: Value) -> None:
     _finish_rows(b, s, [o], row, [last])
 
 
-def _step_offsets(b: Builder, s: Int8DotShape) -> list[_StepOffsets]:
+def _step_offsets(b: Builder, s: Int8DotShape) -> list[StepOffsets]:
     """The index constants of every step of a row."""
     per = CODES_PER_STEP // s.group
     offsets = []
@@ -553,11 +569,11 @@ def _step_offsets(b: Builder, s: Int8DotShape) -> list[_StepOffsets]:
         h = b.index(i * CODES_PER_STEP // 2) if s.fmt in ("q4", "q5") else None
         # the fifth bits follow the K/2 nibble bytes of the row
         f = b.index(s.k // 2 + i * CODES_PER_STEP // 8) if s.fmt == "q5" else None
-        offsets.append(_StepOffsets(k, lanes, g, h, f))
+        offsets.append(StepOffsets(k, lanes, g, h, f))
     return offsets
 
 
-def _rows(b: Builder, s: Int8DotShape, rows: list[_Operands], row: Value, offsets: list[_StepOffsets]) -> None:
+def _rows(b: Builder, s: Int8DotShape, rows: list[Operands], row: Value, offsets: list[StepOffsets]) -> None:
     """y[r, row] for every activation row r, the codes and scales of each step read once for all of them.
 
     Each activation row meets exactly the operations `_row` applies to one (the same products, scaled
@@ -570,11 +586,11 @@ def _rows(b: Builder, s: Int8DotShape, rows: list[_Operands], row: Value, offset
     last: list[dict[int, Value]] = [{} for _ in rows]
     for i, at in enumerate(offsets):
         c = i % CHAINS
-        q = _step_codes(b, s, o, row, at)
+        q = step_codes(b, s, o, row, at)
         sg = _step_scales(b, s, o, row, at)
         spread = None if s.isa.group_sums_first else b.shuffle(sg, sg, _spread_mask(s))
         for r, orow in enumerate(rows):
-            d = _code_dot(b, s, orow, q, b.load(v64, orow.xq, [at.k]), at)
+            d = code_dot(b, s, orow, q, b.load(v64, orow.xq, [at.k]), at)
             dx = b.load(b.vector(per, "f32"), orow.dxe, [at.g])
             if s.isa.group_sums_first:
                 last[r][c] = _group_terms(b, s, d, sg, dx, last[r].get(c, o.zf))
@@ -584,7 +600,7 @@ def _rows(b: Builder, s: Int8DotShape, rows: list[_Operands], row: Value, offset
     _finish_rows(b, s, rows, row, last)
 
 
-def _finish_rows(b: Builder, s: Int8DotShape, rows: list[_Operands], row: Value,
+def _finish_rows(b: Builder, s: Int8DotShape, rows: list[Operands], row: Value,
                  chains: list[dict[int, Value]]) -> None:
     """y[r, row] for each activation row r from its chains' accumulators: their sum, the mins' term
     added lane-wise, the lanes summed (`lane_sums`), the residual.
@@ -657,6 +673,14 @@ def lane_sums(b: Builder, vectors: list[Value], widest: int = 16) -> Value:
     return blocks[0][0]
 
 
+def row_views(b: Builder, s: Int8DotShape, binding: Value, size: int, zero: Value) -> list[Value]:
+    """The f32 memref of each activation row of a binding holding s.rows rows of `size` one after another
+    (zero: the function's index 0)."""
+    if s.rows == 1:
+        return [b.subspan(binding, zero, b.memref((size,), "f32"))]
+    return [b.subspan(binding, b.index(r * size * 4), b.memref((size,), "f32")) for r in range(s.rows)]
+
+
 def int8_dot_executable(s: Int8DotShape) -> str:
     """The `stream.executable` computing y[N] from x[K] and the codes, for one shape.
 
@@ -668,8 +692,9 @@ def int8_dot_executable(s: Int8DotShape) -> str:
     With s.rows activation rows, the x, residual and y bindings hold the rows one
     after another, each read through a view of its own.
     """
-    if not supports(s):
-        raise ValueError(f"no int8-dot kernel for {s}")
+    if not supports(s) or s.channel_lanes:
+        raise ValueError(f"no int8-dot kernel for {s}" + (" (channel lanes: kernels/int8_channels.py)"
+                                                            if s.channel_lanes else ""))
     rows = s.rows_per_workgroup
     bindings = 4 + (s.norm is not None) + s.has_min + s.residual
 
@@ -678,29 +703,23 @@ def int8_dot_executable(s: Int8DotShape) -> str:
         c0, c1 = b.index(0), b.index(1)
         scales_t = b.memref((s.n, s.groups), s.scale_type)
 
-        def per_row(binding: Value, size: int) -> list[Value]:
-            """The f32 memref of each activation row (one: the binding's whole [size])."""
-            if s.rows == 1:
-                return [b.subspan(binding, c0, b.memref((size,), "f32"))]
-            return [b.subspan(binding, b.index(r * size * 4), b.memref((size,), "f32")) for r in range(s.rows)]
-
-        xs = per_row(next(arg), s.x_len)
+        xs = row_views(b, s, next(arg), s.x_len, c0)
         w = b.subspan(next(arg), c0, b.memref((s.k,), "f32")) if s.norm is not None else None
         codes = b.subspan(next(arg), c0, b.memref(codes_dims(s.fmt, s.n, s.k), "i8"))
         scales = b.subspan(next(arg), c0, scales_t)
         mins = b.subspan(next(arg), c0, scales_t) if s.has_min else None
-        residuals = per_row(next(arg), s.n) if s.residual else [None] * s.rows
-        ys = per_row(next(arg), s.n)
-        operands = [_Operands(c0, c1, x, w, codes, scales, mins, res, y) for x, res, y in zip(xs, residuals, ys)]
+        residuals = row_views(b, s, next(arg), s.n, c0) if s.residual else [None] * s.rows
+        ys = row_views(b, s, next(arg), s.n, c0)
+        operands = [Operands(c0, c1, x, w, codes, scales, mins, res, y) for x, res, y in zip(xs, residuals, ys)]
         workgroup = b.workgroup_id()
         for o in operands:
-            _quantize_activation(b, s, o, per_lane=s.rows == 1 and not s.isa.group_sums_first)
+            quantize_activation(b, s, o, per_lane=s.rows == 1 and not s.isa.group_sums_first)
         s.isa.constants(b)
         zf = b.const(0.0, b.vector(4 if s.isa.group_sums_first else 16, "f32"))
         m15, s4 = b.const(15, b.vector(32, "i8")), b.const(4, b.vector(32, "i8"))
         if s.fmt == "q5":
             fifth_bit_constants(b, CODES_PER_STEP, s.isa.bit_vectors)
-        offset_bytes = _bytes_of_128(b) if _offset_codes(s) else None
+        offset_bytes = bytes_of_128(b) if offset_codes(s) else None
         for o in operands:
             o.zf, o.m15, o.s4, o.offset_bytes = zf, m15, s4, offset_bytes
         n_rows = b.index(rows)

@@ -158,6 +158,9 @@ class Int8Kernels:
 
     decode: Int8Isa | None = None
     prefill: Int8Isa | None = None
+    # Decode kernels with output channels in the vector lanes (kernels/int8_channels.py): a batched
+    # bundle's, whose rows then share each step's unpacking and scale once per group.
+    channel_lanes: bool = False
 
     def record(self) -> dict[str, str]:
         """The manifest's `kernel_isa` of a module: {"decode": "int8-avx2", "prefill": "f32"}, ..."""

@@ -64,12 +64,13 @@ from iree.compiler import ir
 
 from ..contract.block_formats import codes_dims
 from .fusion import match_gate, match_norm, match_residual
+from .int8_channels import int8_decode_executable
+from .int8_channels import supports as supports_channel_lanes
 from .int8_decode import (
     Int8DotShape,
     RowNorm,
     dispatch_rows,
     int8_dot_dispatch,
-    int8_dot_executable,
 )
 from .int8_decode import supports as supports_int8_dot
 from .int8_gemm import Int8GemmShape, gemm_executable, int8_gemm_dispatches, quantize_executable
@@ -374,10 +375,13 @@ def _spec_of(op: ir.Operation) -> QLinearSpec:
 
 
 def int8_dot_shape(spec: QLinearSpec, norm: RowNorm | None = None, residual: bool = False,
-                   gate: str | None = None, isa: Int8Isa = AVX512_VNNI) -> Int8DotShape:
+                   gate: str | None = None, isa: Int8Isa = AVX512_VNNI, channel_lanes: bool = False) -> Int8DotShape:
     """The int8-dot kernel of a site, over as many of its rows per dispatch as fit (int8_decode.dispatch_rows);
-    gate: the gated MLP activation it takes in (int8_decode.GATES), if any."""
+    gate: the gated MLP activation it takes in (int8_decode.GATES), if any; channel_lanes: the channel-lane
+    kernel (kernels/int8_channels.py) where it takes the shape, for every row count alike."""
     one = Int8DotShape(spec.fmt, spec.group, spec.scale_type, spec.has_min, spec.k, spec.n, norm, residual, gate, isa)
+    if channel_lanes and supports_channel_lanes(replace(one, channel_lanes=True)):
+        one = replace(one, channel_lanes=True)
     return replace(one, rows=dispatch_rows(one, spec.m)) if spec.m > 1 else one
 
 
@@ -423,7 +427,7 @@ def int8_dot_mlir(spec: QLinearSpec, shape: Int8DotShape | None = None) -> list[
     params += [f"%codes: {_stored_codes_t(spec)}", f"%scales: {_scales_t(spec)}"]
     params += ([f"%mins: {_scales_t(spec)}"] if spec.has_min else [])
     params += [f"%r: {tensor_type(y_shape, 'f32')}"] if shape.residual else []
-    return [int8_dot_executable(shape), _function(spec, lines, params, int8_dot_function_name(spec, shape))]
+    return [int8_decode_executable(shape), _function(spec, lines, params, int8_dot_function_name(spec, shape))]
 
 
 def _int8_dot_calls(spec: QLinearSpec, shape: Int8DotShape) -> list[str]:
@@ -489,7 +493,7 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8: Int8Kernels = FLOAT_KER
             norm, residual = match_norm(x, spec.k), match_residual(op.results[0])
             gate = None if norm else match_gate(x, spec.k)
             dot = int8_dot_shape(spec, norm.norm if norm else None, residual is not None,
-                                 gate.activation if gate else None, int8.decode)
+                                 gate.activation if gate else None, int8.decode, int8.channel_lanes)
         rows = (*spec.x_shape[:-1],)
 
         def operands() -> list[ir.Value]:
@@ -505,7 +509,8 @@ def expand_qlinear_ops(mlir: str, cpu_tiles: bool, int8: Int8Kernels = FLOAT_KER
             return made
 
         if dot is not None:
-            name, kind, code = int8_dot_function_name(spec, dot), f"qlinear decode {dot.isa.name}", \
+            lanes = " channel-lanes" if dot.channel_lanes else ""
+            name, kind, code = int8_dot_function_name(spec, dot), f"qlinear decode {dot.isa.name}{lanes}", \
                 (lambda: int8_dot_mlir(spec, dot))
         elif cpu_tiles and int8.prefill is not None and uses_int8_gemm(spec):
             name, kind, code = spec.name, f"qlinear prefill {int8.prefill.name}", \

@@ -27,6 +27,7 @@ from pathlib import Path
 from foldline.kernels import int8_decode as dec
 from foldline.kernels import int8_gemm as gemm
 from foldline.kernels.arm import NEON_DOTPROD, NEON_I8MM
+from foldline.kernels.int8_channels import int8_decode_executable
 from foldline.kernels.mlir import as_tensor
 from foldline.kernels.x86 import AVX2, AVX512_VNNI, AVX_VNNI
 
@@ -49,6 +50,15 @@ DECODE = [
     dec.Int8DotShape("q4", 32, "f16", True, 128, 32, residual=True, gate="silu"),
     dec.Int8DotShape("q5", 32, "f32", True, 128, 32, gate="gelu_tanh"),
 ]
+# A batched bundle's decode on x86: output channels in the lanes, one row (the tree of lane sums) and
+# several (the transpose), f16 scales gathered in pairs and loaded by channel
+CHANNEL_LANES = [
+    dec.Int8DotShape("q4", 32, "f16", True, 576, 192, norm=dec.RowNorm(1e-5, None), channel_lanes=True),
+    dec.Int8DotShape("q4", 32, "f16", True, 576, 192, norm=dec.RowNorm(1e-5, None), rows=8, channel_lanes=True),
+    dec.Int8DotShape("q8", 32, "f16", False, 256, 64, rows=4, channel_lanes=True),
+    dec.Int8DotShape("q4", 64, "f16", True, 256, 32, residual=True, gate="silu", channel_lanes=True),
+    dec.Int8DotShape("q8", 16, "f32", False, 128, 32, rows=2, channel_lanes=True),
+]
 PREFILL = [
     gemm.Int8GemmShape("q4", 32, "f16", True, 32, 256, 32),
     gemm.Int8GemmShape("q4", 64, "f16", True, 16, 512, 32),
@@ -61,13 +71,14 @@ PREFILL = [
 
 def decode_module(s: dec.Int8DotShape) -> str:
     codes_t, scales_t = as_tensor(dec._codes_memref(s)), as_tensor(dec._scales_memref(s))
-    params = [f"%x: tensor<{s.x_len}xf32>"] + ([f"%w: tensor<{s.k}xf32>"] if s.norm else [])
+    x_t, y_t = f"tensor<{s.rows * s.x_len}xf32>", f"tensor<{s.rows * s.n}xf32>"
+    params = [f"%x: {x_t}"] + ([f"%w: tensor<{s.k}xf32>"] if s.norm else [])
     params += [f"%c: {codes_t}", f"%s: {scales_t}"] + ([f"%m: {scales_t}"] if s.has_min else [])
-    params += [f"%r: tensor<{s.n}xf32>"] if s.residual else []
+    params += [f"%r: {y_t}"] if s.residual else []
     call = dec.int8_dot_dispatch(s, "%x", "%c", "%s", "%m" if s.has_min else None, "%y",
                                  norm_weight="%w" if s.norm else None, residual="%r" if s.residual else None)
-    return (f"{dec.int8_dot_executable(s)}\nutil.func public @main({', '.join(params)}) -> tensor<{s.n}xf32> {{\n"
-            f"  {call}\n  util.return %y : tensor<{s.n}xf32>\n}}\n")
+    return (f"{int8_decode_executable(s)}\nutil.func public @main({', '.join(params)}) -> {y_t} {{\n"
+            f"  {call}\n  util.return %y : {y_t}\n}}\n")
 
 
 def prefill_module(s: gemm.Int8GemmShape) -> str:
@@ -84,6 +95,10 @@ def cases():
     """(case name, form, module text) of every kernel in the matrix."""
     for isa in (AVX512_VNNI, AVX_VNNI, AVX2, NEON_DOTPROD):
         for s in DECODE:
+            s = dataclasses.replace(s, isa=isa)
+            yield f"{isa.name}/{s.name}", isa, decode_module(s)
+    for isa in (AVX512_VNNI, AVX_VNNI, AVX2):
+        for s in CHANNEL_LANES:
             s = dataclasses.replace(s, isa=isa)
             yield f"{isa.name}/{s.name}", isa, decode_module(s)
     for isa in (AVX512_VNNI, AVX_VNNI, AVX2, NEON_DOTPROD, NEON_I8MM):

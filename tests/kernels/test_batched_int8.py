@@ -7,7 +7,8 @@ test_fusion.py) is compiled with `--batch 4 --rows 1,2 --activations int8` for t
 rows with different prompts run through the 4-row entry points, the first two
 again through the 2-row ones, each sequence alone through the 1-row ones. The
 int8 kernels compute each row to the bit as the one-row kernel does
-(test_int8_decode.py), and every decode entry point attends with the same
+(test_int8_channels.py on x86, whose batched bundles take the channel-lane
+kernels; test_int8_decode.py), and every decode entry point attends with the same
 kernel (kernels/attention.py), so a row's logits, prefill and decode, are the
 same to the bit over 1, 2 or 4 rows. Every row is within the int8 bound of the
 float32 eager model (test_avx2_kernels.py's).
@@ -21,6 +22,7 @@ import re
 import numpy as np
 import pytest
 
+from foldline.backends.targets import host_arch
 from foldline.kernels.select import cpu_has_int8_dot
 from foldline.runtime.device import host_cpu_features
 
@@ -82,10 +84,13 @@ def test_batched_bundle_decodes_with_int8_kernels(bundle):
     assert module["activations"] == "int8"
     isa = module["kernel_isa"]["decode"]
     assert isa != "f32"
-    assert module["kernels"].get(f"qlinear decode {isa}", 0) > 0, module["kernels"]
+    # x86 forms: output channels in the lanes for every row count (kernels/int8_channels.py); aarch64: k lanes
+    lanes = " channel-lanes" if host_arch() == "x86_64" else ""
+    assert module["kernels"].get(f"qlinear decode {isa}{lanes}", 0) > 0, module["kernels"]
     assert not any(kind.startswith("qlinear rows") for kind in module["kernels"]), \
         "a decode row took the float multi-row kernel"
     names = {m.decode() for m in re.findall(rb"foldline_i8dot_\w+", (bundle / module["file"]).read_bytes())}
+    assert all(("_cl" in n) == bool(lanes) for n in names), sorted(names)
     rows = {n: int(m.group(1)) if (m := re.search(r"_n\d+_r(\d+)", n)) else 1 for n in names}
     assert set(rows.values()) == {*ROW_COUNTS, ROWS}, f"kernels over 1, 2 and {ROWS} rows expected: {sorted(names)}"
     for marker in ("_rms", "_swiglu", "_res"):  # the fusions of the one-row kernels, over rows too

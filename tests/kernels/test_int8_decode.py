@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from foldline.kernels import int8_decode as vk
+from foldline.kernels.int8_channels import int8_decode_executable
 from foldline.kernels.x86 import AVX2, AVX512_VNNI, AVX_VNNI
 from foldline.runtime.device import host_cpu_features
 
@@ -86,7 +87,7 @@ def _module(shape: vk.Int8DotShape, name: str = "main") -> str:
         [f"%m: {scales_t}"] if shape.has_min else []) + ([f"%r: {y_t}"] if shape.residual else [])
     call = vk.int8_dot_dispatch(shape, "%x", "%c", "%s", "%m" if shape.has_min else None, "%y",
                                 norm_weight="%w" if shape.norm else None, residual="%r" if shape.residual else None)
-    return (f"{vk.int8_dot_executable(shape)}\nutil.func public @{name}({', '.join(params)}) -> {y_t} {{\n"
+    return (f"{int8_decode_executable(shape)}\nutil.func public @{name}({', '.join(params)}) -> {y_t} {{\n"
             f"  {call}\n  util.return %y : {y_t}\n}}\n")
 
 
