@@ -52,6 +52,7 @@ from .int8_decode import (
     row_views,
     step_codes,
 )
+from .int8_decode import supports as supports_k_lanes
 from .mlir import CACHE_LINE, element_bytes
 
 CHANNELS = 16  # output channels per vector: one int32 lane each
@@ -61,15 +62,13 @@ QUAD = 4  # codes per lane of one dot-product instruction
 def supports(s: Int8DotShape) -> bool:
     """Shapes the k-lane kernel takes whose N is whole vectors of channels, on forms that scale lanes as
     they are (not NEON's group sums first)."""
-    from .int8_decode import supports as supports_k_lanes
-
     return supports_k_lanes(s) and s.n % CHANNELS == 0 and not s.isa.group_sums_first
 
 
 def workgroups(s: Int8DotShape) -> int:
-    """Workgroups of a call: the most channel-block divisors up to the k-lane kernel's count (fewer for
-    more rows, as each workgroup quantizes every row again; 1024 channels each for large N), an even one
-    where there is one (two threads share them evenly)."""
+    """Workgroups of a call: the largest divisor of its blocks of 16 channels up to the k-lane kernel's
+    count (fewer for more rows, as each workgroup quantizes every row again; 1024 channels each for large
+    N), an even one where one is at least half of that (two threads then share them evenly)."""
     blocks = s.n // CHANNELS
     wanted = min(blocks, s.workgroups_below_large_n if s.n < LARGE_N else max(1, s.n // ROWS_PER_WORKGROUP_LARGE))
     divisors = [d for d in range(wanted, 0, -1) if blocks % d == 0]
