@@ -19,7 +19,10 @@ converted and scaled once per group:
 
 each term a fused multiply-add into the lane's one accumulator. The transpose
 is paid once per step for all rows, so a row costs a dot product per 64
-products and three float operations per group. Every lane computes its
+products and three float operations per group. A call of one row skips the
+transpose: each channel's codes meet the row four products a lane, as in the
+k-lane kernel, and the 16 channels' lanes are added into groups
+(`_tree_group_sums`). Every lane computes its
 channel's output from its own integer sums with the same float operations,
 whatever the number of rows, so each row of a few-row call is the one-row
 call's result to the bit. Integer sums are exact in any order, so a group's
@@ -92,11 +95,12 @@ def _transpose(b: Builder, words: list[Value]) -> list[Value]:
 
 
 class _GroupTables:
-    """Reads a per-group table ([N, G] scales or mins) for 16 channels at once: one gather of 32-bit words
-    per word of a step's groups where the step's groups fill whole words, else one load per channel."""
+    """Reads a per-group table ([N, G] scales or mins) for 16 channels at once, lane i channel order[i]:
+    one gather of 32-bit words per word of a step's groups where the step's groups fill whole words, else
+    one load per channel."""
 
-    def __init__(self, b: Builder, s: Int8DotShape, binding: Value, table: Value):
-        self.s, self.table = s, table
+    def __init__(self, b: Builder, s: Int8DotShape, binding: Value, table: Value, order: list[int]):
+        self.s, self.table, self.order = s, table, order
         self.bytes = element_bytes(s.scale_type)
         per = CODES_PER_STEP // s.group
         self.words_per_step = per * self.bytes // 4
@@ -104,7 +108,7 @@ class _GroupTables:
         self.by_words = (per * self.bytes) % 4 == 0 and (s.groups * self.bytes) % 4 == 0
         if self.by_words:
             self.words = b.subspan(binding, b.index(0), b.memref((s.n * self.row_words,), "i32"))
-            self.lane_offsets = b.const(tuple(c * self.row_words for c in range(CHANNELS)), b.vector(CHANNELS, "i32"))
+            self.lane_offsets = b.const(tuple(c * self.row_words for c in order), b.vector(CHANNELS, "i32"))
             self.mask = b.const(tuple([1] * CHANNELS), b.vector(CHANNELS, "i1"))
             self.zeros = b.const(0, b.vector(CHANNELS, "i32"))
 
@@ -115,7 +119,7 @@ class _GroupTables:
             groups = []
             for h in range(per):
                 g = b.addi(b.muli(step, b.index(per)), b.index(h))
-                values = [b.load_scalar(self.table, [b.addi(n0, b.index(c)), g]) for c in range(CHANNELS)]
+                values = [b.load_scalar(self.table, [b.addi(n0, b.index(c)), g]) for c in self.order]
                 v = b.from_elements(b.vector(CHANNELS, s.scale_type), values)
                 groups.append(b.extf(v, vf) if s.scale_type == "f16" else v)
             return groups
@@ -182,18 +186,54 @@ def _merge_lanes(b: Builder, pieces: list[tuple[Value, list[int]]]) -> Value:
     return pieces[0][0]
 
 
-def _tree_group_sums(b: Builder, s: Int8DotShape, products: list[Value]) -> list[Value]:
-    """Per group of the step, each channel's sum (vector<16xi32>, lane c: channel c) from the channels'
-    lane sums (products[c], lane l: codes 4l..4l+3), added pairwise: each round halves every channel's
-    lanes (lanes 2j and 2j + 1 of two channels side by side), until a lane holds a group."""
-    vectors, lanes = list(products), s.group // QUAD
-    while lanes > 1:
-        vectors = [b.addi(b.shuffle(a, c, list(range(0, 2 * CHANNELS, 2))), b.shuffle(a, c, list(range(1, 2 * CHANNELS, 2))))
-                   for a, c in zip(vectors[::2], vectors[1::2])]
-        lanes //= 2
+# Lane masks of the tree's rounds over two vector<16xi32>: within each 128-bit block, the low and the high
+# pair of lanes of both (vpunpckldq / vpunpckhdq); then the even and the odd 128-bit blocks of both
+# (vshufi32x4). Each adds lanes of one vector, so of one channel, from the same group.
+_LOW_PAIRS = [i for k in range(4) for i in (4 * k, 16 + 4 * k, 4 * k + 1, 17 + 4 * k)]
+_HIGH_PAIRS = [i for k in range(4) for i in (4 * k + 2, 18 + 4 * k, 4 * k + 3, 19 + 4 * k)]
+_EVEN_BLOCKS = [i for k in (0, 2, 4, 6) for i in range(4 * k, 4 * k + 4)]
+_ODD_BLOCKS = [i for k in (1, 3, 5, 7) for i in range(4 * k, 4 * k + 4)]
+
+
+def tree_order(s: Int8DotShape) -> tuple[list[int], list[list[tuple[int, int]]]]:
+    """The one-row tree's plan, worked out on labels: the channel each lane of a group's sum holds (the
+    same for every group of the step), and per reduced vector its lanes' (channel, group)."""
+    lanes_per_group = s.group // QUAD
+    vectors = [[(c, frozenset([lane])) for lane in range(CHANNELS)] for c in range(CHANNELS)]
+    for low, high in _rounds(lanes_per_group):
+        vectors = [[(x[i][0], x[i][1] | y[i][1]) for i in range(CHANNELS)]
+                   for x, y in ((_pick(a, c, low), _pick(a, c, high)) for a, c in zip(vectors[::2], vectors[1::2]))]
+    labelled = [[(c, min(lanes) // lanes_per_group) for c, lanes in v] for v in vectors]
+    assert all(lanes == frozenset(range(g * lanes_per_group, (g + 1) * lanes_per_group))
+               for v, lab in zip(vectors, labelled) for (_, lanes), (_, g) in zip(v, lab)), "a lane is not a group"
     per = CODES_PER_STEP // s.group
-    width = CHANNELS // len(vectors)  # channels a vector holds, each its `per` groups side by side
-    return [_merge_lanes(b, [(v, [per * c + h for c in range(width)]) for v in vectors]) for h in range(per)]
+    orders = [[c for v in labelled for c, g in v if g == h] for h in range(per)]
+    assert all(order == orders[0] for order in orders), orders
+    return orders[0], labelled
+
+
+def _rounds(lanes_per_group: int) -> list[tuple[list[int], list[int]]]:
+    """The tree's rounds until a lane holds a group: pairs within blocks, then whole blocks."""
+    rounds = [(_LOW_PAIRS, _HIGH_PAIRS), (_LOW_PAIRS, _HIGH_PAIRS)][: {1: 0, 2: 1}.get(lanes_per_group, 2)]
+    return rounds + [(_EVEN_BLOCKS, _ODD_BLOCKS)] * {8: 1, 16: 2}.get(lanes_per_group, 0)
+
+
+def _pick(a: list, c: list, mask: list[int]) -> list:
+    both = a + c
+    return [both[i] for i in mask]
+
+
+def _tree_group_sums(b: Builder, s: Int8DotShape, products: list[Value]) -> list[Value]:
+    """Per group of the step, each channel's sum (vector<16xi32>, lanes in `tree_order`'s channel order)
+    from the channels' lane sums (products[c], lane l: codes 4l..4l+3), added pairwise in rounds of
+    non-destructive shuffles (`_rounds`), until a lane holds a group."""
+    vectors = list(products)
+    for low, high in _rounds(s.group // QUAD):
+        vectors = [b.addi(b.shuffle(a, c, low), b.shuffle(a, c, high)) for a, c in zip(vectors[::2], vectors[1::2])]
+    _, labelled = tree_order(s)
+    per = CODES_PER_STEP // s.group
+    return [_merge_lanes(b, [(v, [i for i, (_, g) in enumerate(lab) if g == h]) for v, lab in zip(vectors, labelled)])
+            for h in range(per)]
 
 
 def _blocks_ahead(s: Int8DotShape) -> int:
@@ -290,8 +330,10 @@ def int8_channels_executable(s: Int8DotShape) -> str:
         if s.fmt == "q5":
             fifth_bit_constants(b, CODES_PER_STEP, s.isa.bit_vectors)
         o.offset_bytes = bytes_of_128(b) if offset_codes(s) else None
-        scale_tables = _GroupTables(b, s, scales_binding, scales)
-        min_tables = _GroupTables(b, s, mins_binding, mins) if s.has_min else None
+        # the channel each lane holds: the one-row tree's order, the transpose's own for several rows
+        order = tree_order(s)[0] if s.rows == 1 else list(range(CHANNELS))
+        scale_tables = _GroupTables(b, s, scales_binding, scales, order)
+        min_tables = _GroupTables(b, s, mins_binding, mins, order) if s.has_min else None
         vf = b.vector(CHANNELS, "f32")
         zero_f = b.const(0.0, vf)
         first = b.muli(b.workgroup_id(), b.index(channels_per_workgroup))
@@ -321,6 +363,8 @@ def int8_channels_executable(s: Int8DotShape) -> str:
 
             accs = b.loop(c0, b.index(s.k // CODES_PER_STEP), c1, step, [zero_f] * s.rows)
             for acc, orow in zip(accs, rows):
+                if order != list(range(CHANNELS)):  # back to channel order, once a block
+                    acc = b.shuffle(acc, acc, [order.index(c) for c in range(CHANNELS)])
                 if s.residual:  # r + y, the graph's add
                     acc = b.addf(b.load(vf, orow.res, [n0]), acc)
                 b.store(acc, orow.y, [n0])
