@@ -48,6 +48,7 @@ from .int8_decode import (
     StepOffsets,
     bytes_of_128,
     code_dot,
+    dot,
     fifth_bit_constants,
     int8_dot_executable,
     offset_codes,
@@ -167,11 +168,7 @@ def _dot_chains(b: Builder, s: Int8DotShape, start: Value, codes: list[Value], q
     integer chains added at the end (exact in any order)."""
     chains: list[Value | None] = [start, None]
     for j, (q, x) in enumerate(zip(codes, quads)):
-        c = j % 2
-        if offset_codes(s) or s.fmt in ("q4", "q5"):
-            chains[c] = s.isa.dot_unsigned(b, chains[c], q, x)
-        else:
-            chains[c] = s.isa.dot_signed(b, chains[c], x, q)
+        chains[j % 2] = dot(b, s, chains[j % 2], q, x)
     return chains[0] if chains[1] is None else b.addi(chains[0], chains[1])
 
 
@@ -372,8 +369,6 @@ def int8_channels_executable(s: Int8DotShape) -> str:
         b.loop(first, b.addi(first, b.index(channels_per_workgroup)), b.index(CHANNELS), block)
 
     return stream_executable(s.name, count, bindings, body)
-
-
 
 
 def int8_decode_executable(s: Int8DotShape) -> str:

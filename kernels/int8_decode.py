@@ -514,11 +514,16 @@ def _step_scales(b: Builder, s: Int8DotShape, o: Operands, row: Value, at: StepO
 def code_dot(b: Builder, s: Int8DotShape, o: Operands, q: Value, xs: Value, at: StepOffsets) -> Value:
     """The step's int32 lane sums of the codes (`step_codes`) times one activation row's xs: q + 128
     from o's -128 sum xq, q4 / q5 codes unsigned, other q8 codes signed."""
-    if offset_codes(s):
-        return s.isa.dot_unsigned(b, b.load(b.vector(16, "i32"), o.neg_offset, [at.l]), q, xs)
-    if s.fmt in ("q4", "q5"):
-        return s.isa.dot_unsigned(b, None, q, xs)
-    return s.isa.dot_signed(b, None, xs, q)
+    start = b.load(b.vector(16, "i32"), o.neg_offset, [at.l]) if offset_codes(s) else None
+    return dot(b, s, start, q, xs)
+
+
+def dot(b: Builder, s: Int8DotShape, acc: Value | None, q: Value, x: Value) -> Value:
+    """acc (None: zero) + the int32 lane sums of codes q (as `step_codes` gives them) times activations x:
+    the form's unsigned product for q4 / q5 codes and q8 codes met as q + 128, its signed one otherwise."""
+    if offset_codes(s) or s.fmt in ("q4", "q5"):
+        return s.isa.dot_unsigned(b, acc, q, x)
+    return s.isa.dot_signed(b, acc, x, q)
 
 
 def _group_terms(b: Builder, s: Int8DotShape, d: Value, sg: Value, dx: Value, acc: Value) -> Value:

@@ -20,8 +20,6 @@ from foldline.runtime.device import host_cpu_features
 from kernels.int8_reference import X86_FORMS, check_form_code, compile_on_host
 from kernels.test_int8_decode import _case, _module, rows_case
 
-pytestmark = pytest.mark.slow
-
 SHAPES = [
     vk.Int8DotShape("q4", 32, "f16", True, 576, 192),  # Q4_1 (SmolLM2), the scales gathered as f16 pairs
     vk.Int8DotShape("q4", 32, "f32", True, 640, 64),  # Q4_K: f32 scales, one word a group
@@ -64,6 +62,7 @@ def compiled(request, tmp_path_factory):
     return isa, module
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(SHAPES)), ids=[s.name for s in SHAPES])
 def test_channel_lane_kernel_matches_int8_emulation(compiled, index):
     isa, module = compiled
@@ -77,6 +76,7 @@ def test_channel_lane_kernel_matches_int8_emulation(compiled, index):
         assert rel_rms < (2e-2 if shape.gated else 1e-2), f"relative RMS error {rel_rms:.2e} against float activations"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(ROW_SHAPES)), ids=[f"{s.name}_r{r}" for s, r in ROW_SHAPES])
 def test_channel_lane_rows_equal_the_one_row_kernel(compiled, index):
     isa, module = compiled
